@@ -1,0 +1,228 @@
+"""Arithmetic problems for training and evaluation, generated in the project (seeded, deterministic).
+
+One plain format everywhere: the prompt is the expression followed by "=" ("12+345="), the
+completion is the integer result ("357"); a training document is the two concatenated
+("12+345=357"). The benchmark prompts the model with the prompt and reads the number it generates.
+
+Splits:
+- "train" and "interpolation" draw operands with lengths in `train_digits`; a problem belongs to
+  one or the other by a hash of its text, so the two never share a problem, whatever the seed or n.
+- "extrapolation" draws operands with lengths in `extrapolation_digits`, longer than any in
+  training, so it is disjoint from both by construction.
+
+Operations: "+", "-", "*" on two operands, and the mixed expressions "+*" (a+b*c) and "-*"
+(a-b*c) on three, with the usual precedence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+SPLITS = ("train", "interpolation", "extrapolation")
+BINARY_OPS = ("+", "-", "*")
+MIXED_OPS = ("+*", "-*")
+ALL_OPS = BINARY_OPS + MIXED_OPS
+# One problem in this many (by hash) is held out of training for the interpolation split.
+INTERPOLATION_SHARE = 8
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """One arithmetic problem: `a op b` (or `a op[0] b op[1] c` for mixed ops) and its exact answer."""
+
+    a: int
+    b: int
+    op: str
+    answer: int
+    c: int | None = None
+
+    @property
+    def expression(self) -> str:
+        """The expression as written in the prompt, without "="."""
+        if self.op in MIXED_OPS:
+            return f"{self.a}{self.op[0]}{self.b}{self.op[1]}{self.c}"
+        return f"{self.a}{self.op}{self.b}"
+
+    @property
+    def prompt(self) -> str:
+        """What the model is given, e.g. "12+345="."""
+        return f"{self.expression}="
+
+    @property
+    def completion(self) -> str:
+        """What the model should generate, e.g. "357"."""
+        return str(self.answer)
+
+    @property
+    def text(self) -> str:
+        """One training document: prompt followed by completion."""
+        return self.prompt + self.completion
+
+
+def evaluate_expression(a: int, b: int, op: str, c: int | None = None) -> int:
+    """The exact integer value of `a op b` (or of the mixed expression with `c`), with precedence."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if op == "+*":
+        return a + b * _require_c(c, op)
+    if op == "-*":
+        return a - b * _require_c(c, op)
+    raise ValueError(f"unknown arithmetic op {op!r}; use one of {ALL_OPS}")
+
+
+def _require_c(c: int | None, op: str) -> int:
+    if c is None:
+        raise ValueError(f"op {op!r} is a mixed expression and needs a third operand c")
+    return c
+
+
+def make_problem(a: int, b: int, op: str, c: int | None = None) -> ArithmeticProblem:
+    """A problem with its answer computed exactly."""
+    if op in BINARY_OPS and c is not None:
+        raise ValueError(f"op {op!r} takes two operands; got a third (c={c})")
+    return ArithmeticProblem(a=a, b=b, op=op, answer=evaluate_expression(a, b, op, c), c=c)
+
+
+def is_interpolation_problem(problem: ArithmeticProblem) -> bool:
+    """Whether a problem with in-range operands is held out for the interpolation split (by hash)."""
+    digest = hashlib.sha256(problem.expression.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % INTERPOLATION_SHARE == 0
+
+
+def _validate(split: str, n: int, ops: tuple[str, ...], train_digits: tuple[int, int],
+              extrapolation_digits: tuple[int, int]) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}")
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    if not ops:
+        raise ValueError("ops is empty; give at least one of " + ", ".join(ALL_OPS))
+    unknown = [op for op in ops if op not in ALL_OPS]
+    if unknown:
+        raise ValueError(f"unknown arithmetic ops {unknown}; use ops from {ALL_OPS}")
+    for name, (low, high) in (("train_digits", train_digits), ("extrapolation_digits", extrapolation_digits)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name}=({low}, {high}) must satisfy 1 <= min <= max (operand lengths in digits)")
+    if extrapolation_digits[0] <= train_digits[1]:
+        raise ValueError(
+            f"extrapolation_digits={tuple(extrapolation_digits)} must be longer than train_digits={tuple(train_digits)}: "
+            f"set extrapolation_digits[0] > {train_digits[1]}")
+
+
+def _random_operand(rng: random.Random, digits: tuple[int, int]) -> int:
+    """A non-negative integer whose decimal length is uniform in [digits[0], digits[1]]."""
+    length = rng.randint(digits[0], digits[1])
+    if length == 1:
+        return rng.randint(0, 9)
+    return rng.randint(10 ** (length - 1), 10 ** length - 1)
+
+
+def generate_problems(split: str, n: int, seed: int, ops: tuple[str, ...] = BINARY_OPS,
+                      train_digits: tuple[int, int] = (1, 4),
+                      extrapolation_digits: tuple[int, int] = (5, 6)) -> list[ArithmeticProblem]:
+    """`n` problems of `split`, deterministic in (split, n, seed, ops, digits).
+
+    Ops cycle in the order given, so every op gets n/len(ops) problems. Evaluation splits hold no
+    duplicates (an error if the operand space is too small for n); "train" may repeat problems
+    when the space is small (e.g. single digits), as a training corpus does.
+    """
+    ops, train_digits, extrapolation_digits = tuple(ops), tuple(train_digits), tuple(extrapolation_digits)
+    _validate(split, n, ops, train_digits, extrapolation_digits)
+    # A string seed goes through SHA-512 inside `random`, so it is stable across runs and platforms.
+    rng = random.Random(f"ntl-arithmetic:{split}:{seed}")
+    digits = extrapolation_digits if split == "extrapolation" else train_digits
+    unique = split != "train"
+    problems: list[ArithmeticProblem] = []
+    seen: set[str] = set()
+    max_tries = 1000 * max(n, 1)
+    tries = 0
+    while len(problems) < n:
+        tries += 1
+        if tries > max_tries:
+            raise ValueError(
+                f"could not draw {n} distinct {split!r} problems with ops={ops} and operand lengths {digits}: "
+                f"the space is too small; lower n or widen the digit range")
+        op = ops[len(problems) % len(ops)]
+        a, b = _random_operand(rng, digits), _random_operand(rng, digits)
+        c = _random_operand(rng, digits) if op in MIXED_OPS else None
+        problem = make_problem(a, b, op, c)
+        if split != "extrapolation" and is_interpolation_problem(problem) != (split == "interpolation"):
+            continue
+        if unique:
+            if problem.expression in seen:
+                continue
+            seen.add(problem.expression)
+        problems.append(problem)
+    return problems
+
+
+# Number-rich sentences whose numbers are consistent (the arithmetic in them is right), so a small
+# model sees numbers in running text too. Fields: a, b (small counts), and the derived values.
+_TEMPLATES = (
+    "{name} had {a} {item} and bought {b} more, so {name} now has {sum} {item}.",
+    "There were {a} {item} in the box. After {b} were taken out, {diff} {item} were left.",
+    "Each of the {a} shelves holds {b} {item}, which makes {prod} {item} in total.",
+    "The year {year} came {a} years after the year {year_minus_a}.",
+    "A train travels {a} kilometres per hour for {b} hours and covers {prod} kilometres.",
+    "{name} scored {a} points in the first game and {b} in the second, {sum} points in all.",
+    "The price went from {a} dollars to {sum} dollars, an increase of {b} dollars.",
+    "If {prod} {item} are shared equally among {b} people, each person gets {a} {item}.",
+)
+_NAMES = ("Ada", "Ben", "Chloe", "Dan", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jun")
+_ITEMS = ("apples", "books", "coins", "pencils", "marbles", "stamps", "cards", "shells")
+
+
+def template_sentence(rng: random.Random) -> str:
+    """One plain-text sentence with consistent numbers, drawn from fixed templates."""
+    a, b = rng.randint(2, 999), rng.randint(1, 99)
+    if a < b:
+        a, b = b, a
+    year = rng.randint(1800, 2030)
+    return rng.choice(_TEMPLATES).format(
+        name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b, sum=a + b, diff=a - b, prod=a * b,
+        year=year, year_minus_a=year - a)
+
+
+def write_training_corpus(path: str, n: int, seed: int, text_share: float = 0.2,
+                          **problem_kwargs: Any) -> str:
+    """Write `n` training documents as jsonl (`{"text": ...}` per line) to `path`; return the path.
+
+    About `1 - text_share` of the documents are "train"-split arithmetic problems (never an
+    interpolation or extrapolation problem), the rest template sentences rich in numbers.
+    `problem_kwargs` go to `generate_problems` (ops, train_digits, extrapolation_digits). The file
+    appears complete or not at all (written to a temporary name, then renamed).
+    """
+    if not 0.0 <= text_share <= 1.0:
+        raise ValueError(f"text_share={text_share} must be in [0, 1] (share of plain-text documents)")
+    unknown = set(problem_kwargs) - {"ops", "train_digits", "extrapolation_digits"}
+    if unknown:
+        raise TypeError(f"write_training_corpus got unknown arguments {sorted(unknown)}; "
+                        f"accepted: ops, train_digits, extrapolation_digits, text_share")
+    rng = random.Random(f"ntl-corpus:{seed}")
+    n_text = round(n * text_share)
+    problems = generate_problems("train", n - n_text, seed, **problem_kwargs)
+    documents = [p.text for p in problems] + [template_sentence(rng) for _ in range(n_text)]
+    rng.shuffle(documents)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp_path = tempfile.mkstemp(prefix=".tmp-", suffix=".jsonl", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            for document in documents:
+                handle.write(json.dumps({"text": document}) + "\n")
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+    return path
