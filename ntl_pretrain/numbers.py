@@ -53,6 +53,7 @@ class NumberVocab:
     vocab_size: int
     digit_level: bool = True
     tokens: tuple[str, ...] = ()
+    decimal_point_id: int | None = None  # id of the "." token (number-level NTL with float_level)
     _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -127,12 +128,13 @@ class NumberVocab:
             raise ValueError(f"every token of tokenizer {name!r} is a number; NTL needs non-number tokens too")
         ids = sorted(found)
         return cls(token_ids=tuple(ids), values=tuple(found[i][1] for i in ids), vocab_size=int(vocab_size),
-                   digit_level=digit_level, tokens=tuple(found[i][0] for i in ids))
+                   digit_level=digit_level, tokens=tuple(found[i][0] for i in ids), decimal_point_id=vocab.get("."))
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
         return {"token_ids": list(self.token_ids), "values": list(self.values), "tokens": list(self.tokens),
-                "vocab_size": self.vocab_size, "digit_level": self.digit_level}
+                "vocab_size": self.vocab_size, "digit_level": self.digit_level,
+                "decimal_point_id": self.decimal_point_id}
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the vocabulary as JSON; a directory gets `number_vocab.json` inside it."""
@@ -161,7 +163,7 @@ class NumberVocab:
         try:
             return cls(token_ids=tuple(data["token_ids"]), values=tuple(data["values"]),
                        vocab_size=int(data["vocab_size"]), digit_level=bool(data.get("digit_level", True)),
-                       tokens=tuple(data.get("tokens", ())))
+                       tokens=tuple(data.get("tokens", ())), decimal_point_id=data.get("decimal_point_id"))
         except KeyError as error:
             raise ValueError(f"{path!r} lacks the key {error.args[0]!r} of a number vocabulary") from None
 
@@ -171,7 +173,8 @@ class NumberVocab:
 
     def with_vocab_size(self, vocab_size: int) -> "NumberVocab":
         """The same numbers inside a wider (e.g. padded) logit vocabulary."""
-        return NumberVocab(self.token_ids, self.values, vocab_size, self.digit_level, self.tokens)
+        return NumberVocab(self.token_ids, self.values, vocab_size, self.digit_level, self.tokens,
+                           self.decimal_point_id)
 
     def _cached(self, key: tuple, build) -> torch.Tensor:
         tensor = self._cache.get(key)

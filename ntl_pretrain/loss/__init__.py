@@ -1,0 +1,12 @@
+"""Cross-entropy + Number Token Loss, on one device or on vocabulary-parallel logit shards."""
+
+from .compat import NTLoss, NTLossDotProduct, NumberLevelLoss
+from .normalize import StepCounts, count_step, scaled_micro_batch_loss
+from .ntl import VARIANTS, NTLSettings
+from .objective import ObjectiveSums, ce_ntl_loss, ce_ntl_sums, number_token_loss
+from .parallel import shard_reductions
+
+__all__ = [
+    "VARIANTS", "NTLSettings", "NTLoss", "NTLossDotProduct", "NumberLevelLoss", "ObjectiveSums", "StepCounts",
+    "ce_ntl_loss", "ce_ntl_sums", "count_step", "number_token_loss", "scaled_micro_batch_loss", "shard_reductions",
+]

@@ -1,0 +1,197 @@
+"""The NTL variants, on the number-token logits only (DESIGN.md section 1).
+
+Everything here works on `[n, K]` number-token logits and `[n]` labels, which are identical on every
+tensor-parallel rank once `parallel.shard_reductions` has run: this is small replicated math that
+plain autograd differentiates. The full-vocabulary part (log-sum-exp for reweighing) arrives as an
+input, so the same code serves one device and a vocabulary-sharded head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..numbers import NumberVocab
+
+VARIANTS = ("was", "mse", "mae", "huber", "number_level")
+TOKEN_LEVEL_VARIANTS = ("was", "mse", "mae", "huber")
+REWEIGH_MARGIN = 1.01  # a wrong non-number token costs a bit more than the worst number token
+
+
+@dataclass(frozen=True)
+class NTLSettings:
+    """Settings of the NTL term."""
+
+    variant: str = "was"  # "was" (Wasserstein, the paper's default), "mse", "mae", "huber", "number_level"
+    reweigh: bool = False  # scale by the probability mass on number tokens (over the full vocabulary)
+    squash_factor: float | None = None  # "was": farthest wrong number costs this many times the nearest
+    smoothing_sigma: float = 0.0  # "was": Gaussian label smoothing of the target over number values
+    float_level: bool = False  # "number_level": a "." between digits joins them into one number
+    max_number_digits: int = 20  # "number_level": digits beyond this many share the highest place value
+    ignore_index: int = -100  # label that marks positions without a target
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown NTL variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        if self.squash_factor is not None:
+            if self.variant != "was":
+                raise ValueError(f"squash_factor applies to variant 'was' only, not {self.variant!r}")
+            if not self.squash_factor > 1:
+                raise ValueError(f"squash_factor must be > 1 (1 would turn NTL into CE), got {self.squash_factor}")
+        if self.smoothing_sigma < 0:
+            raise ValueError(f"smoothing_sigma must be >= 0, got {self.smoothing_sigma}")
+        if self.smoothing_sigma > 0 and (self.variant != "was" or self.squash_factor is not None):
+            raise ValueError("smoothing_sigma needs variant 'was' without squash_factor (the Wasserstein-1 "
+                             "form on sorted values has no squashed distance)")
+        if self.max_number_digits < 1:
+            raise ValueError(f"max_number_digits must be >= 1, got {self.max_number_digits}")
+        if self.float_level and self.variant != "number_level":
+            raise ValueError(f"float_level applies to variant 'number_level' only, not {self.variant!r}")
+
+
+def distance_table(number_vocab: NumberVocab, squash_factor: float | None, device: torch.device) -> torch.Tensor:
+    """`D[i, k] = |v_i - v_k|`, optionally squashed so the largest distance is `squash_factor` times the
+    smallest non-zero one (zero stays zero)."""
+    values = number_vocab.values_tensor(device)
+    diff = (values[:, None] - values[None, :]).abs()
+    if squash_factor is None:
+        return diff
+    nonzero = diff[diff > 0]
+    if nonzero.numel() == 0:
+        raise ValueError("squash_factor needs at least two distinct number values")
+    low, high = nonzero.min(), diff.max()
+    scaled = 1 + (diff - low) * ((squash_factor - 1) / (high - low))
+    return torch.where(diff == 0, torch.zeros_like(diff), scaled)
+
+
+def max_distance(number_vocab: NumberVocab, settings: NTLSettings, device: torch.device) -> torch.Tensor:
+    """The largest per-token NTL a number prediction can cost (the reweigh penalty's base)."""
+    if settings.variant == "number_level":
+        return torch.tensor(1.0, device=device)  # symmetric MAPE is bounded by 1
+    if settings.variant == "was":
+        return distance_table(number_vocab, settings.squash_factor, device).max()
+    values = number_vocab.values_tensor(device)
+    span = (values.max() - values.min())[None]
+    return _lp(span, torch.zeros_like(span), settings.variant)[0]
+
+
+def _lp(prediction: torch.Tensor, target: torch.Tensor, variant: str) -> torch.Tensor:
+    if variant == "mse":
+        return F.mse_loss(prediction, target, reduction="none")
+    if variant == "mae":
+        return F.l1_loss(prediction, target, reduction="none")
+    return F.huber_loss(prediction, target, reduction="none", delta=1.0)
+
+
+def _wasserstein_smoothed(probs: torch.Tensor, target_values: torch.Tensor, values: torch.Tensor,
+                          sigma: float) -> torch.Tensor:
+    """1-D Wasserstein-1 distance between `probs` and a Gaussian-smoothed target, on sorted values."""
+    order = torch.argsort(values)
+    sorted_values = values[order]
+    target = torch.softmax(-((sorted_values[None, :] - target_values[:, None]) ** 2) / (2 * sigma**2), dim=-1)
+    cdf_gap = (probs[:, order].cumsum(-1) - target.cumsum(-1)).abs()[:, :-1]
+    return (cdf_gap * sorted_values.diff()[None, :]).sum(-1)
+
+
+@dataclass
+class NTLTerms:
+    """NTL per term (one per number token, or per number for "number_level")."""
+
+    loss: torch.Tensor  # [m] per-term loss after reweighing, differentiable
+    weights: torch.Tensor  # [m] loss weight of each term
+    positions: torch.Tensor  # [n] bool: the flat position each term belongs to
+
+
+def number_spans(number_slot: torch.Tensor, labels: torch.Tensor, decimal_point_id: int | None,
+                 float_level: bool, max_digits: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group digit positions of `[B, S]` labels into contiguous numbers.
+
+    Returns (is_start `[B*S]` bool: the first digit of each number, segment `[B*S]` long: the number
+    each digit belongs to (-1 elsewhere), place `[B*S]` long: the digit's power of ten).
+    """
+    rows, length = labels.shape
+    is_digit = (number_slot >= 0).view(rows, length)
+    in_number = is_digit
+    if float_level:
+        prev_digit = F.pad(is_digit[:, :-1], (1, 0))
+        next_digit = F.pad(is_digit[:, 1:], (0, 1))
+        in_number = is_digit | ((labels == decimal_point_id) & prev_digit & next_digit)
+    continues = F.pad(in_number[:, :-1], (1, 0))
+    is_start = (in_number & ~continues).flatten()
+    in_number, is_digit = in_number.flatten(), is_digit.flatten()
+    segment = torch.where(in_number, is_start.long().cumsum(0) - 1, -1)
+    n_segments = int(is_start.sum())
+    digits_per_segment = torch.zeros(n_segments + 1, dtype=torch.long, device=labels.device)
+    digits_per_segment.index_add_(0, segment + 1, is_digit.long())
+    digit_rank = is_digit.long().cumsum(0)  # digits seen so far, inclusive
+    first_rank = torch.zeros(n_segments + 1, dtype=torch.long, device=labels.device)
+    first_rank[segment[is_start] + 1] = digit_rank[is_start]
+    place = digits_per_segment[segment + 1] - (digit_rank - first_rank[segment + 1]) - 1
+    place = torch.where(is_digit, place, 0).clamp(0, max_digits - 1)
+    return is_start, segment, place
+
+
+def term_positions(labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings) -> torch.Tensor:
+    """`[n]` bool over the flattened labels: where an NTL term sits (each number token, or the first
+    digit of each number for "number_level"). Trainers count these to normalise NTL globally."""
+    slot = number_vocab.index_of(labels.reshape(-1), settings.ignore_index)
+    if settings.variant != "number_level":
+        return slot >= 0
+    return number_spans(slot, _as_rows(labels), number_vocab.decimal_point_id, settings.float_level,
+                        settings.max_number_digits)[0]
+
+
+def _as_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Labels as `[rows, sequence]`: numbers never continue across a row."""
+    return labels.reshape(1, -1) if labels.dim() < 2 else labels.reshape(-1, labels.shape[-1])
+
+
+def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
+              settings: NTLSettings, *, lse: torch.Tensor | None = None,
+              loss_weights: torch.Tensor | None = None) -> NTLTerms:
+    """Per-term NTL from `[n, K]` number logits and `[B, S]` (or `[n]`) labels aligned with them.
+
+    `lse` (`[n]`, the full-vocabulary log-sum-exp) is needed only when `settings.reweigh`.
+    """
+    device = number_logits.device
+    flat_labels = labels.reshape(-1)
+    slot = number_vocab.index_of(flat_labels, settings.ignore_index)
+    weights_all = (torch.ones(flat_labels.shape, device=device) if loss_weights is None
+                   else loss_weights.reshape(-1).to(device=device, dtype=torch.float32))
+    values = number_vocab.values_tensor(device)
+
+    if settings.variant == "number_level":
+        if settings.float_level and number_vocab.decimal_point_id is None:
+            raise ValueError("float_level number-level NTL needs the '.' token id: the tokenizer has no '.' token "
+                             "(NumberVocab.decimal_point_id is None)")
+        is_start, segment, place = number_spans(slot, _as_rows(labels), number_vocab.decimal_point_id,
+                                                settings.float_level, settings.max_number_digits)
+        digits = torch.nonzero(slot >= 0).flatten()
+        probs = torch.softmax(number_logits[digits], dim=-1)
+        scale = torch.pow(10.0, place[digits].float())
+        n_numbers = int(is_start.sum())
+        expected = torch.zeros(n_numbers, device=device).index_add(0, segment[digits], probs @ values * scale)
+        true = torch.zeros(n_numbers, device=device).index_add(0, segment[digits], values[slot[digits]] * scale)
+        loss = (expected - true).abs() / (expected.abs() + true.abs() + torch.finfo(torch.float32).eps)
+        positions = is_start
+    else:
+        positions = slot >= 0
+        rows = torch.nonzero(positions).flatten()
+        target_slot = slot[rows]
+        probs = torch.softmax(number_logits[rows], dim=-1)
+        if settings.variant == "was" and settings.smoothing_sigma > 0:
+            loss = _wasserstein_smoothed(probs, values[target_slot], values, settings.smoothing_sigma)
+        elif settings.variant == "was":
+            loss = (probs * distance_table(number_vocab, settings.squash_factor, device)[target_slot]).sum(-1)
+        else:
+            loss = _lp(probs @ values, values[target_slot], settings.variant)
+
+    if settings.reweigh:
+        if lse is None:
+            raise ValueError("reweigh needs the full-vocabulary log-sum-exp (lse)")
+        rows = torch.nonzero(positions).flatten()
+        mass = torch.exp(torch.logsumexp(number_logits[rows], dim=-1) - lse[rows])
+        loss = loss * mass + REWEIGH_MARGIN * max_distance(number_vocab, settings, device) * (1 - mass)
+    return NTLTerms(loss=loss, weights=weights_all[positions], positions=positions)

@@ -1,0 +1,165 @@
+"""Vocabulary-parallel reductions of the logits that CE and NTL need.
+
+Under tensor parallelism the LM head is split over the vocabulary: TP rank r holds the logit
+columns `[vocab_start_index, vocab_start_index + V_local)`. CE and NTL need only three things from
+the full `[n, V]` logits, and everything after them is small replicated math on every TP rank:
+
+- the full-vocabulary log-sum-exp `lse[n]` (CE, and the number-token mass for reweighing),
+- the logit of each row's target token `target[n]` (CE),
+- the K number-token columns `number[n, K]` (NTL), whose ids may lie in any shard.
+
+`shard_reductions` computes all three with one all-reduce MAX of `n + 1` floats and one all-reduce
+SUM of `n * (K + 2) + 1` floats over the TP group (the extra float on each checks the shard layout),
+and a backward that writes the logit gradient once with no collective. A TP group of size one (or
+None) runs no collective at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..numbers import NumberVocab
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """World size of `group`; 1 for None or when torch.distributed is not initialised."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where the local logit shard sits in the vocabulary, and which number columns it owns."""
+
+    vocab_start_index: int
+    local_width: int
+    local_number_cols: torch.Tensor  # [k_local] column of each owned number token in the local shard
+    owned_number_slots: torch.Tensor  # [k_local] its index k in the number vocabulary
+
+    @classmethod
+    def build(cls, number_vocab: NumberVocab, vocab_start_index: int, local_width: int,
+              device: torch.device) -> "ShardLayout":
+        ids = number_vocab.ids_tensor(device)
+        owned = (ids >= vocab_start_index) & (ids < vocab_start_index + local_width)
+        slots = torch.nonzero(owned).flatten()
+        return cls(vocab_start_index, local_width, ids[slots] - vocab_start_index, slots)
+
+
+class _ShardReductions(torch.autograd.Function):
+    """Reduce a local logit shard to (lse, target logit, number-token logits) over the TP group.
+
+    Forward: when `need_lse`, one all-reduce MAX over the TP group of the local log-sum-exp (`[n]`,
+    plus the shard's end index), then one all-reduce SUM of a packed `[n, K + 2]` float32 buffer
+    (column 0: `exp(local_lse - max)`, column 1: the target logit where this shard owns the target,
+    columns 2..: the number-token logits this shard owns, zeros elsewhere), plus the shard width.
+    Every rank gets identical replicated results, and the caller computes the same loss on each.
+
+    Backward: NO collective. The loss is replicated over the TP group, so each rank's gradient for
+    its own columns is complete: `softmax_local * g_lse` (full-vocabulary softmax from the saved
+    lse), plus `g_target` at the target column and `g_number[:, k]` at each owned number column.
+    The gradient w.r.t. the hidden states is all-reduced by the parallel LM head's own backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_local: torch.Tensor, target_owned: torch.Tensor,
+                layout: ShardLayout, num_numbers: int, need_lse: bool, tp_group) -> tuple:
+        n = logits.shape[0]
+        parallel = group_size(tp_group) > 1
+        packed = torch.zeros(n * (num_numbers + 2) + 1, dtype=torch.float32, device=logits.device)
+        table = packed[:-1].view(n, num_numbers + 2)
+        lse_max = None
+        if need_lse:
+            local_lse = torch.logsumexp(logits.float() if logits.dtype != torch.float32 else logits, dim=-1)
+            max_buf = torch.cat([local_lse, local_lse.new_tensor([layout.vocab_start_index + layout.local_width])])
+            if parallel:
+                dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=tp_group)
+            lse_max = max_buf[:-1]
+            # A row whose logits are all -inf has lse -inf everywhere; keep exp() finite.
+            lse_max = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
+            torch.exp(local_lse - lse_max, out=table[:, 0])
+            global_end = max_buf[-1]
+        if target_owned is not None:
+            picked = logits.gather(1, target_local.unsqueeze(1)).squeeze(1)
+            table[:, 1] = torch.where(target_owned, picked.float(), 0.0)
+        if layout.local_number_cols.numel():
+            table[:, 2 + layout.owned_number_slots] = logits.index_select(1, layout.local_number_cols).float()
+        packed[-1] = layout.local_width
+        if parallel:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+        total_width = int(packed[-1].item())
+        if need_lse:
+            end = int(global_end.item())
+            if total_width != end:
+                raise ValueError(
+                    f"the vocabulary shards of the TP group do not tile the vocabulary: widths sum to {total_width} "
+                    f"but the last shard ends at {end}. Pass each rank's LOCAL logit shard with its own "
+                    f"vocab_start_index (VocabParallelLinear.vocab_start_index), not the full logits.")
+        lse = (lse_max + table[:, 0].log()) if need_lse else None
+        ctx.save_for_backward(logits, lse if need_lse else None, target_local if target_owned is not None else None,
+                              target_owned)
+        ctx.layout = layout
+        ctx.need_lse = need_lse
+        ctx.total_width = total_width
+        return (lse if need_lse else table.new_zeros(n)), table[:, 1].clone(), table[:, 2:].clone(), total_width
+
+    @staticmethod
+    def backward(ctx, grad_lse, grad_target, grad_number, _grad_width):
+        logits, lse, target_local, target_owned = ctx.saved_tensors
+        layout: ShardLayout = ctx.layout
+        if ctx.need_lse and grad_lse is not None:
+            # softmax_local * g_lse, written once into the tensor that becomes the gradient
+            grad = logits.float() if logits.dtype != torch.float32 else logits
+            grad = torch.sub(grad, lse.unsqueeze(1)).exp_().mul_(grad_lse.unsqueeze(1))
+        else:
+            grad = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        if grad_target is not None and target_owned is not None:
+            rows = torch.nonzero(target_owned).flatten()
+            grad.index_put_((rows, target_local[rows]), grad_target[rows], accumulate=True)
+        if grad_number is not None and layout.local_number_cols.numel():
+            grad.index_add_(1, layout.local_number_cols, grad_number.index_select(1, layout.owned_number_slots))
+        return grad.to(logits.dtype), None, None, None, None, None, None
+
+
+@dataclass
+class ShardStats:
+    """Replicated results of `shard_reductions` (identical on every rank of the TP group)."""
+
+    lse: torch.Tensor | None  # [n] full-vocabulary log-sum-exp (None when not requested)
+    target_logit: torch.Tensor | None  # [n] logit of the target token (None when not requested)
+    number_logits: torch.Tensor  # [n, K] logits of the number tokens, float32
+    vocab_size: int  # total width of the logits over the TP group
+
+
+def shard_reductions(logits: torch.Tensor, number_vocab: NumberVocab, *, targets: torch.Tensor | None = None,
+                     need_lse: bool = True, tp_group: dist.ProcessGroup | None = None,
+                     vocab_start_index: int = 0, ignore_index: int = -100) -> ShardStats:
+    """Full-vocabulary statistics of a local logit shard `[n, V_local]`, in float32.
+
+    Args:
+        logits: the local vocabulary shard of the logits, `[n, V_local]`, any float dtype. Never
+            modified.
+        number_vocab: the number tokens whose columns are gathered.
+        targets: `[n]` global token ids whose logits are wanted (ignore_index rows give 0), or None.
+        need_lse: compute the full-vocabulary log-sum-exp (CE, reweigh).
+        tp_group: the tensor-parallel group over which the vocabulary is split (None: one device).
+        vocab_start_index: the first global vocabulary id of this shard.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"shard_reductions expects [n, V_local] logits, got shape {tuple(logits.shape)}")
+    n, width = logits.shape
+    layout = ShardLayout.build(number_vocab, vocab_start_index, width, logits.device)
+    target_local = target_owned = None
+    if targets is not None:
+        if targets.shape != (n,):
+            raise ValueError(f"targets must have shape ({n},), got {tuple(targets.shape)}")
+        shifted = targets - vocab_start_index
+        target_owned = (targets != ignore_index) & (shifted >= 0) & (shifted < width)
+        target_local = shifted.clamp(0, width - 1)
+    lse, target_logit, number_logits, total_width = _ShardReductions.apply(
+        logits, target_local, target_owned, layout, len(number_vocab), need_lse, tp_group)
+    return ShardStats(lse if need_lse else None, target_logit if targets is not None else None, number_logits,
+                      total_width)
