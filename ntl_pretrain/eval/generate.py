@@ -1,0 +1,309 @@
+"""Distributed greedy generation for evaluation, safe under ZeRO-3 and AutoTP.
+
+Three constraints shape the loop:
+
+- ZeRO-3 gathers every layer's parameters collectively inside each forward pass, and AutoTP
+  all-reduces activations over the tensor-parallel group, so every rank must run the same number
+  of forward passes. Ranks agree once per step (one all-reduce over the world) on whether any rank
+  still has work; a rank without work runs a 1-token "idle" forward so the others never wait.
+- With a vocabulary-parallel LM head each tensor-parallel rank holds only its slice of the logits.
+  The next token is the global argmax: the best local value and id on each rank, then MAX of the
+  values and MIN of the ids that reach it over the TP group, so ties go to the lowest id exactly as
+  `torch.argmax` does on the full vocabulary.
+- Prompts are split over DATA-parallel ranks (contiguous chunks; all TP ranks of a data-parallel
+  group hold the same chunk), batched by length, left-padded with attention masks and explicit
+  position ids, decoded with a KV cache; finished rows leave the batch. Results are gathered so
+  every rank returns the full list in the original order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this rank sits: its data-parallel chunk and, with a vocab-parallel head, its logit slice."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+    tp_group: Any = None
+    vocab_start: int = 0
+    vocab_end: int | None = None
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether the model returns only a slice of the vocabulary's logits on this rank."""
+        return self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
+
+
+@dataclass
+class GenerationOutput:
+    """Continuations of every prompt (same on every rank) and what producing them cost."""
+
+    texts: list[str]
+    new_tokens: int
+    forward_passes: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens (all data-parallel ranks together) per second of wall time."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def unwrap_model(model_engine_or_module: Any) -> torch.nn.Module:
+    """The HF module inside a DeepSpeed engine (or the module itself)."""
+    return getattr(model_engine_or_module, "module", model_engine_or_module)
+
+
+def find_vocab_parallel_head(module: torch.nn.Module) -> torch.nn.Module | None:
+    """AutoTP's vocabulary-parallel LM head (the layer exposing `vocab_start_index` and `mp_group`), if any."""
+    for submodule in module.modules():
+        if getattr(submodule, "is_vocab_parallel_lm_head", False) and hasattr(submodule, "vocab_start_index"):
+            return submodule
+    return None
+
+
+def resolve_layout(model_engine_or_module: Any, dp_group: Any = None, tp_group: Any = None) -> ParallelLayout:
+    """Find the data- and tensor-parallel groups of a (possibly DeepSpeed-wrapped) model.
+
+    The TP group and logit slice come from the vocab-parallel head when there is one (`tp_group`
+    overrides its group). The DP group is, in order: `dp_group`; the AutoTP mesh's data-parallel
+    group (`engine.mpu`); the engine's `data_parallel_group`; the world.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return ParallelLayout()
+    module = unwrap_model(model_engine_or_module)
+    head = find_vocab_parallel_head(module)
+    vocab_start, vocab_end, head_group = 0, None, None
+    if head is not None and getattr(head, "mp_group", None) is not None:
+        head_group = head.mp_group
+        vocab_start, vocab_end = int(head.vocab_start_index), int(head.vocab_end_index)
+    if dp_group is None:
+        mpu = getattr(model_engine_or_module, "mpu", None)
+        if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+            dp_group = mpu.get_data_parallel_group()
+        else:
+            dp_group = getattr(model_engine_or_module, "data_parallel_group", None)
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else dist.get_world_size()
+    dp_rank = dist.get_rank(dp_group) if dp_group is not None else dist.get_rank()
+    return ParallelLayout(dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
+                          tp_group=tp_group if tp_group is not None else head_group,
+                          vocab_start=vocab_start, vocab_end=vocab_end)
+
+
+def global_argmax(local_logits: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """Ids of the largest logit per row over the whole vocabulary; ties go to the lowest id.
+
+    Collectives (TP group, only with a vocab-parallel head): all-reduce MAX of the best values,
+    then all-reduce MIN of the ids that reach it.
+    """
+    logits = local_logits.float()
+    best_value, best_local = logits.max(dim=-1)  # first (lowest) index on ties
+    best_id = best_local + layout.vocab_start
+    if not layout.vocab_parallel:
+        return best_id
+    global_value = best_value.clone()
+    dist.all_reduce(global_value, op=dist.ReduceOp.MAX, group=layout.tp_group)
+    no_claim = torch.iinfo(torch.long).max
+    claimed = torch.where(best_value == global_value, best_id, torch.full_like(best_id, no_claim))
+    dist.all_reduce(claimed, op=dist.ReduceOp.MIN, group=layout.tp_group)
+    return claimed
+
+
+def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """`text` cut before the earliest stop string, and whether one was found."""
+    cut = min((index for index in (text.find(s) for s in stop if s) if index >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _any_rank_busy(busy: bool, device: torch.device) -> bool:
+    """All-reduce (world) of a busy flag: True while any rank still has prompts to finish."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return busy
+    flag = torch.tensor([1 if busy else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _model_device(model_engine_or_module: Any) -> torch.device:
+    device = getattr(model_engine_or_module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    for parameter in unwrap_model(model_engine_or_module).parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+class _Batch:
+    """The rows of one batch still being decoded, with their KV cache."""
+
+    def __init__(self, indices: list[int], prompt_ids: list[list[int]], max_new: list[int], pad_id: int,
+                 device: torch.device):
+        width = max(len(ids) for ids in prompt_ids)
+        self.indices = indices
+        self.max_new = torch.tensor(max_new, dtype=torch.long)
+        self.generated: list[list[int]] = [[] for _ in indices]
+        self.active = list(range(len(indices)))  # positions in `indices` of rows still decoding
+        ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(indices), width), dtype=torch.long)
+        for row, prompt in enumerate(prompt_ids):
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+        self.next_input = ids.to(device)
+        self.attention_mask = mask.to(device)
+        # Left padding: positions count real tokens only, so a padded prompt sees the positions it would alone.
+        self.position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0).to(device)
+        self.cache: Any = None
+
+
+def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequence[str], *,
+                    max_new_tokens: int | Sequence[int], stop: Sequence[str] | Sequence[Sequence[str]] = (),
+                    batch_size: int = 16, max_length: int = 0, add_special_tokens: bool = True,
+                    dp_group: Any = None, tp_group: Any = None) -> GenerationOutput:
+    """Greedy continuations of `prompts`, returned in order and identically on every rank.
+
+    Every rank of the world must call this with the same arguments (it runs collectives).
+    `max_new_tokens` and `stop` may be given per prompt. A row ends at the tokenizer's EOS, at a
+    stop string (the text is cut before it, as lm-evaluation-harness does), or after its
+    `max_new_tokens`. Prompts longer than `max_length - max_new_tokens` tokens (`max_length` 0:
+    the model's `max_position_embeddings`) keep their last tokens.
+    """
+    n = len(prompts)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    max_new = [int(max_new_tokens)] * n if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+    if len(max_new) != n or any(m < 0 for m in max_new):
+        raise ValueError(f"max_new_tokens must be an int >= 0 or one per prompt ({n}); got {max_new_tokens!r}")
+    stops: list[tuple[str, ...]]
+    if all(isinstance(s, str) for s in stop):
+        stops = [tuple(stop)] * n  # type: ignore[arg-type]
+    else:
+        stops = [tuple(s) for s in stop]  # type: ignore[union-attr]
+        if len(stops) != n:
+            raise ValueError(f"stop has {len(stops)} lists of stop strings for {n} prompts; give one list per prompt")
+
+    module = unwrap_model(model_engine_or_module)
+    layout = resolve_layout(model_engine_or_module, dp_group, tp_group)
+    device = _model_device(model_engine_or_module)
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id if eos_id is not None else 0)
+    if max_length <= 0:
+        max_length = int(getattr(module.config, "max_position_embeddings", 0) or 0)
+    # transformers 5 renamed `past_key_values` to `cache`; `logits_to_keep` spares the [batch, length, V] logits.
+    forward_parameters = inspect.signature(module.forward).parameters
+    cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
+    last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters else {}
+
+    # This rank's contiguous chunk of prompts; longest first so batches hold similar lengths.
+    chunk = -(-n // layout.dp_size)
+    mine = list(range(layout.dp_rank * chunk, min(n, (layout.dp_rank + 1) * chunk)))
+    encoded = {i: tokenizer(prompts[i], add_special_tokens=add_special_tokens)["input_ids"] for i in mine}
+    for i in mine:
+        if not encoded[i]:
+            raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens; give a non-empty prompt")
+        if max_length > 0:
+            keep = max(1, max_length - max_new[i])
+            encoded[i] = encoded[i][-keep:]
+    mine.sort(key=lambda i: (-len(encoded[i]), i))
+    queue = [mine[start:start + batch_size] for start in range(0, len(mine), batch_size)]
+
+    results: dict[int, tuple[str, int]] = {}
+    idle_input = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+    forward_passes = 0
+    was_training = module.training
+    module.eval()
+    started = time.perf_counter()
+    try:
+        with torch.no_grad():
+            batch: _Batch | None = None
+            while True:
+                if batch is None and queue:
+                    indices = queue.pop(0)
+                    batch = _Batch(indices, [encoded[i] for i in indices], [max_new[i] for i in indices],
+                                   pad_id, device)
+                if not _any_rank_busy(batch is not None, device):
+                    break
+                forward_passes += 1
+                if batch is None:
+                    module(input_ids=idle_input, use_cache=False)
+                    continue
+                outputs = module(input_ids=batch.next_input, attention_mask=batch.attention_mask,
+                                 position_ids=batch.position_ids, use_cache=True,
+                                 **{cache_kwarg: batch.cache}, **last_logits_only)
+                batch.cache = outputs.get(cache_kwarg)
+                next_ids = global_argmax(outputs.logits[:, -1, :], layout)
+                if _advance(batch, next_ids, tokenizer, eos_id, stops, results):
+                    batch = None
+    finally:
+        module.train(was_training)
+    seconds = time.perf_counter() - started
+
+    texts, new_tokens, seconds = _gather_results(results, n, seconds, layout, device)
+    return GenerationOutput(texts=texts, new_tokens=new_tokens, forward_passes=forward_passes, seconds=seconds)
+
+
+def _advance(batch: _Batch, next_ids: torch.Tensor, tokenizer: Any, eos_id: int | None,
+             stops: list[tuple[str, ...]], results: dict[int, tuple[str, int]]) -> bool:
+    """Append the chosen tokens, retire finished rows, prepare the next step; True when the batch is done."""
+    next_cpu = next_ids.cpu().tolist()
+    keep: list[int] = []
+    for slot, row in enumerate(batch.active):
+        prompt_index = batch.indices[row]
+        token = next_cpu[slot]
+        finished = batch.max_new[row].item() == 0
+        if not finished:
+            if eos_id is not None and token == eos_id:
+                finished = True
+            else:
+                batch.generated[row].append(token)
+                finished = len(batch.generated[row]) >= batch.max_new[row].item()
+        text = tokenizer.decode(batch.generated[row], skip_special_tokens=True)
+        text, hit_stop = truncate_at_stop(text, stops[prompt_index])
+        if finished or hit_stop:
+            results[prompt_index] = (text, len(batch.generated[row]))
+        else:
+            keep.append(slot)
+    if not keep:
+        return True
+    device = batch.next_input.device
+    if len(keep) < len(batch.active):
+        # Finished rows leave the batch (and the KV cache), so long answers do not drag short ones along.
+        keep_index = torch.tensor(keep, dtype=torch.long, device=device)
+        batch.cache.batch_select_indices(keep_index)
+        batch.attention_mask = batch.attention_mask.index_select(0, keep_index)
+        batch.position_ids = batch.position_ids.index_select(0, keep_index)
+        next_ids = next_ids.index_select(0, keep_index)
+        batch.active = [batch.active[slot] for slot in keep]
+    batch.next_input = next_ids.view(-1, 1).to(device)
+    ones = torch.ones((len(batch.active), 1), dtype=batch.attention_mask.dtype, device=device)
+    batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
+    batch.position_ids = batch.position_ids[:, -1:] + 1
+    return False
+
+
+def _gather_results(results: dict[int, tuple[str, int]], n: int, seconds: float,
+                    layout: ParallelLayout, device: torch.device) -> tuple[list[str], int, float]:
+    """Every prompt's text on every rank (all-gather over DP), total new tokens, slowest rank's time."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [results[i][0] for i in range(n)], sum(count for _, count in results.values()), seconds
+    gathered: list[Any] = [None] * layout.dp_size
+    dist.all_gather_object(gathered, results, group=layout.dp_group)
+    merged: dict[int, tuple[str, int]] = {}
+    for part in gathered:
+        merged.update(part)
+    missing = [i for i in range(n) if i not in merged]
+    if missing:
+        raise RuntimeError(f"distributed generation lost prompts {missing[:10]}: the data-parallel group does not "
+                           f"cover every chunk; pass the model's data-parallel group as dp_group")
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return [merged[i][0] for i in range(n)], sum(count for _, count in merged.values()), float(slowest.item())
