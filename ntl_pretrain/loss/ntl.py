@@ -9,6 +9,7 @@ input, so the same code serves one device and a vocabulary-sharded head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +52,11 @@ class NTLSettings:
             raise ValueError(f"float_level applies to variant 'number_level' only, not {self.variant!r}")
 
 
-def distance_table(number_vocab: NumberVocab, squash_factor: float | None, device: torch.device) -> torch.Tensor:
+def distance_table(number_vocab: NumberVocab, squash_factor: float | None, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`D[i, k] = |v_i - v_k|`, optionally squashed so the largest distance is `squash_factor` times the
     smallest non-zero one (zero stays zero)."""
-    values = number_vocab.values_tensor(device)
+    values = number_vocab.values_tensor(device, dtype)
     diff = (values[:, None] - values[None, :]).abs()
     if squash_factor is None:
         return diff
@@ -66,13 +68,14 @@ def distance_table(number_vocab: NumberVocab, squash_factor: float | None, devic
     return torch.where(diff == 0, torch.zeros_like(diff), scaled)
 
 
-def max_distance(number_vocab: NumberVocab, settings: NTLSettings, device: torch.device) -> torch.Tensor:
+def max_distance(number_vocab: NumberVocab, settings: NTLSettings, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The largest per-token NTL a number prediction can cost (the reweigh penalty's base)."""
     if settings.variant == "number_level":
-        return torch.tensor(1.0, device=device)  # symmetric MAPE is bounded by 1
+        return torch.tensor(1.0, device=device, dtype=dtype)  # symmetric MAPE is bounded by 1
     if settings.variant == "was":
-        return distance_table(number_vocab, settings.squash_factor, device).max()
-    values = number_vocab.values_tensor(device)
+        return distance_table(number_vocab, settings.squash_factor, device, dtype).max()
+    values = number_vocab.values_tensor(device, dtype)
     span = (values.max() - values.min())[None]
     return _lp(span, torch.zeros_like(span), settings.variant)[0]
 
@@ -149,18 +152,19 @@ def _as_rows(labels: torch.Tensor) -> torch.Tensor:
 
 
 def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
-              settings: NTLSettings, *, lse: torch.Tensor | None = None,
+              settings: NTLSettings, *, number_mass: Callable[[torch.Tensor], torch.Tensor] | None = None,
               loss_weights: torch.Tensor | None = None) -> NTLTerms:
     """Per-term NTL from `[n, K]` number logits and `[B, S]` (or `[n]`) labels aligned with them.
 
-    `lse` (`[n]`, the full-vocabulary log-sum-exp) is needed only when `settings.reweigh`.
+    `number_mass(rows)` (the full-vocabulary probability mass on number tokens at those rows,
+    `ShardStats.number_mass`) is needed only when `settings.reweigh`.
     """
-    device = number_logits.device
+    device, dtype = number_logits.device, number_logits.dtype
     flat_labels = labels.reshape(-1)
     slot = number_vocab.index_of(flat_labels, settings.ignore_index)
-    weights_all = (torch.ones(flat_labels.shape, device=device) if loss_weights is None
-                   else loss_weights.reshape(-1).to(device=device, dtype=torch.float32))
-    values = number_vocab.values_tensor(device)
+    weights_all = (torch.ones(flat_labels.shape, device=device, dtype=dtype) if loss_weights is None
+                   else loss_weights.reshape(-1).to(device=device, dtype=dtype))
+    values = number_vocab.values_tensor(device, dtype)
 
     if settings.variant == "number_level":
         if settings.float_level and number_vocab.decimal_point_id is None:
@@ -170,11 +174,11 @@ def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: N
                                                 settings.float_level, settings.max_number_digits)
         digits = torch.nonzero(slot >= 0).flatten()
         probs = torch.softmax(number_logits[digits], dim=-1)
-        scale = torch.pow(10.0, place[digits].float())
+        scale = torch.pow(10.0, place[digits].to(dtype))
         n_numbers = int(is_start.sum())
-        expected = torch.zeros(n_numbers, device=device).index_add(0, segment[digits], probs @ values * scale)
-        true = torch.zeros(n_numbers, device=device).index_add(0, segment[digits], values[slot[digits]] * scale)
-        loss = (expected - true).abs() / (expected.abs() + true.abs() + torch.finfo(torch.float32).eps)
+        expected = values.new_zeros(n_numbers).index_add(0, segment[digits], probs @ values * scale)
+        true = values.new_zeros(n_numbers).index_add(0, segment[digits], values[slot[digits]] * scale)
+        loss = (expected - true).abs() / (expected.abs() + true.abs() + torch.finfo(dtype).eps)
         positions = is_start
     else:
         positions = slot >= 0
@@ -184,14 +188,13 @@ def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: N
         if settings.variant == "was" and settings.smoothing_sigma > 0:
             loss = _wasserstein_smoothed(probs, values[target_slot], values, settings.smoothing_sigma)
         elif settings.variant == "was":
-            loss = (probs * distance_table(number_vocab, settings.squash_factor, device)[target_slot]).sum(-1)
+            loss = (probs * distance_table(number_vocab, settings.squash_factor, device, dtype)[target_slot]).sum(-1)
         else:
             loss = _lp(probs @ values, values[target_slot], settings.variant)
 
     if settings.reweigh:
-        if lse is None:
-            raise ValueError("reweigh needs the full-vocabulary log-sum-exp (lse)")
-        rows = torch.nonzero(positions).flatten()
-        mass = torch.exp(torch.logsumexp(number_logits[rows], dim=-1) - lse[rows])
-        loss = loss * mass + REWEIGH_MARGIN * max_distance(number_vocab, settings, device) * (1 - mass)
+        if number_mass is None:
+            raise ValueError("reweigh needs the full-vocabulary number-token mass (number_mass)")
+        mass = number_mass(torch.nonzero(positions).flatten())
+        loss = loss * mass + REWEIGH_MARGIN * max_distance(number_vocab, settings, device, dtype) * (1 - mass)
     return NTLTerms(loss=loss, weights=weights_all[positions], positions=positions)

@@ -110,19 +110,19 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
     stats = _reduce_stats(logits, labels, number_vocab, need_lse=True, need_target=True, tp_group=tp_group,
                           vocab_start_index=vocab_start_index, ignore_index=ignore_index)
     flat_labels = labels.reshape(-1).long()
-    valid = (flat_labels != ignore_index).float()
+    valid = (flat_labels != ignore_index).to(stats.number_logits.dtype)
     ce_sum = ((stats.lse - stats.target_logit) * valid).sum()
 
     with torch.no_grad():
         slot = number_vocab.index_of(flat_labels, ignore_index)
         rows = torch.nonzero(slot >= 0).flatten()
-        values = number_vocab.values_tensor(logits.device)
+        values = number_vocab.values_tensor(logits.device, stats.number_logits.dtype)
         expected = torch.softmax(stats.number_logits[rows], dim=-1) @ values
         abs_error_sum = (expected - values[slot[rows]]).abs().sum()
-        number_tokens = torch.tensor(float(rows.numel()), device=logits.device)
+        number_tokens = torch.tensor(float(rows.numel()), device=logits.device, dtype=values.dtype)
 
     if with_ntl:
-        terms = ntl_terms(stats.number_logits, labels, number_vocab, settings, lse=stats.lse,
+        terms = ntl_terms(stats.number_logits, labels, number_vocab, settings, number_mass=stats.number_mass,
                           loss_weights=loss_weights)
         ntl_sum = (terms.loss * terms.weights).sum()
         ntl_count = terms.weights.sum().detach()
@@ -180,7 +180,8 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
     _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights)
     stats = _reduce_stats(logits, labels, number_vocab, need_lse=reweigh, need_target=False, tp_group=tp_group,
                           vocab_start_index=vocab_start_index, ignore_index=ignore_index)
-    terms = ntl_terms(stats.number_logits, labels, number_vocab, settings, lse=stats.lse, loss_weights=loss_weights)
+    terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
+                      number_mass=stats.number_mass if reweigh else None, loss_weights=loss_weights)
     weighted = terms.loss * terms.weights
     if reduction == "sum":
         return weighted.sum()

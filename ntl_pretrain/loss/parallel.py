@@ -24,6 +24,11 @@ import torch.distributed as dist
 from ..numbers import NumberVocab
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32 and narrower logits (bf16, fp16); float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of `group`; 1 for None or when torch.distributed is not initialised."""
     if group is None or not dist.is_available() or not dist.is_initialized():
@@ -50,18 +55,22 @@ class ShardLayout:
 
 
 class _ShardReductions(torch.autograd.Function):
-    """Reduce a local logit shard to (lse, target logit, number-token logits) over the TP group.
+    """Reduce a local logit shard to (shift, sum_exp, target logit, number-token logits) over TP.
+
+    The full-vocabulary log-sum-exp is `shift + log(sum_exp)`, kept in two parts so that softmax
+    probabilities are `exp(z - shift) / sum_exp`, as precise as `torch.softmax`.
 
     Forward: when `need_lse`, one all-reduce MAX over the TP group of the local log-sum-exp (`[n]`,
-    plus the shard's end index), then one all-reduce SUM of a packed `[n, K + 2]` float32 buffer
-    (column 0: `exp(local_lse - max)`, column 1: the target logit where this shard owns the target,
-    columns 2..: the number-token logits this shard owns, zeros elsewhere), plus the shard width.
-    Every rank gets identical replicated results, and the caller computes the same loss on each.
+    plus the shard's end index) giving `shift`, then one all-reduce SUM of a packed `[n, K + 2]`
+    float32 buffer (column 0: `exp(local_lse - shift)`, column 1: the target logit where this shard
+    owns the target, columns 2..: the number-token logits this shard owns, zeros elsewhere), plus the
+    shard width. Every rank gets identical replicated results and computes the same loss from them.
 
     Backward: NO collective. The loss is replicated over the TP group, so each rank's gradient for
-    its own columns is complete: `softmax_local * g_lse` (full-vocabulary softmax from the saved
-    lse), plus `g_target` at the target column and `g_number[:, k]` at each owned number column.
-    The gradient w.r.t. the hidden states is all-reduced by the parallel LM head's own backward.
+    its own columns is complete: `exp(z - shift) * g_sum_exp` for the full-vocabulary part, plus
+    `g_target` at the target column and `g_number[:, k]` at each owned number column, written into
+    one `[n, V_local]` tensor. The gradient w.r.t. the hidden states is all-reduced by the parallel LM
+    head's own backward.
     """
 
     @staticmethod
@@ -69,24 +78,24 @@ class _ShardReductions(torch.autograd.Function):
                 layout: ShardLayout, num_numbers: int, need_lse: bool, tp_group) -> tuple:
         n = logits.shape[0]
         parallel = group_size(tp_group) > 1
-        packed = torch.zeros(n * (num_numbers + 2) + 1, dtype=torch.float32, device=logits.device)
+        dtype = compute_dtype(logits.dtype)
+        packed = torch.zeros(n * (num_numbers + 2) + 1, dtype=dtype, device=logits.device)
         table = packed[:-1].view(n, num_numbers + 2)
-        lse_max = None
+        shift = torch.zeros(n, dtype=dtype, device=logits.device)
         if need_lse:
-            local_lse = torch.logsumexp(logits.float() if logits.dtype != torch.float32 else logits, dim=-1)
+            local_lse = torch.logsumexp(logits.to(dtype), dim=-1)
             max_buf = torch.cat([local_lse, local_lse.new_tensor([layout.vocab_start_index + layout.local_width])])
             if parallel:
                 dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=tp_group)
-            lse_max = max_buf[:-1]
             # A row whose logits are all -inf has lse -inf everywhere; keep exp() finite.
-            lse_max = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
-            torch.exp(local_lse - lse_max, out=table[:, 0])
+            shift = torch.where(torch.isfinite(max_buf[:-1]), max_buf[:-1], 0.0)
+            torch.exp(local_lse - shift, out=table[:, 0])
             global_end = max_buf[-1]
         if target_owned is not None:
             picked = logits.gather(1, target_local.unsqueeze(1)).squeeze(1)
-            table[:, 1] = torch.where(target_owned, picked.float(), 0.0)
+            table[:, 1] = torch.where(target_owned, picked.to(dtype), 0.0)
         if layout.local_number_cols.numel():
-            table[:, 2 + layout.owned_number_slots] = logits.index_select(1, layout.local_number_cols).float()
+            table[:, 2 + layout.owned_number_slots] = logits.index_select(1, layout.local_number_cols).to(dtype)
         packed[-1] = layout.local_width
         if parallel:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
@@ -98,24 +107,20 @@ class _ShardReductions(torch.autograd.Function):
                     f"the vocabulary shards of the TP group do not tile the vocabulary: widths sum to {total_width} "
                     f"but the last shard ends at {end}. Pass each rank's LOCAL logit shard with its own "
                     f"vocab_start_index (VocabParallelLinear.vocab_start_index), not the full logits.")
-        lse = (lse_max + table[:, 0].log()) if need_lse else None
-        ctx.save_for_backward(logits, lse if need_lse else None, target_local if target_owned is not None else None,
-                              target_owned)
+        ctx.save_for_backward(logits, shift, target_local if target_owned is not None else None, target_owned)
         ctx.layout = layout
-        ctx.need_lse = need_lse
-        ctx.total_width = total_width
-        return (lse if need_lse else table.new_zeros(n)), table[:, 1].clone(), table[:, 2:].clone(), total_width
+        ctx.mark_non_differentiable(shift)
+        return shift, table[:, 0].clone(), table[:, 1].clone(), table[:, 2:].clone(), total_width
 
     @staticmethod
-    def backward(ctx, grad_lse, grad_target, grad_number, _grad_width):
-        logits, lse, target_local, target_owned = ctx.saved_tensors
+    def backward(ctx, _grad_shift, grad_sum_exp, grad_target, grad_number, _grad_width):
+        logits, shift, target_local, target_owned = ctx.saved_tensors
         layout: ShardLayout = ctx.layout
-        if ctx.need_lse and grad_lse is not None:
-            # softmax_local * g_lse, written once into the tensor that becomes the gradient
-            grad = logits.float() if logits.dtype != torch.float32 else logits
-            grad = torch.sub(grad, lse.unsqueeze(1)).exp_().mul_(grad_lse.unsqueeze(1))
+        if grad_sum_exp is not None:
+            # d sum_exp / d z = exp(z - shift), written once into the tensor that becomes the gradient
+            grad = torch.sub(logits.to(shift.dtype), shift.unsqueeze(1)).exp_().mul_(grad_sum_exp.unsqueeze(1))
         else:
-            grad = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            grad = torch.zeros(logits.shape, dtype=shift.dtype, device=logits.device)
         if grad_target is not None and target_owned is not None:
             rows = torch.nonzero(target_owned).flatten()
             grad.index_put_((rows, target_local[rows]), grad_target[rows], accumulate=True)
@@ -128,16 +133,27 @@ class _ShardReductions(torch.autograd.Function):
 class ShardStats:
     """Replicated results of `shard_reductions` (identical on every rank of the TP group)."""
 
-    lse: torch.Tensor | None  # [n] full-vocabulary log-sum-exp (None when not requested)
+    shift: torch.Tensor | None  # [n] constant offset of the log-sum-exp (None when not requested)
+    sum_exp: torch.Tensor | None  # [n] sum over the full vocabulary of exp(z - shift)
     target_logit: torch.Tensor | None  # [n] logit of the target token (None when not requested)
-    number_logits: torch.Tensor  # [n, K] logits of the number tokens, float32
+    number_logits: torch.Tensor  # [n, K] logits of the number tokens, float32 (float64 for float64 logits)
     vocab_size: int  # total width of the logits over the TP group
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """`[n]` full-vocabulary log-sum-exp."""
+        return self.shift + self.sum_exp.log()
+
+    def number_mass(self, rows: torch.Tensor) -> torch.Tensor:
+        """Probability mass (full-vocabulary softmax) on the number tokens, at the given rows."""
+        return torch.exp(self.number_logits[rows] - self.shift[rows, None]).sum(-1) / self.sum_exp[rows]
 
 
 def shard_reductions(logits: torch.Tensor, number_vocab: NumberVocab, *, targets: torch.Tensor | None = None,
                      need_lse: bool = True, tp_group: dist.ProcessGroup | None = None,
                      vocab_start_index: int = 0, ignore_index: int = -100) -> ShardStats:
-    """Full-vocabulary statistics of a local logit shard `[n, V_local]`, in float32.
+    """Full-vocabulary statistics of a local logit shard `[n, V_local]`, in float32 (float64 for
+    float64 logits).
 
     Args:
         logits: the local vocabulary shard of the logits, `[n, V_local]`, any float dtype. Never
@@ -159,7 +175,7 @@ def shard_reductions(logits: torch.Tensor, number_vocab: NumberVocab, *, targets
         shifted = targets - vocab_start_index
         target_owned = (targets != ignore_index) & (shifted >= 0) & (shifted < width)
         target_local = shifted.clamp(0, width - 1)
-    lse, target_logit, number_logits, total_width = _ShardReductions.apply(
+    shift, sum_exp, target_logit, number_logits, total_width = _ShardReductions.apply(
         logits, target_local, target_owned, layout, len(number_vocab), need_lse, tp_group)
-    return ShardStats(lse if need_lse else None, target_logit if targets is not None else None, number_logits,
-                      total_width)
+    return ShardStats(shift if need_lse else None, sum_exp if need_lse else None,
+                      target_logit if targets is not None else None, number_logits, total_width)

@@ -1,0 +1,86 @@
+"""The number vocabulary of real and test-built tokenizers, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ntl_pretrain.numbers import NumberVocab
+
+
+class _Tokenizer:
+    """A tokenizer-like object with just `get_vocab` and `len`."""
+
+    name_or_path = "toy"
+
+    def __init__(self, tokens):
+        self.vocab = {token: index for index, token in enumerate(tokens)}
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def __len__(self):
+        return len(self.vocab)
+
+
+def test_digit_level_on_byte_level_bpe_ignores_space_marked_digits(bpe_tokenizer):
+    vocab = NumberVocab.from_tokenizer(bpe_tokenizer)
+    assert vocab.tokens == tuple("0123456789") and vocab.values == tuple(float(d) for d in range(10))
+    assert all(bpe_tokenizer.convert_ids_to_tokens(i) in "0123456789" for i in vocab.token_ids)
+    assert "Ġ5" in bpe_tokenizer.get_vocab() or "Ġ1" in bpe_tokenizer.get_vocab()  # such tokens exist ...
+    assert not any(t.startswith("Ġ") for t in vocab.tokens)  # ... and are not number tokens
+
+
+def test_multi_digit_mode_takes_every_finite_number(word_tokenizer):
+    vocab = NumberVocab.from_tokenizer(word_tokenizer, digit_level=False)
+    assert dict(zip(vocab.tokens, vocab.values)) == {**{str(d): float(d) for d in range(10)}, "12": 12.0, "3.5": 3.5,
+                                                    "100": 100.0, "-7": -7.0}
+    assert list(vocab.token_ids) == sorted(vocab.token_ids)
+
+
+def test_real_gpt2_and_llama2_tokenizers(shared_data, tmp_path):
+    from transformers import AutoTokenizer
+
+    gpt2 = AutoTokenizer.from_pretrained(shared_data / "tokenizers" / "gpt2")
+    assert NumberVocab.from_tokenizer(gpt2).token_ids == tuple(range(15, 25))
+    (tmp_path / "llama2").mkdir()
+    (tmp_path / "llama2" / "tokenizer.model").symlink_to(shared_data / "tokenizers" / "llama2" / "tokenizer.model")
+    (tmp_path / "llama2" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    llama = AutoTokenizer.from_pretrained(tmp_path / "llama2")
+    vocab = NumberVocab.from_tokenizer(llama)
+    expected = {0: 29900, 1: 29896, 2: 29906, 3: 29941, 4: 29946, 5: 29945, 6: 29953, 7: 29955, 8: 29947, 9: 29929}
+    assert {int(v): i for i, v in zip(vocab.token_ids, vocab.values)} == expected
+
+
+def test_save_and_load_round_trip(word_tokenizer, tmp_path):
+    vocab = NumberVocab.from_tokenizer(word_tokenizer, vocab_size=64)
+    path = vocab.save(tmp_path)
+    assert path.endswith("number_vocab.json")
+    assert NumberVocab.load(tmp_path) == vocab
+    assert NumberVocab.load(path).decimal_point_id == word_tokenizer.convert_tokens_to_ids(".")
+
+
+def test_index_of_maps_labels_to_number_slots():
+    vocab = NumberVocab(token_ids=(2, 5, 7), values=(1.0, 2.0, 3.0), vocab_size=10)
+    labels = torch.tensor([2, 3, 5, 7, -100, 9])
+    assert vocab.index_of(labels).tolist() == [0, -1, 1, 2, -1, -1]
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="has no bare digit tokens.*split-digits"):
+        NumberVocab.from_tokenizer(_Tokenizer(["a", "b", "Ġ1", "▁2"]))
+    with pytest.raises(ValueError, match=r"missing \['3', '8'\]"):
+        NumberVocab.from_tokenizer(_Tokenizer(["a"] + [d for d in "0123456789" if d not in "38"]))
+    with pytest.raises(ValueError, match="every token of tokenizer 'toy' is a number"):
+        NumberVocab.from_tokenizer(_Tokenizer(list("0123456789")))
+    with pytest.raises(ValueError, match="vocab_size=5 is smaller than the tokenizer's vocabulary"):
+        NumberVocab.from_tokenizer(_Tokenizer(["a"] + list("0123456789")), vocab_size=5)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        NumberVocab(token_ids=(3, 2), values=(0.0, 1.0), vocab_size=10)
+    with pytest.raises(FileNotFoundError, match="no number vocabulary"):
+        NumberVocab.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid number-vocabulary JSON"):
+        NumberVocab.load(tmp_path / "bad.json")
