@@ -60,9 +60,9 @@ class _ShardReductions(torch.autograd.Function):
     The full-vocabulary log-sum-exp is `shift + log(sum_exp)`, kept in two parts so that softmax
     probabilities are `exp(z - shift) / sum_exp`, as precise as `torch.softmax`.
 
-    Forward: when `need_lse`, one all-reduce MAX over the TP group of the local log-sum-exp (`[n]`,
+    Forward: when `need_lse`, one all-reduce MAX over the TP group of the local row maxima (`[n]`,
     plus the shard's end index) giving `shift`, then one all-reduce SUM of a packed `[n, K + 2]`
-    float32 buffer (column 0: `exp(local_lse - shift)`, column 1: the target logit where this shard
+    float32 buffer (column 0: the local `sum(exp(z - shift))`, column 1: the target logit where this shard
     owns the target, columns 2..: the number-token logits this shard owns, zeros elsewhere), plus the
     shard width. Every rank gets identical replicated results and computes the same loss from them.
 
@@ -83,13 +83,15 @@ class _ShardReductions(torch.autograd.Function):
         table = packed[:-1].view(n, num_numbers + 2)
         shift = torch.zeros(n, dtype=dtype, device=logits.device)
         if need_lse:
-            local_lse = torch.logsumexp(logits.to(dtype), dim=-1)
-            max_buf = torch.cat([local_lse, local_lse.new_tensor([layout.vocab_start_index + layout.local_width])])
+            # shift = the row's largest logit over the whole vocabulary: a max is exact, so every TP
+            # layout (and one device) sees bitwise the same exp(z - shift) for each column.
+            max_buf = torch.cat([logits.amax(dim=-1).to(dtype),
+                                 shift.new_tensor([layout.vocab_start_index + layout.local_width])])
             if parallel:
                 dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=tp_group)
-            # A row whose logits are all -inf has lse -inf everywhere; keep exp() finite.
+            # A row whose logits are all -inf would give nan; its sum_exp is 0 and its lse -inf.
             shift = torch.where(torch.isfinite(max_buf[:-1]), max_buf[:-1], 0.0)
-            torch.exp(local_lse - shift, out=table[:, 0])
+            table[:, 0] = torch.sub(logits, shift.unsqueeze(1)).to(dtype).exp_().sum(-1)
             global_end = max_buf[-1]
         if target_owned is not None:
             picked = logits.gather(1, target_local.unsqueeze(1)).squeeze(1)

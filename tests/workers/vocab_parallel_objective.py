@@ -1,0 +1,149 @@
+"""Worker: CE + NTL on vocabulary shards over a TP group equals the single-process result.
+
+Every rank builds the same full logits, computes the single-process objective on them, then the
+vocabulary-parallel objective on its own shard, and checks loss and logit gradients. Run with
+WORLD_SIZE = dp * tp processes; TP groups are consecutive ranks. Also counts the collectives of one
+objective call and checks that a full-vocabulary tensor passed as a shard fails on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, number_token_loss
+from ntl_pretrain.numbers import NumberVocab
+
+TOKENIZER_SIZE, PADDED_VOCAB = 60, 64  # the model's vocabulary is padded past the tokenizer's
+PLACEMENTS = {
+    "last_shard": list(range(50, 60)),
+    "split": [3, 9, 17, 22, 30, 35, 41, 47, 52, 58],
+    "not_rank0": list(range(33, 43)),
+}
+VALUE_ORDER = [7, 3, 0, 9, 1, 5, 2, 8, 4, 6]  # ids not in numeric order, like Llama-2's digits
+SETTINGS = [NTLSettings(variant=v, reweigh=r) for v, r in itertools.product(
+    ["was", "mse", "mae", "huber", "number_level"], [False, True])] + [
+    NTLSettings(variant="was", squash_factor=3.0), NTLSettings(variant="was", smoothing_sigma=0.8)]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def make_batch(number_ids: list[int], seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 16, PADDED_VOCAB, generator=generator) * 2
+    labels = torch.randint(0, TOKENIZER_SIZE, (2, 16), generator=generator)
+    digits = torch.rand(2, 16, generator=generator) < 0.5
+    labels[digits] = torch.tensor(number_ids)[torch.randint(0, 10, (int(digits.sum()),), generator=generator)]
+    labels[1, :4] = -100
+    return logits, labels
+
+
+def shard_bounds(tp_rank: int, tp_size: int, uneven: bool) -> tuple[int, int]:
+    if uneven:  # AutoTP may cut the vocabulary unevenly
+        cuts = [0, 30, PADDED_VOCAB] if tp_size == 2 else [0, 10, 30, 50, PADDED_VOCAB]
+        return cuts[tp_rank], cuts[tp_rank + 1]
+    width = PADDED_VOCAB // tp_size
+    return tp_rank * width, (tp_rank + 1) * width
+
+
+def check_case(number_ids, settings, tp_group, tp_rank, tp_size, uneven, seed) -> float:
+    vocab = NumberVocab(tuple(sorted(number_ids)), tuple(float(VALUE_ORDER[i]) for i in range(10)), TOKENIZER_SIZE)
+    logits, labels = make_batch(number_ids, seed)
+    start, end = shard_bounds(tp_rank, tp_size, uneven)
+
+    full = logits.clone().requires_grad_()
+    reference = ce_ntl_sums(full, labels, vocab, settings)
+    ref_total = reference.ce_sum + 0.7 * reference.ntl_sum
+    (ref_grad,) = torch.autograd.grad(ref_total, full)
+
+    shard = logits[..., start:end].clone().requires_grad_()
+    ours = ce_ntl_sums(shard, labels, vocab, settings, tp_group=tp_group, vocab_start_index=start)
+    total = ours.ce_sum + 0.7 * ours.ntl_sum
+    (grad,) = torch.autograd.grad(total, shard)
+
+    errors = [relative_error(total, ref_total), relative_error(grad, ref_grad[..., start:end])]
+    for name in ("token_count", "ntl_count", "number_tokens", "abs_error_sum"):
+        errors.append(relative_error(getattr(ours, name), getattr(reference, name)))
+
+    # the NTL-only entry point takes the shard too
+    ntl = number_token_loss(shard, labels, vocab, variant=settings.variant, reweigh=settings.reweigh,
+                            squash_factor=settings.squash_factor, smoothing_sigma=settings.smoothing_sigma,
+                            tp_group=tp_group, vocab_start_index=start, reduction="none")
+    ntl_ref = number_token_loss(logits, labels, vocab, variant=settings.variant, reweigh=settings.reweigh,
+                                squash_factor=settings.squash_factor, smoothing_sigma=settings.smoothing_sigma,
+                                reduction="none")
+    errors.append(relative_error(ntl, ntl_ref))
+    worst = max(errors)
+    assert worst <= 1e-6, f"{settings} ids={number_ids} uneven={uneven}: relative errors {errors}"
+    return worst
+
+
+def count_collectives(tp_group, tp_rank, tp_size) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    original = dist.all_reduce
+
+    def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        key = f"{'MAX' if op == dist.ReduceOp.MAX else 'SUM' if op == dist.ReduceOp.SUM else op}"
+        counts[key] = counts.get(key, 0) + 1
+        assert group is tp_group, "objective collectives must run on the TP group passed in"
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    for name in ("all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "all_to_all", "barrier"):
+        setattr(dist, name, _forbidden(name))
+    dist.all_reduce = counting_all_reduce
+    vocab = NumberVocab(tuple(PLACEMENTS["split"]), tuple(float(v) for v in VALUE_ORDER), TOKENIZER_SIZE)
+    logits, labels = make_batch(PLACEMENTS["split"], 0)
+    start, end = shard_bounds(tp_rank, tp_size, False)
+    shard = logits[..., start:end].clone().requires_grad_()
+    sums = ce_ntl_sums(shard, labels, vocab, NTLSettings(reweigh=True), tp_group=tp_group, vocab_start_index=start)
+    (sums.ce_sum + sums.ntl_sum).backward()
+    dist.all_reduce = original
+    return counts
+
+
+def _forbidden(name):
+    def call(*args, **kwargs):
+        raise AssertionError(f"the objective must not call dist.{name}")
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp_size = args.tp
+    groups = [dist.new_group(list(range(first, first + tp_size))) for first in range(0, world, tp_size)]
+    tp_group, tp_rank = groups[rank // tp_size], rank % tp_size
+
+    worst = 0.0
+    for (placement, ids), settings in itertools.product(PLACEMENTS.items(), SETTINGS):
+        worst = max(worst, check_case(ids, settings, tp_group, tp_rank, tp_size, uneven=False, seed=rank // tp_size))
+    for settings in (NTLSettings(variant="was", reweigh=True), NTLSettings(variant="number_level")):
+        worst = max(worst, check_case(PLACEMENTS["split"], settings, tp_group, tp_rank, tp_size, uneven=True, seed=3))
+
+    # a full-vocabulary tensor passed where a shard is expected fails on every rank (no hang)
+    vocab = NumberVocab(tuple(PLACEMENTS["split"]), tuple(float(v) for v in VALUE_ORDER), TOKENIZER_SIZE)
+    logits, labels = make_batch(PLACEMENTS["split"], 0)
+    try:
+        ce_ntl_sums(logits, labels, vocab, tp_group=tp_group, vocab_start_index=tp_rank * (PADDED_VOCAB // tp_size))
+    except ValueError as error:
+        assert "do not tile the vocabulary" in str(error), error
+    else:
+        raise AssertionError("full logits passed as a shard were accepted")
+
+    counts = count_collectives(tp_group, tp_rank, tp_size)
+    assert counts == {"MAX": 1, "SUM": 1}, counts
+    print(f"rank {rank}: OK worst relative error {worst:.2e}, collectives per call {counts}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
