@@ -1,0 +1,266 @@
+"""Single-process evaluation: cached batched greedy decoding against a naive reference, a toy model that has
+learnt single-digit addition evaluated through the hook, TensorBoard tags and the predictions JSONL."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ntl_pretrain.eval.arithmetic import generate_problems, is_interpolation_problem, make_problem
+from ntl_pretrain.eval.config import EvalConfig
+from ntl_pretrain.eval.generate import global_argmax, greedy_generate, ParallelLayout, truncate_at_stop
+from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
+
+CHARS = "0123456789+-*=.,$ \nabcdefghijklmnopqrstuvwxyzQA:?#"
+
+
+def char_tokenizer(chars: str = CHARS):
+    """One token per character (digits are single tokens), with <pad>=0 and </s>=1."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for char in chars:
+        vocab.setdefault(char, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, initializer_range: float = 0.02, max_positions: int = 256):
+    """A 2-layer Llama small enough for CPU tests (4 heads, 2 KV heads: shardable over 2 TP ranks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         initializer_range=initializer_range, tie_word_embeddings=False, bos_token_id=None,
+                         eos_token_id=1, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def naive_greedy(model, tokenizer, prompt: str, max_new_tokens: int, stop=()) -> tuple[str, float]:
+    """Reference decoding: no cache, no padding, one prompt at a time, full forward every step.
+
+    Also returns the smallest gap between the best and second-best logit seen, so a caller can check that
+    its comparison is not decided by float round-off."""
+    ids = tokenizer(prompt)["input_ids"]
+    generated: list[int] = []
+    smallest_gap = math.inf
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + generated])).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        smallest_gap = min(smallest_gap, float(top[0] - top[1]))
+        token = int(torch.argmax(logits))
+        if token == tokenizer.eos_token_id:
+            break
+        generated.append(token)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        if any(s in text for s in stop):
+            break
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    cuts = [text.find(s) for s in stop if s in text]
+    return (text[:min(cuts)] if cuts else text), smallest_gap
+
+
+PROMPTS = ["12+3=", "a", "hello world 123*45=", "7-8=", "q: what?", "1", "zz", "the answer is"]
+
+
+def test_batched_cached_generation_matches_naive_reference():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=0, initializer_range=0.3)
+    max_new = [1, 20, 3, 12, 30, 7, 25, 16]
+    stop = ["?", "zz"]
+    expected = [naive_greedy(model, tokenizer, p, m, stop)[0] for p, m in zip(PROMPTS, max_new)]
+    for batch_size in (1, 3, 8):
+        output = greedy_generate(model, tokenizer, PROMPTS, max_new_tokens=max_new, stop=stop, batch_size=batch_size)
+        assert output.texts == expected, f"batch_size={batch_size}"
+    assert output.new_tokens > 0 and output.forward_passes > 0
+    assert not model.training
+
+
+def test_generation_stops_at_eos_and_respects_zero_budget():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=1, initializer_range=0.3)
+    free_run, _ = naive_greedy(model, tokenizer, "12", 12)
+    assert len(set(free_run)) > 2, free_run
+    # Declare the third generated character the end-of-sequence token: decoding must stop just before it.
+    stop_char = free_run[2]
+    tokenizer.eos_token = stop_char
+    output = greedy_generate(model, tokenizer, ["12", "3+4="], max_new_tokens=[12, 0])
+    assert output.texts == [free_run[:free_run.index(stop_char)], ""]
+    assert output.new_tokens == free_run.index(stop_char)
+
+
+def test_all_tied_logits_pick_the_lowest_id():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=1, initializer_range=0.3)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()  # hidden states become 0, so every logit is exactly 0
+    assert torch.all(model(torch.tensor([[5, 6]])).logits == 0)
+    output = greedy_generate(model, tokenizer, ["12"], max_new_tokens=5)
+    # id 0 is <pad>: five of them are generated (it is not EOS) and decode to nothing.
+    assert output.texts == [""] and output.new_tokens == 5
+
+
+def test_global_argmax_breaks_ties_by_lowest_id():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]])
+    assert global_argmax(logits, ParallelLayout()).tolist() == [1, 0, 2]
+    shifted = ParallelLayout(vocab_start=100, vocab_end=104)  # a shard: ids are offset by its start
+    assert global_argmax(logits, shifted).tolist() == [101, 100, 102]
+
+
+def test_truncate_at_stop_cuts_at_earliest_stop():
+    assert truncate_at_stop("42\n\nQuestion: next", ("Question:", "\n\n")) == ("42", True)
+    assert truncate_at_stop("no stop here", ("Q:",)) == ("no stop here", False)
+
+
+def test_prompts_longer_than_the_model_keep_their_end():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=2, initializer_range=0.3, max_positions=16)
+    long_prompt = "abcdefghijklmnopqrstuvwxyz" * 2 + "1+2="
+    output = greedy_generate(model, tokenizer, [long_prompt], max_new_tokens=4)
+    expected, _ = naive_greedy(model, tokenizer, long_prompt[-12:], 4)  # 16 positions - 4 new tokens
+    assert output.texts == [expected]
+
+
+def test_generation_rejects_bad_arguments():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer))
+    with pytest.raises(ValueError, match="one per prompt"):
+        greedy_generate(model, tokenizer, ["1", "2"], max_new_tokens=[3])
+    with pytest.raises(ValueError, match="batch_size=0"):
+        greedy_generate(model, tokenizer, ["1"], max_new_tokens=3, batch_size=0)
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        greedy_generate(model, tokenizer, [""], max_new_tokens=3)
+
+
+# ------------------------------------------------------------------ a toy model that has learnt an arithmetic task
+@pytest.fixture(scope="module")
+def addition_model():
+    """A tiny Llama trained (plain torch, full batch) on all 100 single-digit additions "a+b=c</s>"."""
+    tokenizer = char_tokenizer("0123456789+-*=")
+    model = tiny_llama(len(tokenizer), seed=0)
+    model.train()
+    documents = [make_problem(a, b, "+") for a in range(10) for b in range(10)]
+    encoded = [tokenizer(p.text)["input_ids"] + [tokenizer.eos_token_id] for p in documents]
+    width = max(len(ids) for ids in encoded)
+    inputs = torch.tensor([ids + [0] * (width - len(ids)) for ids in encoded])
+    labels = torch.tensor([[-100] * len(tokenizer(p.prompt)["input_ids"]) + ids[len(tokenizer(p.prompt)["input_ids"]):]
+                           + [-100] * (width - len(ids)) for p, ids in zip(documents, encoded)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(250):
+        loss = model(input_ids=inputs, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return model, tokenizer
+
+
+def _expected_scores(model, tokenizer, problems, max_new_tokens):
+    """Accuracy, parseable share and MAE computed here from the naive decoder, independently of the eval code."""
+    outputs = [naive_greedy(model, tokenizer, p.prompt, max_new_tokens, ("\n",))[0] for p in problems]
+    values = [int(o) if o.lstrip("-").isdigit() else None for o in outputs]
+    parsed = [(v, p.answer) for v, p in zip(values, problems) if v is not None]
+    return {"accuracy": sum(v == g for v, g in parsed) / len(problems),
+            "parseable": len(parsed) / len(problems),
+            "mae": sum(abs(v - g) for v, g in parsed) / len(parsed) if parsed else math.nan}, outputs
+
+
+def test_toy_addition_model_evaluates_to_known_accuracy(addition_model, tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    model, tokenizer = addition_model
+    every_problem = [make_problem(a, b, "+") for a in range(10) for b in range(10)]
+    learnt, _ = _expected_scores(model, tokenizer, every_problem, 4)
+    assert learnt["accuracy"] == 1.0, "the toy model did not learn single-digit addition"
+
+    held_out = sum(is_interpolation_problem(p) for p in every_problem)
+    cfg = EvalConfig(arithmetic_n=held_out, arithmetic_ops=["+"], arithmetic_train_digits=[1, 1],
+                     arithmetic_extrapolation_digits=[2, 2], arithmetic_max_new_tokens=4, batch_size=5,
+                     samples_to_log=3)
+    writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
+    metrics = run_evaluation(model, tokenizer, cfg, step=7, output_dir=str(tmp_path), writer=writer)
+    writer.close()
+
+    assert metrics["eval/arith/interpolation/accuracy"] == 1.0
+    assert metrics["eval/arith/interpolation/add/accuracy"] == 1.0
+    assert metrics["eval/arith/interpolation/mae"] == 0.0
+    assert metrics["eval/arith/interpolation/digit_accuracy"] == 1.0
+    assert metrics["eval/arith/interpolation/n"] == held_out
+    extrapolation = generate_problems("extrapolation", held_out, cfg.arithmetic_seed, ops=("+",),
+                                      train_digits=(1, 1), extrapolation_digits=(2, 2))
+    expected, outputs = _expected_scores(model, tokenizer, extrapolation, 4)
+    for name in ("accuracy", "parseable", "mae"):
+        got = metrics[f"eval/arith/extrapolation/{name}"]
+        assert got == pytest.approx(expected[name], nan_ok=True), name
+
+    # Every prediction on disk, in order, with prompt, output, extracted answer and gold.
+    lines = [json.loads(line) for line in open(predictions_path(str(tmp_path), 7), encoding="utf-8")]
+    assert len(lines) == 2 * held_out
+    extrapolation_lines = [line for line in lines if line["split"] == "extrapolation"]
+    assert [line["prompt"] for line in extrapolation_lines] == [p.prompt for p in extrapolation]
+    assert [line["output"] for line in extrapolation_lines] == outputs
+    assert [line["gold"] for line in extrapolation_lines] == [p.answer for p in extrapolation]
+    assert all(set(line) >= {"prompt", "output", "extracted", "gold", "correct"} for line in lines)
+    assert os.path.basename(predictions_path(str(tmp_path), 7)) == "step_0000007.jsonl"
+
+    # TensorBoard: the scalars read back with tensorboard's own reader, plus the sample text.
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalar_tags = set(events.Tags()["scalars"])
+    for tag in ("eval/arith/interpolation/accuracy", "eval/arith/extrapolation/smape",
+                "eval/arith/extrapolation/digit_accuracy", "eval/arith/interpolation/parseable"):
+        assert tag in scalar_tags
+        (event,) = events.Scalars(tag)
+        assert event.step == 7
+        assert event.value == pytest.approx(metrics[tag], rel=1e-6)
+    assert "eval/samples/arith/text_summary" in events.Tags()["tensors"]
+
+
+def test_hook_runs_gsm8k_from_a_local_folder(addition_model, tmp_path: Path):
+    model, tokenizer = addition_model
+    data = tmp_path / "gsm"
+    data.mkdir()
+    # Made-up questions in GSM8K's format (the project copies no GSM8K problems); digits-only text suits the toy
+    # tokenizer, whose unknown characters simply become <unk>.
+    rows = [{"question": f"{a}+{b}", "answer": f"{a}+{b}={a + b}\n#### {a + b}"} for a, b in ((1, 2), (3, 4), (5, 1))]
+    for split in ("train", "test"):
+        with open(data / f"{split}.jsonl", "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+    cfg = EvalConfig(arithmetic_n=0, gsm8k_path=str(data), num_fewshot=2, gsm8k_limit=2, gsm8k_max_new_tokens=3,
+                     max_length=256)
+    metrics = run_evaluation(model, tokenizer, cfg, step=3, output_dir=str(tmp_path))
+    lines = [json.loads(line) for line in open(predictions_path(str(tmp_path), 3), encoding="utf-8")]
+    assert len(lines) == 2 and metrics["eval/gsm8k/n"] == 2
+    recomputed = sum(line["extracted"]["flexible-extract"] == line["gold"] for line in lines) / 2
+    assert metrics["eval/gsm8k/flexible-extract/accuracy"] == recomputed
+    assert lines[0]["gold"] == "3" and lines[0]["prompt"].endswith("Question: 1+2\nAnswer:")
+    final = run_evaluation(model, tokenizer, cfg, step=4, output_dir=str(tmp_path), final=True)
+    assert final["eval/gsm8k/n"] == 3  # the final evaluation uses the whole test split by default
+
+
+def test_eval_config_validates_and_schedules():
+    cfg = EvalConfig(every_n_steps=50)
+    assert [step for step in range(0, 201) if cfg.is_due(step)] == [50, 100, 150, 200]
+    assert cfg.is_due(13, final=True) and not EvalConfig(at_end=False).is_due(13, final=True)
+    assert not EvalConfig().is_due(100)
+    with pytest.raises(ValueError, match="arithmetic_extrapolation_digits"):
+        EvalConfig(arithmetic_extrapolation_digits=[3, 6])
+    with pytest.raises(ValueError, match="arithmetic_ops"):
+        EvalConfig(arithmetic_ops=["/"])
+    with pytest.raises(ValueError, match="gsm8k_variant"):
+        EvalConfig(gsm8k_variant="gsm8k_fr")
+    with pytest.raises(ValueError, match="batch_size"):
+        EvalConfig(batch_size=0)
+    with pytest.raises(ValueError, match="arithmetic_splits"):
+        EvalConfig(arithmetic_splits=["train"])
