@@ -1,3 +1,41 @@
 #!/usr/bin/env bash
-echo "not yet implemented: see README" >&2
-exit 2
+# ntl-pretrain launcher. This file is both a bash script and a Python script:
+#
+#   deepspeed launch/pretrain.sh --config configs/demo.yaml [key=value ...]
+#       DeepSpeed's launcher runs `python -u launch/pretrain.sh --local_rank=N ...` once per rank;
+#       Python reads this file and starts the trainer (the bash part below is a Python string).
+#   deepspeed --hostfile hostfile launch/pretrain.sh --config ...      (several nodes)
+#   bash launch/pretrain.sh --config configs/demo.yaml [key=value ...]
+#       starts DeepSpeed's launcher on this machine: all local GPUs, or NTL_CPU_PROCS (default 2)
+#       CPU processes with DS_ACCELERATOR=cpu (gloo) when there is no GPU. --help, --dry-run run directly.
+""":"
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(dirname "$here")"
+python_bin="${PYTHON:-python}"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+for arg in "$@"; do
+    case "$arg" in
+        -h|--help|--dry-run|--dry_run) exec "$python_bin" -u "$here/pretrain.sh" "$@" ;;
+    esac
+done
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    exec deepspeed ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
+fi
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+procs="${NTL_CPU_PROCS:-2}"
+# each CPU rank gets an equal share of the cores (oversubscribed BLAS threads make it crawl)
+cores="$(nproc)"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / procs > 0 ? cores / procs : 1 ))}"
+echo "no GPU found: starting $procs CPU processes (DS_ACCELERATOR=$DS_ACCELERATOR, OMP_NUM_THREADS=$OMP_NUM_THREADS)" >&2
+exec deepspeed --num_gpus "$procs" ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
+":"""
+# ---------------------------------------------------------------------------------------------- Python
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from ntl_pretrain.train import main  # noqa: E402
+
+sys.exit(main())

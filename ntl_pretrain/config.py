@@ -1,0 +1,522 @@
+"""Typed run configuration: dataclasses loaded from YAML, `key.sub=value` overrides, strict validation.
+
+A run is described by one YAML file whose sections mirror the dataclasses below (`model`, `tokenizer`,
+`data`, `loss`, `parallel`, `optim`, `train`, `checkpoint`, `monitor`, `deepspeed`, `eval`). Any key can
+be overridden on the command line as `section.key=value` (values are parsed as YAML, so `true`, `3`,
+`[0.9, 0.95]` and `null` work; list items are addressed by index: `data.sources.0.weight=2`).
+Unknown keys are rejected with the nearest valid key named; values are type-checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import yaml
+
+from .eval.config import EvalConfig
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    """A dataclass field whose one-line doc is kept in its metadata (for `--help`)."""
+    return field(metadata={"doc": text}, **kwargs)
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to train and how to build it."""
+
+    name_or_path: str | None = _doc(
+        "Hub id or local folder for from_pretrained (continued pretraining); null builds a new model "
+        "from model.architecture", default=None)
+    architecture: dict[str, Any] = _doc(
+        "transformers config keys for a model built from scratch (needs model_type, e.g. llama); with "
+        "name_or_path set, these keys override the loaded config", default_factory=dict)
+    dtype: str = _doc("training precision: bf16 | fp16 | fp32 (DeepSpeed's bf16/fp16 sections)", default="bf16")
+    attn_implementation: str = _doc(
+        "auto (flash_attention_2 when flash-attn imports and CUDA is present, else sdpa) | sdpa | eager | "
+        "flash_attention_2", default="auto")
+    gradient_checkpointing: bool = _doc("recompute activations in backward to save memory", default=False)
+    trust_remote_code: bool = _doc("allow model code from the hub (off unless you trust the repository)",
+                                   default=False)
+    resize_embeddings: bool = _doc(
+        "resize the embeddings when the tokenizer has more tokens than the model (new rows: mean init)",
+        default=False)
+    pad_vocab_to_multiple_of: int = _doc(
+        "pad a resized or newly built vocabulary to a multiple of this (times parallel.tp_size if that "
+        "does not divide it)", default=64)
+    init_seed: int = _doc("seed of the weight initialisation of a model built from scratch", default=1234)
+
+
+@dataclass
+class TokenizerConfig:
+    """The tokenizer and its number vocabulary."""
+
+    name_or_path: str | None = _doc("Hub id or local folder; null uses model.name_or_path", default=None)
+    train_vocab_size: int = _doc(
+        "> 0: when name_or_path does not exist yet, train a digit-level byte-level BPE of this size on the "
+        "training data and save it there (the demo's self-made tokenizer)", default=0)
+    digit_level: bool = _doc("NTL acts on the ten bare digits 0-9 (else on every token that parses as a number)",
+                             default=True)
+
+
+@dataclass
+class DataSourceConfig:
+    """One dataset of the training mixture."""
+
+    path: str = _doc("local .jsonl/.json/.parquet/.txt file or glob, a folder of them, or a hub dataset id",
+                     default="")
+    name: str | None = _doc("hub dataset configuration name", default=None)
+    split: str = _doc("dataset split to read", default="train")
+    text_field: str = _doc("column that holds the document text", default="text")
+    weight: float = _doc("sampling weight in the mixture (normalised over sources)", default=1.0)
+    streaming: bool = _doc("stream instead of downloading/tokenizing everything first (large corpora)",
+                           default=False)
+    generate_arithmetic: int = _doc(
+        "> 0: when path does not exist, write this many generated arithmetic and number-rich documents "
+        "there first (the demo's self-made corpus)", default=0)
+
+
+@dataclass
+class DataConfig:
+    """Datasets, tokenization and packing."""
+
+    sources: list[DataSourceConfig] = _doc("datasets mixed by weight", default_factory=list)
+    seq_len: int = _doc("tokens per packed training sequence", default=2048)
+    micro_batch_size: int = _doc("sequences per data-parallel rank and micro-batch "
+                                 "(DeepSpeed train_micro_batch_size_per_gpu)", default=1)
+    validation_documents: int = _doc("documents of each source held out for validation", default=200)
+    seed: int = _doc("seed of the document split, shuffling and mixture", default=1234)
+    num_proc: int = _doc("processes for tokenization (datasets.map num_proc)", default=1)
+    cache_dir: str | None = _doc("datasets cache folder; null uses the Hugging Face default", default=None)
+
+
+@dataclass
+class LossConfig:
+    """Cross-entropy plus the Number Token Loss."""
+
+    enabled: bool = _doc("add NTL to CE (false: CE only)", default=True)
+    ntl_weight: float = _doc("lambda: loss = CE + lambda * NTL", default=0.3)
+    ntl_schedule: str = _doc("constant | linear_warmup (lambda rises from 0 over ntl_warmup_steps)",
+                             default="constant")
+    ntl_warmup_steps: int = _doc("steps of the linear lambda warm-up", default=0)
+    variant: str = _doc("was | mse | mae | huber | number_level", default="was")
+    reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
+    squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
+    smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)
+    float_level: bool = _doc("number_level: a '.' between digits joins them into one number", default=False)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism (DeepSpeed ZeRO and AutoTP)."""
+
+    tp_size: int = _doc("tensor-parallel size (DeepSpeed tensor_parallel.autotp_size); divides the world size",
+                        default=1)
+    zero_stage: int = _doc("ZeRO stage 0-3 (DeepSpeed zero_optimization.stage)", default=3)
+    offload_optimizer: str = _doc("none | cpu | nvme (zero_optimization.offload_optimizer.device)", default="none")
+    offload_param: str = _doc("none | cpu | nvme (zero_optimization.offload_param.device, stage 3)", default="none")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = _doc("peak learning rate", default=3e-4)
+    weight_decay: float = _doc("AdamW weight decay", default=0.1)
+    betas: list[float] = _doc("AdamW betas", default_factory=lambda: [0.9, 0.95])
+    eps: float = _doc("AdamW epsilon", default=1e-8)
+    lr_schedule: str = _doc("cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR)",
+                            default="cosine")
+    warmup_steps: int = _doc("learning-rate warm-up steps", default=100)
+    min_lr_ratio: float = _doc("cosine: final lr as a fraction of lr", default=0.1)
+    grad_clip: float = _doc("clip the global gradient norm to this (DeepSpeed gradient_clipping; 0 = off)",
+                            default=1.0)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    output_dir: str = _doc("run folder: resolved config, checkpoints, TensorBoard", default="runs/default")
+    max_steps: int = _doc("optimizer steps to train", default=1000)
+    grad_accum_steps: int = _doc("micro-batches per optimizer step (DeepSpeed gradient_accumulation_steps)",
+                                 default=1)
+    seed: int = _doc("seed of dropout and other runtime randomness", default=1234)
+    log_every_n_steps: int = _doc("steps between log lines / TensorBoard points", default=1)
+    val_every_n_steps: int = _doc("steps between validation losses (0 = only at the end, -1 = never)",
+                                  default=200)
+    val_batches: int = _doc("micro-batches per data-parallel rank in one validation", default=8)
+    resume: str = _doc("none | auto (newest checkpoint in output_dir) | a checkpoint tag in output_dir",
+                       default="none")
+    dist_timeout_minutes: int = _doc("collectives that wait longer than this fail the job instead of hanging",
+                                     default=30)
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving checkpoints."""
+
+    every_n_steps: int = _doc("steps between checkpoints (0 = only at the end)", default=1000)
+    save_final: bool = _doc("save a checkpoint after the last step", default=True)
+
+
+@dataclass
+class MonitorConfig:
+    """TensorBoard and console output."""
+
+    tensorboard_dir: str | None = _doc("TensorBoard folder; null uses output_dir/tensorboard", default=None)
+    progress_bar: str = _doc("auto (tqdm on a terminal, log lines otherwise) | always | never", default="auto")
+
+
+@dataclass
+class DeepSpeedSection:
+    """A user's own DeepSpeed JSON, merged over the configuration generated from this file."""
+
+    config: str | None = _doc(
+        "path of a DeepSpeed JSON; its keys override the generated ones (\"auto\" keeps the generated value)",
+        default=None)
+
+
+@dataclass
+class Config:
+    """A whole training run."""
+
+    model: ModelConfig = _doc("the model", default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = _doc("the tokenizer", default_factory=TokenizerConfig)
+    data: DataConfig = _doc("the data", default_factory=DataConfig)
+    loss: LossConfig = _doc("the objective", default_factory=LossConfig)
+    parallel: ParallelConfig = _doc("parallelism", default_factory=ParallelConfig)
+    optim: OptimConfig = _doc("the optimizer", default_factory=OptimConfig)
+    train: TrainConfig = _doc("the loop", default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = _doc("checkpoints", default_factory=CheckpointConfig)
+    monitor: MonitorConfig = _doc("monitoring", default_factory=MonitorConfig)
+    deepspeed: DeepSpeedSection = _doc("DeepSpeed JSON merge", default_factory=DeepSpeedSection)
+    eval: EvalConfig = _doc("evaluation hooks (ntl_pretrain.eval)", default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration a user wrote is invalid; the message names the key and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- keys
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def iter_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, Any, str]]:
+    """(dotted key, type, default, doc) of every leaf key, sections first-to-last."""
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from iter_keys(hint, key + ".")
+            continue
+        item = _list_item_dataclass(hint)
+        if item is not None:
+            yield key, hint, _default_of(f), f.metadata.get("doc", "")
+            yield from iter_keys(item, key + ".N.")
+            continue
+        yield key, hint, _default_of(f), f.metadata.get("doc", "")
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _list_item_dataclass(hint: Any) -> type | None:
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def help_text() -> str:
+    """Every configuration key with its type, default and meaning (for `--help`)."""
+    lines = []
+    section = None
+    for key, hint, default, doc in iter_keys():
+        top = key.split(".")[0]
+        if top != section:
+            section = top
+            lines.append(f"\n[{top}]")
+        lines.append(f"  {key} ({_type_name(hint)}, default {default!r})\n      {doc}")
+    return "\n".join(lines)
+
+
+def _nearest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.0)
+    return match[0] if match else ""
+
+
+def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
+    full_valid = [k for k, *_ in iter_keys()]
+    nearest = _nearest(key, [k for k in full_valid if ".N." not in k] + [k.replace(".N.", ".0.") for k in full_valid])
+    return ConfigError(f"unknown config key {key!r} ({where}); did you mean {nearest!r}? "
+                       f"See `launch/pretrain.sh --help` for every key.")
+
+
+# ---------------------------------------------------------------------------------------------- typing
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check (and where lossless, convert) a YAML value against a field's type."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be null")
+    if hint is Any:
+        return value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping of {hint.__name__} keys, got {value!r}")
+        return _build(hint, value, key + ".")
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item, f"{key}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {type(value).__name__} {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {type(value).__name__} {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {type(value).__name__} {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {type(value).__name__} {value!r}; quote it in YAML")
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = _type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise _unknown_key_error(f"{prefix}{key}", names, f"not a key of [{prefix.rstrip('.') or 'top level'}]")
+    kwargs = {name: _coerce(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    """Set `a.b.0.c` in a nested dict/list tree, creating mappings on the way (checked later)."""
+    parts = key.split(".")
+    node: Any = tree
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) > len(node):
+                raise ConfigError(f"override {key!r}: {'.'.join(parts[:depth])} is a list of {len(node)} items; "
+                                  f"use an index 0..{len(node)}")
+            index = int(part)
+            if index == len(node):
+                node.append({})
+            if last:
+                node[index] = value
+            else:
+                if node[index] is None:
+                    node[index] = {}
+                node = node[index]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {'.'.join(parts[:depth])} is not a section")
+        if last:
+            node[part] = value
+        else:
+            child = node.get(part)
+            if child is None:
+                child = [] if parts[depth + 1].isdigit() else {}
+                node[part] = child
+            node = child
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.sub=value` -> (key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"command-line argument {text!r} is not an override of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has no key before '='")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _validate_override_key(key: str) -> None:
+    """Reject an override of a key that does not exist, naming the nearest one."""
+    parts = key.split(".")
+    cls: Any = Config
+    walked = []
+    for part in parts:
+        if part.isdigit() and walked and isinstance(cls, tuple):
+            cls = cls[1]
+            walked.append(part)
+            continue
+        if not dataclasses.is_dataclass(cls):
+            if walked and cls is not None and typing.get_origin(cls) is dict:
+                return  # free-form mapping (model.architecture.hidden_size)
+            raise _unknown_key_error(key, [], f"{'.'.join(walked)} has no sub-keys")
+        hints = _type_hints(cls)
+        if part not in hints:
+            raise _unknown_key_error(key, list(hints), "not a known key")
+        hint = hints[part]
+        item = _list_item_dataclass(hint)
+        cls = ("list", item) if item is not None else hint
+        walked.append(part)
+
+
+# ---------------------------------------------------------------------------------------------- load/save
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or start from defaults), apply `key=value` overrides, validate."""
+    tree: dict = {}
+    if path is not None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist (pass --config configs/NAME.yaml)")
+        with open(path, encoding="utf-8") as handle:
+            try:
+                tree = yaml.safe_load(handle) or {}
+            except yaml.YAMLError as error:
+                raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(tree).__name__}")
+    for text in overrides:
+        key, value = parse_override(text)
+        _validate_override_key(key)
+        _set_dotted(tree, key, value)
+    config = _build(Config, tree)
+    validate(config)
+    return config
+
+
+_CHOICES = {
+    "model.dtype": ("bf16", "fp16", "fp32"),
+    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "loss.ntl_schedule": ("constant", "linear_warmup"),
+    "loss.variant": ("was", "mse", "mae", "huber", "number_level"),
+    "parallel.offload_optimizer": ("none", "cpu", "nvme"),
+    "parallel.offload_param": ("none", "cpu", "nvme"),
+    "optim.lr_schedule": ("cosine", "linear", "constant"),
+    "monitor.progress_bar": ("auto", "always", "never"),
+}
+
+
+def get_key(config: Config, key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node
+
+
+def validate(config: Config) -> None:
+    """Checks that need several keys or value ranges (types were checked while loading)."""
+    for key, choices in _CHOICES.items():
+        value = get_key(config, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    positive = ["data.seq_len", "data.micro_batch_size", "train.max_steps", "train.grad_accum_steps",
+                "parallel.tp_size", "model.pad_vocab_to_multiple_of", "train.log_every_n_steps",
+                "data.num_proc", "train.dist_timeout_minutes", "train.val_batches"]
+    for key in positive:
+        if get_key(config, key) < 1:
+            raise ConfigError(f"{key} must be >= 1, got {get_key(config, key)}")
+    if config.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {config.parallel.zero_stage}")
+    if config.parallel.offload_param != "none" and config.parallel.zero_stage != 3:
+        raise ConfigError("parallel.offload_param needs parallel.zero_stage=3")
+    if config.model.name_or_path is None and not config.model.architecture:
+        raise ConfigError("set model.name_or_path (continued pretraining) or model.architecture "
+                          "(a new model, e.g. {model_type: llama, hidden_size: 256, ...})")
+    if config.model.name_or_path is None and "model_type" not in config.model.architecture:
+        raise ConfigError("model.architecture needs model_type (e.g. llama, qwen2, mistral) to build a new model")
+    if not config.data.sources:
+        raise ConfigError("data.sources is empty; add at least one source, e.g. "
+                          "data.sources=[{path: corpus.jsonl, text_field: text}]")
+    for i, source in enumerate(config.data.sources):
+        if not source.path:
+            raise ConfigError(f"data.sources.{i}.path is empty; give a file, folder or hub dataset id")
+        if not source.weight > 0:
+            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight}")
+        if source.generate_arithmetic < 0:
+            raise ConfigError(f"data.sources.{i}.generate_arithmetic must be >= 0")
+    if config.data.validation_documents < 0:
+        raise ConfigError("data.validation_documents must be >= 0")
+    if config.train.val_every_n_steps >= 0 and config.data.validation_documents == 0:
+        raise ConfigError("validation is on (train.val_every_n_steps >= 0) but data.validation_documents=0; "
+                          "hold out documents or set train.val_every_n_steps=-1")
+    if config.loss.ntl_weight < 0:
+        raise ConfigError(f"loss.ntl_weight must be >= 0, got {config.loss.ntl_weight}")
+    if config.loss.ntl_schedule == "linear_warmup" and config.loss.ntl_warmup_steps < 1:
+        raise ConfigError("loss.ntl_schedule=linear_warmup needs loss.ntl_warmup_steps >= 1")
+    if len(config.optim.betas) != 2:
+        raise ConfigError(f"optim.betas must be two numbers, got {config.optim.betas}")
+    if config.optim.warmup_steps < 0 or config.optim.grad_clip < 0:
+        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
+    if config.checkpoint.every_n_steps < 0:
+        raise ConfigError("checkpoint.every_n_steps must be >= 0")
+    if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
+        raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
+
+
+def write_resolved(config: Config, directory: str, filename: str = "config.yaml") -> str:
+    """Write the resolved configuration into the run folder (atomically)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, filename)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(to_yaml(config))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,344 @@
+"""Training data: `datasets` sources -> tokenized, packed, mixed, sharded by data-parallel rank, resumable.
+
+Each source (local jsonl/json/parquet/text/csv files, a folder of them, or a hub dataset id; optionally
+streamed) is split into held-out validation documents and training documents, tokenized, and packed
+Megatron-style: documents are concatenated with an EOS token after each one and cut into samples of
+`seq_len + 1` tokens where sample i covers tokens [i*seq_len, (i+1)*seq_len] (consecutive samples share
+one token, none is lost). A sample gives `input_ids = s[:-1]` and `labels = s[1:]`, already aligned
+with the logits, so the trainer never slices the `[B, S, V]` logits.
+
+The global sample stream is a pure function of the seed: global sample g comes from the source a
+seeded draw (by weight) assigns to it, and is that source's next sample in a per-epoch seeded
+permutation (streamed sources are read in order). A step takes the next `micro_batch * dp * grad_accum`
+global samples; data-parallel rank r takes its micro-batches from them, and every tensor-parallel rank
+of a group takes the same ones. The stream position (samples consumed) is all a checkpoint needs to
+resume without repeating or skipping a sample.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .config import DataConfig, DataSourceConfig
+
+logger = logging.getLogger(__name__)
+
+TOKENS = "tokens"  # column of packed samples
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
+             ".jsonl.gz": "json", ".json.gz": "json"}
+_MIX_BLOCK = 4096  # global samples whose sources are drawn together
+
+
+class DataError(ValueError):
+    """A data source cannot be used; the message names the source key and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- sources
+def _builder_for(path: str) -> str | None:
+    lower = path.lower()
+    for ext in sorted(_BUILDERS, key=len, reverse=True):
+        if lower.endswith(ext):
+            return _BUILDERS[ext]
+    return None
+
+
+def _looks_local(path: str) -> bool:
+    return (path.startswith((".", "/", "~")) or os.sep in path and _builder_for(path) is not None
+            or _builder_for(path) is not None or any(ch in path for ch in "*?["))
+
+
+def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] | None:
+    """(datasets builder, files) of a local source, None for a hub dataset id; raises if a local path is missing."""
+    path = os.path.expanduser(source.path)
+    if os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                       if os.path.isfile(f) and _builder_for(f))
+        if not files:
+            raise DataError(f"{key}.path={source.path!r} is a folder without .jsonl/.json/.parquet/.txt/.csv files")
+    elif os.path.isfile(path):
+        files = [path]
+    elif any(ch in path for ch in "*?["):
+        files = sorted(glob.glob(path, recursive=True))
+        if not files:
+            raise DataError(f"{key}.path={source.path!r} matches no file")
+    elif _looks_local(source.path):
+        raise DataError(f"{key}.path={source.path!r}: no such file or folder (working directory {os.getcwd()}); "
+                        f"fix the path, or use a hub dataset id")
+    else:
+        return None
+    builders = {_builder_for(f) for f in files}
+    if None in builders or len(builders) != 1:
+        raise DataError(f"{key}.path={source.path!r} mixes or holds unsupported file types {sorted(map(str, builders))}; "
+                        f"use one of {sorted(set(_BUILDERS))}")
+    return builders.pop(), files
+
+
+def generate_missing_corpus(source: DataSourceConfig, seed: int) -> bool:
+    """Write the generated arithmetic corpus of a source that asks for one and is missing; True if written."""
+    if source.generate_arithmetic <= 0 or os.path.exists(source.path):
+        return False
+    from .eval.arithmetic import write_training_corpus
+
+    write_training_corpus(source.path, n=source.generate_arithmetic, seed=seed)
+    logger.info("wrote %d generated documents to %s", source.generate_arithmetic, source.path)
+    return True
+
+
+def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) -> Any:
+    """The source's documents as a `datasets` Dataset (or IterableDataset when streaming)."""
+    import datasets
+
+    resolved = resolve_files(source, key)
+    try:
+        if resolved is None:
+            documents = datasets.load_dataset(source.path, source.name, split=source.split,
+                                              streaming=source.streaming, cache_dir=cache_dir)
+        else:
+            builder, files = resolved
+            documents = datasets.load_dataset(builder, data_files=files, split="train",
+                                              streaming=source.streaming, cache_dir=cache_dir)
+    except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise DataError(f"cannot load {key}.path={source.path!r}: {error}") from None
+    except Exception as error:  # pyarrow / json parser errors on malformed files
+        raise DataError(f"cannot read {key}.path={source.path!r} ({type(error).__name__}: {error}); "
+                        f"check that the files are valid {resolved[0] if resolved else 'dataset'} data") from None
+    columns = documents.column_names
+    if columns is None:  # a stream without declared features: look at the first record
+        first = next(iter(documents), None)
+        columns = list(first) if first is not None else []
+        if first is None:
+            raise DataError(f"{key}.path={source.path!r} holds no documents")
+    if source.text_field not in columns:
+        raise DataError(f"{key}: the dataset {source.path!r} has no column {source.text_field!r} "
+                        f"(columns: {columns}); set {key}.text_field to the column that holds the text")
+    if not source.streaming and len(documents) == 0:
+        raise DataError(f"{key}.path={source.path!r} holds no documents (empty dataset)")
+    return documents
+
+
+def _packer(tokenizer: Any, text_field: str, seq_len: int):
+    eos = tokenizer.eos_token_id
+
+    def pack(batch: dict) -> dict:
+        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
+        flat: list[int] = []
+        for doc in ids:
+            flat.extend(doc)
+            flat.append(eos)
+        count = (len(flat) - 1) // seq_len
+        return {TOKENS: [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range(count)]}
+
+    return pack
+
+
+def pack_documents(documents: Any, tokenizer: Any, text_field: str, seq_len: int, num_proc: int,
+                   description: str) -> Any:
+    """Tokenize and pack documents into samples of seq_len + 1 tokens (batches of 1000 documents)."""
+    import datasets
+
+    kwargs: dict[str, Any] = dict(batched=True, batch_size=1000, remove_columns=documents.column_names)
+    if isinstance(documents, datasets.Dataset):
+        kwargs.update(num_proc=num_proc if num_proc > 1 else None, desc=description)
+    return documents.map(_packer(tokenizer, text_field, seq_len), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- ordering
+class Mixture:
+    """Which source each global sample comes from, and its index within that source (seeded, by weight)."""
+
+    def __init__(self, weights: list[float], seed: int) -> None:
+        total = float(sum(weights))
+        self.probabilities = np.asarray(weights, dtype=np.float64) / total
+        self.seed = seed
+        self._block_offsets: list[np.ndarray] = [np.zeros(len(weights), dtype=np.int64)]
+        self._block_cache: dict[int, np.ndarray] = {}
+
+    def _block(self, block: int) -> np.ndarray:
+        choice = self._block_cache.get(block)
+        if choice is None:
+            if len(self.probabilities) == 1:
+                choice = np.zeros(_MIX_BLOCK, dtype=np.int64)
+            else:
+                rng = np.random.default_rng([self.seed, block])
+                choice = rng.choice(len(self.probabilities), size=_MIX_BLOCK, p=self.probabilities)
+            if len(self._block_cache) > 8:
+                self._block_cache.clear()
+            self._block_cache[block] = choice
+        return choice
+
+    def _offsets(self, block: int) -> np.ndarray:
+        while len(self._block_offsets) <= block:
+            b = len(self._block_offsets) - 1
+            counts = np.bincount(self._block(b), minlength=len(self.probabilities))
+            self._block_offsets.append(self._block_offsets[-1] + counts)
+        return self._block_offsets[block]
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(source, index within the source) of global sample g."""
+        block, within = divmod(g, _MIX_BLOCK)
+        choice = self._block(block)
+        source = int(choice[within])
+        before = int(np.count_nonzero(choice[:within] == source))
+        return source, int(self._offsets(block)[source]) + before
+
+
+class _MapSource:
+    """Samples of an in-memory (arrow) source, in a fresh seeded permutation each epoch."""
+
+    def __init__(self, samples: Any, seed: int, index: int) -> None:
+        self.samples = samples.with_format("numpy")
+        self.size = len(samples)
+        self.seed, self.index = seed, index
+        self._permutations: dict[int, np.ndarray] = {}
+
+    def get(self, j: int) -> np.ndarray:
+        epoch, position = divmod(j, self.size)
+        permutation = self._permutations.get(epoch)
+        if permutation is None:
+            self._permutations = {epoch: np.random.default_rng([self.seed, self.index, epoch]).permutation(self.size)}
+            permutation = self._permutations[epoch]
+        return np.asarray(self.samples[int(permutation[position])][TOKENS])
+
+
+class _StreamSource:
+    """Samples of a streamed source, read in order (re-read from the start after its end)."""
+
+    def __init__(self, samples: Any, key: str) -> None:
+        self.samples, self.key = samples, key
+        self._iterator: Iterator[dict] | None = None
+        self._next = 0  # index of the sample the iterator yields next
+        self._yielded_this_pass = 0
+
+    def get(self, j: int) -> np.ndarray:
+        if self._iterator is None or j < self._next:  # (re)start: the stream is read in order only
+            self._iterator, self._next, self._yielded_this_pass = iter(self.samples), 0, 0
+        while True:
+            try:
+                sample = next(self._iterator)
+            except StopIteration:
+                if self._yielded_this_pass == 0:
+                    raise DataError(f"{self.key} yields no sample of seq_len + 1 tokens; add data or lower "
+                                    f"data.seq_len") from None
+                self._iterator, self._yielded_this_pass = iter(self.samples), 0
+                continue
+            self._yielded_this_pass += 1
+            index, self._next = self._next, self._next + 1
+            if index == j:
+                return np.asarray(sample[TOKENS])
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: input ids and labels of the same length (labels already shifted)."""
+
+    input_ids: torch.Tensor  # [micro_batch_size, seq_len] long
+    labels: torch.Tensor  # [micro_batch_size, seq_len] long
+
+
+def _to_micro_batch(samples: list[np.ndarray]) -> MicroBatch:
+    stacked = torch.from_numpy(np.stack(samples).astype(np.int64))
+    return MicroBatch(input_ids=stacked[:, :-1].contiguous(), labels=stacked[:, 1:].contiguous())
+
+
+class PretrainingData:
+    """The run's training and validation samples for one data-parallel rank.
+
+    Build with `PretrainingData.build(cfg, tokenizer, dp_rank=..., dp_size=...)`; every rank builds the
+    same streams, so the split of each batch over data-parallel ranks is consistent.
+    """
+
+    def __init__(self, cfg: DataConfig, sources: list[Any], validation: list[np.ndarray], *, dp_rank: int,
+                 dp_size: int) -> None:
+        self.cfg = cfg
+        self.sources = sources
+        self.validation = validation
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.mixture = Mixture([s.weight for s in cfg.sources], cfg.seed)
+        self.position = 0  # global samples consumed
+
+    @classmethod
+    def build(cls, cfg: DataConfig, tokenizer: Any, *, dp_rank: int, dp_size: int,
+              tokenize_first: bool = True) -> "PretrainingData":
+        """Load, split, tokenize and pack every source.
+
+        `tokenize_first`: whether this process fills the datasets cache before the others read it
+        (local rank 0); the caller orders the processes (see distributed.main_process_first).
+        """
+        sources: list[Any] = []
+        validation: list[np.ndarray] = []
+        for i, source in enumerate(cfg.sources):
+            key = f"data.sources.{i}"
+            documents = load_documents(source, key, cfg.cache_dir)
+            n_val = cfg.validation_documents
+            if source.streaming:
+                held_out, training = documents.take(n_val), documents.skip(n_val)
+            else:
+                if len(documents) <= n_val:
+                    raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
+                                    f"data.validation_documents={n_val}; lower data.validation_documents")
+                documents = documents.shuffle(seed=cfg.seed)
+                held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
+            packed = pack_documents(training, tokenizer, source.text_field, cfg.seq_len, cfg.num_proc,
+                                    f"packing {key}")
+            if source.streaming:
+                sources.append(_StreamSource(packed, key))
+            else:
+                if len(packed) == 0:
+                    raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
+                                    f"tokens after tokenization; add data or lower data.seq_len")
+                sources.append(_MapSource(packed, cfg.seed, i))
+            if n_val:
+                held_packed = pack_documents(held_out, tokenizer, source.text_field, cfg.seq_len, cfg.num_proc,
+                                             f"packing {key} (validation)")
+                validation.extend(np.asarray(s[TOKENS]) for s in held_packed)
+        return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size)
+
+    # ------------------------------------------------------------------ training
+    def sample(self, g: int) -> np.ndarray:
+        source, j = self.mixture.locate(g)
+        return self.sources[source].get(j)
+
+    def next_step(self, grad_accum_steps: int) -> list[MicroBatch]:
+        """This rank's micro-batches of the next optimizer step; advances the stream position."""
+        mbs, dp = self.cfg.micro_batch_size, self.dp_size
+        base = self.position
+        batches = []
+        for m in range(grad_accum_steps):
+            first = base + (m * dp + self.dp_rank) * mbs
+            batches.append(_to_micro_batch([self.sample(first + i) for i in range(mbs)]))
+        self.position = base + grad_accum_steps * dp * mbs
+        return batches
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed") != self.cfg.seed or state.get("seq_len") != self.cfg.seq_len:
+            raise DataError(f"the checkpoint's data stream (seed {state.get('seed')}, seq_len {state.get('seq_len')}) "
+                            f"differs from data.seed={self.cfg.seed}, data.seq_len={self.cfg.seq_len}; a resume "
+                            f"would repeat or skip samples")
+        self.position = int(state["position"])
+
+    # ------------------------------------------------------------------ validation
+    def validation_micro_batches(self, max_batches: int) -> list[MicroBatch]:
+        """This rank's validation micro-batches; the same count on every rank (collectives stay matched)."""
+        mbs, dp = self.cfg.micro_batch_size, self.dp_size
+        count = min(max_batches, len(self.validation) // (mbs * dp))
+        batches = []
+        for m in range(count):
+            first = (m * dp + self.dp_rank) * mbs
+            batches.append(_to_micro_batch(self.validation[first: first + mbs]))
+        return batches
+
+    def check_validation(self, max_batches: int) -> None:
+        if not self.validation_micro_batches(max_batches):
+            raise DataError(f"the validation split has {len(self.validation)} samples of seq_len + 1 tokens, fewer "
+                            f"than one micro-batch per data-parallel rank ({self.cfg.micro_batch_size} x {self.dp_size}); "
+                            f"raise data.validation_documents or set train.val_every_n_steps=-1")

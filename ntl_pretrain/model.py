@@ -1,0 +1,200 @@
+"""The tokenizer and the causal LM: load (continued pretraining) or build from a config (from scratch).
+
+- The tokenizer comes from `tokenizer.name_or_path` (or the model's); for the self-contained demo a
+  small digit-level byte-level BPE can be trained on the training corpus with `tokenizers`.
+- The model comes from `from_pretrained` or `from_config`, in the training precision, with
+  `flash_attention_2` when flash-attn imports and CUDA is present, else `sdpa` (the choice is logged).
+- When the tokenizer has more tokens than the model, the embeddings are resized (on request) and the
+  vocabulary padded to a multiple that the tensor-parallel size divides.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from .config import ModelConfig, TokenizerConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEMO_EOS = "<|endoftext|>"
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+def tokenizer_source(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> str:
+    source = tokenizer_cfg.name_or_path or model_cfg.name_or_path
+    if source is None:
+        raise ValueError("no tokenizer: set tokenizer.name_or_path")
+    return source
+
+
+def needs_training(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> bool:
+    """True when the configured tokenizer folder is to be trained here (the demo) and is not there yet."""
+    return tokenizer_cfg.train_vocab_size > 0 and not os.path.exists(tokenizer_source(tokenizer_cfg, model_cfg))
+
+
+def train_digit_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> str:
+    """Train a byte-level BPE in which every digit is its own token and save it as a HF tokenizer folder.
+
+    Digits are split off before the byte-level step, so "2024" is always "2","0","2","4" and the ten bare
+    digit tokens exist (they are part of the byte alphabet). The folder appears complete or not at all.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 300:
+        raise ValueError(f"tokenizer.train_vocab_size={vocab_size} is too small: the byte alphabet alone has "
+                         f"256 tokens; use at least 300")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[DEMO_EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=DEMO_EOS, pad_token=DEMO_EOS)
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=parent)
+    try:
+        wrapped.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> Any:
+    """The run's tokenizer (a `transformers` fast tokenizer) with an EOS token for document packing."""
+    from transformers import AutoTokenizer
+
+    source = tokenizer_source(tokenizer_cfg, model_cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot load the tokenizer {source!r} (tokenizer.name_or_path): {error}") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {source!r} has no EOS token, which packing puts between documents; "
+                         f"add one (tokenizer.eos_token = ...) and save the tokenizer again")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- model
+def choose_attention(requested: str) -> str:
+    """flash_attention_2 when flash-attn imports and CUDA is present, else sdpa (for "auto")."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def padded_vocab_size(size: int, pad_to_multiple_of: int, tp_size: int) -> int:
+    """`size` rounded up to a multiple of lcm(pad_to_multiple_of, tp_size)."""
+    multiple = math.lcm(pad_to_multiple_of, tp_size)
+    return int(math.ceil(size / multiple) * multiple)
+
+
+@dataclass
+class ModelReport:
+    """What building the model did, for the log and the run folder."""
+
+    source: str  # hub id / folder, or "from_config:<model_type>"
+    attn_implementation: str  # the attention backend in use
+    dtype: str  # parameter dtype at load
+    vocab_size: int  # the model's (possibly padded) vocabulary size
+    tokenizer_size: int  # len(tokenizer)
+    resized_from: int | None  # the vocabulary size before resizing, if resized
+    parameters: int  # number of parameters
+
+
+def _load_config(cfg: ModelConfig) -> Any:
+    from transformers import AutoConfig
+
+    if cfg.name_or_path is not None:
+        try:
+            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot load the model config of {cfg.name_or_path!r} (model.name_or_path): {error}") from None
+        for key, value in cfg.architecture.items():
+            setattr(config, key, value)
+        return config
+    arch = dict(cfg.architecture)
+    model_type = arch.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **arch)
+    except ValueError as error:
+        raise ValueError(f"model.architecture.model_type={model_type!r}: {error}") from None
+
+
+def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int, *, zero_init_config: dict | None = None
+                ) -> tuple[torch.nn.Module, ModelReport]:
+    """The causal LM on CPU, ready for `deepspeed.initialize`.
+
+    Args:
+        cfg: the model section.
+        tokenizer: the run's tokenizer; a model built from scratch gets its (padded) vocabulary.
+        tp_size: tensor-parallel size; the vocabulary of a new or resized model is padded so it divides.
+        zero_init_config: the DeepSpeed config, when the weights should be created already partitioned
+            (ZeRO-3 `zero.Init`, for models too large to materialise on every rank).
+    """
+    from transformers import AutoModelForCausalLM
+
+    attn = choose_attention(cfg.attn_implementation)
+    dtype = DTYPES[cfg.dtype]
+    config = _load_config(cfg)
+    tokenizer_size = len(tokenizer)
+    dschf = None
+    if zero_init_config is not None:
+        # transformers creates weights under deepspeed.zero.Init while this object is alive
+        from transformers.integrations import HfDeepSpeedConfig
+
+        dschf = HfDeepSpeedConfig(zero_init_config)  # noqa: F841 (kept alive on purpose)
+    if cfg.name_or_path is None:
+        config.vocab_size = padded_vocab_size(tokenizer_size, cfg.pad_vocab_to_multiple_of, tp_size)
+        if tokenizer.eos_token_id is not None:
+            config.eos_token_id = tokenizer.eos_token_id
+        torch.manual_seed(cfg.init_seed)  # the same initial weights on every rank
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
+                                                 trust_remote_code=cfg.trust_remote_code)
+        source = f"from_config:{config.model_type}"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, attn_implementation=attn,
+                                                     dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        source = cfg.name_or_path
+    del dschf
+    model_vocab = model.get_input_embeddings().weight.shape[0] if zero_init_config is None else config.vocab_size
+    resized_from = None
+    if model_vocab < tokenizer_size:
+        if not cfg.resize_embeddings:
+            raise ValueError(
+                f"the model's vocabulary ({model_vocab}) is smaller than the tokenizer's ({tokenizer_size} tokens): "
+                f"token ids >= {model_vocab} have no embedding. Set model.resize_embeddings=true to resize it "
+                f"(new rows get the mean embedding), or use the model's own tokenizer")
+        resized_from = model_vocab
+        target = padded_vocab_size(tokenizer_size, cfg.pad_vocab_to_multiple_of, tp_size)
+        model.resize_token_embeddings(target, mean_resizing=True)
+        logger.info("resized the embeddings from %d to %d rows (tokenizer: %d tokens)", model_vocab, target,
+                    tokenizer_size)
+        model_vocab = target
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    report = ModelReport(source=source, attn_implementation=attn, dtype=cfg.dtype, vocab_size=int(model_vocab),
+                         tokenizer_size=tokenizer_size, resized_from=resized_from,
+                         parameters=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                        for p in model.parameters()))
+    return model, report

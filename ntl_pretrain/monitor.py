@@ -1,0 +1,124 @@
+"""Monitoring on global rank 0: TensorBoard scalars and text, a tqdm progress bar or plain log lines.
+
+Other ranks get a `Monitor` that does nothing, so the training loop calls it unconditionally.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from typing import Any, Mapping
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The scalars a training step writes (TensorBoard tag -> short name on the progress bar / log line).
+STEP_TAGS = {
+    "train/loss": "loss", "train/ce": "ce", "train/ntl": "ntl", "train/ntl_lambda": "lambda",
+    "train/lr": "lr", "train/grad_norm": "gnorm", "train/tokens_per_s": "tok/s",
+    "train/step_time_s": "step_s", "train/number_token_share": "num_share", "train/number_mae": "num_mae",
+    "train/memory_gib": "mem_gib",
+}
+VAL_TAGS = ("val/loss", "val/ce", "val/ntl")
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: accelerator memory on GPUs, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Monitor:
+    """TensorBoard + console output of one run (active on global rank 0 only).
+
+    Args:
+        active: whether this process writes (global rank 0).
+        tensorboard_dir: folder of the event files.
+        total_steps: for the progress bar.
+        progress_bar: "auto" (tqdm on a terminal, log lines otherwise), "always" or "never".
+        log_every: steps between log lines / TensorBoard points.
+        start_step: the step a resumed run continues from.
+    """
+
+    def __init__(self, active: bool, tensorboard_dir: str, total_steps: int, progress_bar: str = "auto",
+                 log_every: int = 1, start_step: int = 0) -> None:
+        self.active = active
+        self.log_every = log_every
+        self.writer = None
+        self.bar = None
+        if not active:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=tensorboard_dir)
+        use_bar = progress_bar == "always" or (progress_bar == "auto" and sys.stdout.isatty())
+        if use_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self._last_line = time.monotonic()
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Write text (e.g. the resolved config) to TensorBoard."""
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Record one optimizer step (numbering from 1)."""
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+        if step % self.log_every and step != 1:
+            return
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        summary = {STEP_TAGS.get(tag, tag): value for tag, value in scalars.items()
+                   if tag in ("train/loss", "train/ce", "train/ntl", "train/tokens_per_s", "train/lr",
+                              "train/grad_norm")}
+        if self.bar is not None:
+            self.bar.set_postfix({k: _short(v) for k, v in summary.items()}, refresh=False)
+        else:
+            line = " ".join(f"{k}={_short(v)}" for k, v in summary.items())
+            print(f"step {step}: {line}", flush=True)
+
+    def log_validation(self, step: int, scalars: Mapping[str, float]) -> None:
+        if not self.active:
+            return
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        line = " ".join(f"{tag}={_short(v)}" for tag, v in scalars.items())
+        self.message(f"step {step}: {line}")
+
+    def log_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Other numbers (evaluation metrics): written as they are."""
+        if not self.active:
+            return
+        for tag, value in scalars.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag, float(value), step)
+
+    def message(self, text: str) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def _short(value: float) -> str:
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}"
+    return f"{value:.3e}"

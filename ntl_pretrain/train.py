@@ -1,0 +1,477 @@
+"""The training loop: DeepSpeed engine (ZeRO 0-3, AutoTP), CE + vocabulary-parallel NTL with global
+normalisation, LR and NTL-weight schedules, validation, checkpoint and evaluation hooks, monitoring.
+
+Started once per rank by DeepSpeed's launcher (`deepspeed launch/pretrain.sh --config X.yaml k=v ...`).
+One optimizer step: fetch this rank's `grad_accum_steps` micro-batches -> count the step's tokens and
+NTL positions over the data-parallel group (one all-reduce) -> per micro-batch: local logits -> CE/NTL
+sums -> loss scaled so the update is CE_mean + lambda * NTL_mean of the GLOBAL batch -> backward ->
+`engine.step()` (DeepSpeed clips and steps at the accumulation boundary) -> log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+
+from . import distributed
+from .config import Config, ConfigError, help_text, load_config, to_yaml, write_resolved
+from .data import DataError, PretrainingData, generate_missing_corpus, load_documents
+from .loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
+from .model import build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
+from .monitor import Monitor, memory_gib
+from .numbers import NumberVocab
+
+logger = logging.getLogger("ntl_pretrain")
+T = TypeVar("T")
+CHECKPOINT_LATEST = "latest"  # DeepSpeed's pointer file to the newest checkpoint tag
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch/pretrain.sh",
+        description="Continued pretraining / pretraining of a Hugging Face causal LM with CE + Number Token Loss "
+                    "on DeepSpeed (ZeRO 0-3, AutoTP). Overrides: key.sub=value (values are YAML).",
+        epilog="Configuration keys:\n" + help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML run configuration (e.g. configs/demo.yaml)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the configuration and print it with the DeepSpeed config; load nothing")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: number of processes the run will have (default: WORLD_SIZE or tp_size)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="set by DeepSpeed's launcher (LOCAL_RANK is used)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
+    return parser.parse_intermixed_args(list(argv))
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed config
+def generated_deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
+    """The DeepSpeed config implied by the YAML (DeepSpeed's own key names and meaning)."""
+    zero: dict[str, Any] = {"stage": cfg.parallel.zero_stage}
+    if cfg.parallel.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": cfg.parallel.offload_optimizer, "pin_memory": not on_cpu}
+    if cfg.parallel.offload_param != "none":
+        zero["offload_param"] = {"device": cfg.parallel.offload_param, "pin_memory": not on_cpu}
+    if cfg.parallel.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # a TP x ZeRO-3 run can export full weights
+    adam: dict[str, Any] = {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
+                            "weight_decay": cfg.optim.weight_decay}
+    if on_cpu:
+        adam["torch_adam"] = True  # DeepSpeed's fused Adam needs a GPU
+    warmup = max(1, cfg.optim.warmup_steps)
+    if cfg.optim.lr_schedule == "cosine":
+        scheduler = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(cfg.train.max_steps, warmup + 1), "warmup_num_steps": warmup,
+            "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.optim.min_lr_ratio, "warmup_type": "linear"}}
+    elif cfg.optim.lr_schedule == "linear":
+        scheduler = {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": max(cfg.train.max_steps, warmup + 1), "warmup_num_steps": warmup,
+            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.optim.lr, "warmup_type": "linear"}}
+    else:
+        scheduler = {"type": "WarmupLR", "params": {
+            "warmup_num_steps": warmup, "warmup_min_lr": 0.0, "warmup_max_lr": cfg.optim.lr,
+            "warmup_type": "linear"}}
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
+        "gradient_accumulation_steps": cfg.train.grad_accum_steps,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "optimizer": {"type": "AdamW", "params": adam},
+        "scheduler": scheduler,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.model.dtype == "bf16"},
+        "fp16": {"enabled": cfg.model.dtype == "fp16"},
+        "steps_per_print": 2**31 - 1,  # the trainer logs; DeepSpeed's own step prints would duplicate
+        "wall_clock_breakdown": False,
+    }
+    if cfg.parallel.tp_size > 1:
+        ds["tensor_parallel"] = {"autotp_size": cfg.parallel.tp_size, "vocab_parallel_lm_head": True}
+    return ds
+
+
+def _merge(base: dict, user: dict, path: str = "") -> dict:
+    merged = dict(base)
+    for key, value in user.items():
+        if value == "auto":  # HF-Trainer convention: keep what the YAML implies
+            continue
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value, f"{path}{key}.")
+        else:
+            merged[key] = value
+    return merged
+
+
+def deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
+    """The generated DeepSpeed config with the user's JSON (deepspeed.config) merged over it; the YAML
+    keys that DeepSpeed owns are then set from the merged result, so the resolved config tells the truth."""
+    ds = generated_deepspeed_config(cfg, on_cpu)
+    if cfg.deepspeed.config:
+        path = cfg.deepspeed.config
+        try:
+            with open(path, encoding="utf-8") as handle:
+                user = json.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"deepspeed.config={path!r} does not exist") from None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"deepspeed.config={path!r} is not valid JSON: {error}") from None
+        if not isinstance(user, dict):
+            raise ConfigError(f"deepspeed.config={path!r} must hold a JSON object")
+        ds = _merge(ds, user)
+        if on_cpu and ds.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw"):
+            ds["optimizer"].setdefault("params", {})["torch_adam"] = True
+    # read back what DeepSpeed will actually do
+    cfg.parallel.tp_size = int(ds.get("tensor_parallel", {}).get("autotp_size", 0) or 1)
+    cfg.parallel.zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    cfg.data.micro_batch_size = int(ds.get("train_micro_batch_size_per_gpu", cfg.data.micro_batch_size))
+    cfg.train.grad_accum_steps = int(ds.get("gradient_accumulation_steps", cfg.train.grad_accum_steps))
+    cfg.optim.grad_clip = float(ds.get("gradient_clipping", 0.0))
+    cfg.model.dtype = ("bf16" if ds.get("bf16", {}).get("enabled") else
+                       "fp16" if ds.get("fp16", {}).get("enabled") else "fp32")
+    if cfg.parallel.tp_size > 1:
+        ds["tensor_parallel"]["vocab_parallel_lm_head"] = True  # the loss needs the vocabulary-sharded head
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def ntl_lambda(cfg: Config, step: int) -> float:
+    """The NTL weight at optimizer step `step` (numbering from 1)."""
+    if not cfg.loss.enabled:
+        return 0.0
+    if cfg.loss.ntl_schedule == "linear_warmup":
+        return cfg.loss.ntl_weight * min(1.0, step / cfg.loss.ntl_warmup_steps)
+    return cfg.loss.ntl_weight
+
+
+def ntl_settings(cfg: Config) -> NTLSettings:
+    loss = cfg.loss
+    return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
+                       smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
+
+
+def find_checkpoint_tags(output_dir: str) -> list[str]:
+    """Checkpoint tags (DeepSpeed folders) present in a run folder, oldest step first."""
+    if not os.path.isdir(output_dir):
+        return []
+    tags = [d for d in os.listdir(output_dir) if d.startswith("global_step") and os.path.isdir(os.path.join(output_dir, d))]
+    return sorted(tags, key=lambda d: int(d[len("global_step"):]) if d[len("global_step"):].isdigit() else -1)
+
+
+def check_output_dir(cfg: Config) -> str | None:
+    """The checkpoint tag to resume from, or None; refuses a folder holding another run's checkpoints."""
+    output_dir = cfg.train.output_dir
+    tags = find_checkpoint_tags(output_dir)
+    has_latest = os.path.isfile(os.path.join(output_dir, CHECKPOINT_LATEST))
+    resume = cfg.train.resume
+    if resume == "none":
+        if tags or has_latest:
+            raise ValueError(
+                f"train.output_dir={output_dir!r} already holds checkpoints of another run ({', '.join(tags) or 'latest'}); "
+                f"refusing to mix runs. Continue it with train.resume=auto, or choose a new train.output_dir")
+        return None
+    if resume == "auto":
+        if has_latest:
+            with open(os.path.join(output_dir, CHECKPOINT_LATEST), encoding="utf-8") as handle:
+                return handle.read().strip()
+        return tags[-1] if tags else None
+    if resume not in tags:
+        raise ValueError(f"train.resume={resume!r}: no such checkpoint in {output_dir!r} (found: {tags or 'none'})")
+    return resume
+
+
+def collective_call(fn: Callable[[], T], first: bool) -> T:
+    """Run `fn` on the `first` processes, then on the others (which then find caches and files ready).
+
+    An error on any process is raised on every process, so none waits in a collective for a dead one.
+    """
+    result, error = None, None
+    if first:
+        try:
+            result = fn()
+        except (ValueError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    distributed.broadcast_error(error)
+    if not first:
+        try:
+            result = fn()
+        except (ValueError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    distributed.broadcast_error(error)
+    return result  # type: ignore[return-value]
+
+
+def _setup_logging(is_main: bool) -> None:
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
+                        format="[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s", force=True)
+    if not is_main:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+
+
+def _prepare_assets(cfg: Config) -> None:
+    """Generate the demo corpus and train the demo tokenizer if the config asks and they are missing."""
+    for source in cfg.data.sources:
+        generate_missing_corpus(source, cfg.data.seed)
+    if needs_training(cfg.tokenizer, cfg.model):
+        source = cfg.data.sources[0]
+        documents = load_documents(source, "data.sources.0", cfg.data.cache_dir)
+        texts = (row[source.text_field] for row in documents)
+        out = train_digit_bpe(texts, cfg.tokenizer.train_vocab_size, tokenizer_source(cfg.tokenizer, cfg.model))
+        logger.info("trained a digit-level BPE tokenizer (%d tokens) into %s", cfg.tokenizer.train_vocab_size, out)
+
+
+def _number_vocab(cfg: Config, tokenizer: Any) -> NumberVocab:
+    try:
+        return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level)
+    except ValueError as error:
+        if not cfg.loss.enabled or cfg.loss.ntl_weight == 0:
+            raise ValueError(f"{error} (tokenizer.name_or_path={tokenizer_source(cfg.tokenizer, cfg.model)!r})") from None
+        raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "
+                         f"Or train with CE only: loss.enabled=false") from None
+
+
+def _vocab_parallel_head(engine: Any) -> tuple[int, int]:
+    """(vocab_start_index, local vocabulary width) of the output head on this rank."""
+    from deepspeed.module_inject.layers import VocabParallelLinear
+
+    head = engine.module.get_output_embeddings()
+    if isinstance(head, VocabParallelLinear):
+        return int(head.vocab_start_index), int(head.vocab_end_index - head.vocab_start_index)
+    return 0, -1
+
+
+# ---------------------------------------------------------------------------------------------- the run
+class Trainer:
+    """One training run on this process (every rank builds one)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        self.accelerator = get_accelerator()
+        on_cpu = self.accelerator.device_name() == "cpu"
+        self.ds_config = deepspeed_config(cfg, on_cpu)  # may update cfg from the user's JSON
+        distributed.init_distributed(cfg.train.dist_timeout_minutes)
+        self.layout = distributed.layout(cfg.parallel.tp_size)
+        _setup_logging(self.layout.is_main)
+        self.resume_tag = check_output_dir(cfg)
+        torch.manual_seed(cfg.train.seed)
+
+        collective_call(lambda: _prepare_assets(cfg), first=self.layout.is_main)
+        self.tokenizer = collective_call(lambda: load_tokenizer(cfg.tokenizer, cfg.model), first=self.layout.is_main)
+        number_vocab = _number_vocab(cfg, self.tokenizer)
+        self.data = collective_call(
+            lambda: PretrainingData.build(cfg.data, self.tokenizer, dp_rank=self.layout.dp_rank,
+                                          dp_size=self.layout.dp_size),
+            first=self.layout.local_rank == 0)
+        if cfg.train.val_every_n_steps >= 0:
+            self.data.check_validation(cfg.train.val_batches)
+
+        model, self.model_report = build_model(cfg.model, self.tokenizer, cfg.parallel.tp_size)
+        self.number_vocab = number_vocab.with_vocab_size(self.model_report.vocab_size)
+        logger.info("model %s: %.1fM parameters, vocabulary %d (tokenizer %d), attention %s, %s",
+                    self.model_report.source, self.model_report.parameters / 1e6, self.model_report.vocab_size,
+                    self.model_report.tokenizer_size, self.model_report.attn_implementation, self.model_report.dtype)
+
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=self.ds_config)
+        del model
+        # DeepSpeed derives these when the user's JSON gives train_batch_size instead
+        cfg.data.micro_batch_size = self.engine.train_micro_batch_size_per_gpu()
+        cfg.train.grad_accum_steps = self.engine.gradient_accumulation_steps()
+        distributed.check_layout_matches_deepspeed(self.layout)
+        self.tp_group, self.dp_group = distributed.deepspeed_groups(cfg.parallel.tp_size)
+        self.vocab_start, _ = _vocab_parallel_head(self.engine)
+        self.device = torch.device(self.accelerator.current_device_name())
+        self.settings = ntl_settings(cfg)
+        self.step = 0
+        self.tokens_seen = 0
+        if self.resume_tag is not None:
+            self._resume(self.resume_tag)
+
+        output_dir = cfg.train.output_dir
+        if self.layout.is_main:
+            write_resolved(cfg, output_dir)
+            _write_json(os.path.join(output_dir, "ds_config.json"), self.ds_config)
+            _write_json(os.path.join(output_dir, "model_report.json"), asdict(self.model_report))
+            self.number_vocab.save(output_dir)
+        self.monitor = Monitor(self.layout.is_main, cfg.monitor.tensorboard_dir or os.path.join(output_dir, "tensorboard"),
+                               total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
+                               log_every=cfg.train.log_every_n_steps, start_step=self.step)
+        self.monitor.text("config", "```\n" + to_yaml(cfg) + "\n```", self.step)
+        self.monitor.text("deepspeed_config", "```\n" + json.dumps(self.ds_config, indent=1) + "\n```", self.step)
+
+    # ------------------------------------------------------------------ one step
+    def _forward_sums(self, batch: Any, with_ntl: bool) -> Any:
+        logits = self.engine(input_ids=batch.input_ids.to(self.device)).logits
+        return ce_ntl_sums(logits, batch.labels.to(self.device), self.number_vocab, self.settings,
+                           tp_group=self.tp_group, vocab_start_index=self.vocab_start, with_ntl=with_ntl)
+
+    def train_step(self, with_ntl: bool | None = None) -> dict[str, float]:
+        """One optimizer step; returns the step's global figures (identical on every rank)."""
+        cfg = self.cfg
+        self.accelerator.synchronize()
+        started = time.perf_counter()
+        step = self.step + 1
+        lam = ntl_lambda(cfg, step)
+        if with_ntl is None:
+            with_ntl = lam > 0
+        micro_batches = self.data.next_step(cfg.train.grad_accum_steps)
+        labels = [mb.labels.to(self.device) for mb in micro_batches]
+        counts = count_step(labels, self.number_vocab, self.settings, self.dp_group)
+        totals = torch.zeros(6, dtype=torch.float64, device=self.device)
+        for batch in micro_batches:
+            sums = self._forward_sums(batch, with_ntl)
+            loss = scaled_micro_batch_loss(sums, counts, lam if with_ntl else 0.0, self.layout.dp_size,
+                                           cfg.train.grad_accum_steps)
+            self.engine.backward(loss)
+            self.engine.step()
+            totals += torch.stack([sums.ce_sum.detach(), sums.ntl_sum.detach(), sums.token_count, sums.ntl_count,
+                                   sums.number_tokens, sums.abs_error_sum]).double()
+        ce_sum, ntl_sum, tokens, ntl_count, number_tokens, abs_error = distributed.all_reduce_sum(
+            totals.tolist(), self.dp_group, self.device)
+        self.accelerator.synchronize()
+        elapsed = time.perf_counter() - started
+        self.step = step
+        step_tokens = sum(mb.input_ids.numel() for mb in micro_batches) * self.layout.dp_size
+        self.tokens_seen += step_tokens
+        ce = ce_sum / max(tokens, 1.0)
+        ntl = ntl_sum / ntl_count if ntl_count > 0 else 0.0
+        grad_norm = self.engine.get_global_grad_norm()
+        return {
+            "train/loss": ce + lam * ntl if with_ntl else ce,
+            "train/ce": ce, "train/ntl": ntl, "train/ntl_lambda": lam if with_ntl else 0.0,
+            "train/lr": float(self.engine.get_lr()[0]),
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "train/tokens_per_s": step_tokens / elapsed, "train/step_time_s": elapsed,
+            "train/number_token_share": number_tokens / max(tokens, 1.0),
+            "train/number_mae": abs_error / number_tokens if number_tokens > 0 else 0.0,
+            "train/memory_gib": memory_gib(self.device),
+        }
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """CE, NTL and total loss on the held-out samples (global means; every rank runs the same batches count)."""
+        self.engine.eval()
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        with_ntl = self.cfg.loss.enabled
+        for batch in self.data.validation_micro_batches(self.cfg.train.val_batches):
+            sums = self._forward_sums(batch, with_ntl)
+            totals += torch.stack([sums.ce_sum, sums.ntl_sum, sums.token_count, sums.ntl_count]).double()
+        self.engine.train()
+        ce_sum, ntl_sum, tokens, ntl_count = distributed.all_reduce_sum(totals.tolist(), self.dp_group, self.device)
+        ce = ce_sum / max(tokens, 1.0)
+        ntl = ntl_sum / ntl_count if ntl_count > 0 else 0.0
+        lam = ntl_lambda(self.cfg, max(self.step, 1))
+        return {"val/loss": ce + lam * ntl, "val/ce": ce, "val/ntl": ntl}
+
+    # ------------------------------------------------------------------ checkpoints and evaluation
+    def save_checkpoint(self) -> str:
+        tag = f"global_step{self.step}"
+        client_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict(),
+                        "config": to_yaml(self.cfg)}
+        self.engine.save_checkpoint(self.cfg.train.output_dir, tag=tag, client_state=client_state)
+        self.monitor.message(f"saved checkpoint {os.path.join(self.cfg.train.output_dir, tag)}")
+        return tag
+
+    def _resume(self, tag: str) -> None:
+        path, client_state = self.engine.load_checkpoint(self.cfg.train.output_dir, tag=tag)
+        if path is None:
+            raise ValueError(f"could not load checkpoint {tag!r} from {self.cfg.train.output_dir!r}")
+        self.step = int(client_state["step"])
+        self.tokens_seen = int(client_state.get("tokens_seen", 0))
+        self.data.load_state_dict(client_state["data"])
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    def evaluate(self, final: bool) -> None:
+        """Run the evaluation hooks (ntl_pretrain.eval) when due; every rank calls this."""
+        if not self.cfg.eval.is_due(self.step, final=final):
+            return
+        from .eval.hooks import run_evaluation
+
+        results = run_evaluation(self.engine, self.tokenizer, self.cfg.eval, step=self.step,
+                                 output_dir=self.cfg.train.output_dir, writer=self.monitor.writer,
+                                 tp_group=self.tp_group, dp_group=self.dp_group)
+        self.monitor.message(f"step {self.step}: evaluation " + " ".join(
+            f"{k}={v:.4g}" for k, v in results.items() if isinstance(v, (int, float))))
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        cfg = self.cfg
+        val_every = cfg.train.val_every_n_steps
+        ckpt_every = cfg.checkpoint.every_n_steps
+        self.monitor.message(f"training steps {self.step + 1}..{cfg.train.max_steps}: dp={self.layout.dp_size} "
+                             f"tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
+                             f"{cfg.data.micro_batch_size} grad_accum={cfg.train.grad_accum_steps} seq_len={cfg.data.seq_len}")
+        saved_at = None
+        while self.step < cfg.train.max_steps:
+            scalars = self.train_step()
+            self.monitor.log_step(self.step, scalars)
+            last = self.step == cfg.train.max_steps
+            if val_every > 0 and self.step % val_every == 0 and not last:
+                self.monitor.log_validation(self.step, self.validate())
+            if ckpt_every > 0 and self.step % ckpt_every == 0:
+                saved_at = self.save_checkpoint()
+            if not last:
+                self.evaluate(final=False)
+        if val_every >= 0:
+            self.monitor.log_validation(self.step, self.validate())
+        if cfg.checkpoint.save_final and saved_at != f"global_step{self.step}":
+            self.save_checkpoint()
+        self.evaluate(final=True)
+        self.monitor.close()
+
+
+def _write_json(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def dry_run(cfg: Config, world_size: int | None) -> None:
+    """Validate a configuration without loading data or weights; print it and its DeepSpeed config."""
+    from deepspeed.accelerator import get_accelerator
+
+    ds = deepspeed_config(cfg, on_cpu=get_accelerator().device_name() == "cpu")
+    world = world_size or int(os.environ.get("WORLD_SIZE", "0")) or cfg.parallel.tp_size
+    distributed.check_tp_divides(world, cfg.parallel.tp_size)
+    dp = world // cfg.parallel.tp_size
+    global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum_steps * dp
+    print(to_yaml(cfg))
+    print("# DeepSpeed config")
+    print(json.dumps(ds, indent=1))
+    print(f"# dry run OK: world {world} = dp {dp} x tp {cfg.parallel.tp_size}; global batch {global_batch} "
+          f"sequences = {global_batch * cfg.data.seq_len} tokens per step")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            dry_run(cfg, args.world_size)
+            return 0
+        trainer = Trainer(cfg)
+    except (ConfigError, DataError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    trainer.fit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
