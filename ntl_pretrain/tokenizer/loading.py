@@ -1,0 +1,178 @@
+"""Loading tokenizers from any source users point the tools at, and writing output folders safely.
+
+Every tool works on a Hugging Face *fast* tokenizer (a `tokenizers` pipeline): that is what the
+trainer loads and what `split-digits` rewrites. transformers 5 converts slow-format files
+(`vocab.json` + `merges.txt`, SentencePiece `tokenizer.model`) to fast tokenizers at load time;
+tokenizers that exist only as Python code are refused with a message saying what to do instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+# Files whose presence makes a folder a tokenizer folder (transformers' own file names).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                   "vocab.json", "vocab.txt", "tekken.json")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_JSON = "tokenizer.json"
+SENTENCEPIECE_MODEL = "tokenizer.model"
+
+
+class TokenizerLoadError(ValueError):
+    """The source names no usable fast tokenizer; the message says why and what to do."""
+
+
+def load_tokenizer(source: str | os.PathLike, trust_remote_code: bool = False) -> TokenizersBackend:
+    """Load a fast tokenizer from a folder, a `tokenizer.json`, a SentencePiece `.model` or a hub id.
+
+    Raises `TokenizerLoadError` for paths that hold no tokenizer, corrupt files, and slow tokenizers
+    that have no fast equivalent.
+    """
+    path = Path(source)
+    if path.is_file():
+        if path.suffix == ".json":
+            tokenizer = _load_tokenizer_json(path)
+        elif path.suffix == ".model":
+            tokenizer = _load_sentencepiece_model(path)
+        else:
+            raise TokenizerLoadError(
+                f"{str(path)!r} is not a tokenizer: expected a tokenizer folder, a tokenizer.json file or a "
+                f"SentencePiece .model file")
+    elif path.is_dir():
+        tokenizer = _load_folder(path, trust_remote_code)
+    elif os.path.isabs(source) or str(source).startswith((".", "~")) or str(source).count("/") > 1:
+        raise TokenizerLoadError(f"tokenizer path {str(source)!r} does not exist")
+    else:
+        tokenizer = _load_hub_id(str(source), trust_remote_code)
+    return ensure_fast(tokenizer, str(source))
+
+
+def ensure_fast(tokenizer, source: str = "") -> TokenizersBackend:
+    """Return the tokenizer if it is fast; refuse a slow (Python) one with a message naming the fix."""
+    if getattr(tokenizer, "is_fast", False) and isinstance(tokenizer, TokenizersBackend):
+        return tokenizer
+    name = type(tokenizer).__name__
+    raise TokenizerLoadError(
+        f"tokenizer {source or name!r} is a slow (Python) tokenizer ({name}) without a fast equivalent: transformers "
+        f"has no `tokenizers` pipeline for it, so its number handling cannot be rewritten. Use a model whose "
+        f"tokenizer ships a tokenizer.json (or a SentencePiece tokenizer.model), or train a digit-level tokenizer "
+        f"with: python tools/tokenizer.py train-spm CORPUS OUT_DIR --vocab-size N")
+
+
+def _load_tokenizer_json(path: Path) -> TokenizersBackend:
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
+        raise TokenizerLoadError(
+            f"{str(path)!r} is not a valid tokenizer.json ({error}). Re-export it with "
+            f"tokenizer.save_pretrained(folder) or point at the tokenizer's folder") from None
+    tokenizer = TokenizersBackend(tokenizer_object=backend)
+    tokenizer.name_or_path = str(path)
+    return tokenizer
+
+
+def _load_sentencepiece_model(path: Path) -> TokenizersBackend:
+    """Convert a SentencePiece model with transformers' generic converter (it follows the model's own
+    normalizer spec, so it encodes like `SentencePieceProcessor.encode`)."""
+    _check_sentencepiece_model(path)
+    with tempfile.TemporaryDirectory(prefix="ntl-spm-") as folder:
+        shutil.copyfile(path, os.path.join(folder, SENTENCEPIECE_MODEL))
+        try:
+            tokenizer = TokenizersBackend.from_pretrained(folder)
+        except Exception as error:
+            raise TokenizerLoadError(f"could not convert SentencePiece model {str(path)!r}: {error}") from None
+    tokenizer.name_or_path = str(path)
+    return tokenizer
+
+
+def _check_sentencepiece_model(path: Path) -> None:
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except Exception as error:
+        raise TokenizerLoadError(f"{str(path)!r} is not a valid SentencePiece model ({error})") from None
+
+
+def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
+    present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not present:
+        raise TokenizerLoadError(
+            f"folder {str(path)!r} holds no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it")
+    if (path / TOKENIZER_JSON).is_file():
+        try:
+            json.loads((path / TOKENIZER_JSON).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise TokenizerLoadError(
+                f"{str(path / TOKENIZER_JSON)!r} is corrupt: not valid JSON ({error}). Restore it from the model's "
+                f"source") from None
+    if not (path / TOKENIZER_CONFIG).is_file() and not (path / TOKENIZER_JSON).is_file():
+        model = path / SENTENCEPIECE_MODEL if (path / SENTENCEPIECE_MODEL).is_file() else path / "spiece.model"
+        if model.is_file():
+            tokenizer = _load_sentencepiece_model(model)
+            tokenizer.name_or_path = str(path)
+            return tokenizer
+    try:  # AutoTokenizer also reads config.json, which names the model's tokenizer class and special tokens
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise TokenizerLoadError(f"could not load a tokenizer from folder {str(path)!r}: {error}") from None
+
+
+def _load_hub_id(name: str, trust_remote_code: bool) -> TokenizersBackend:
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise TokenizerLoadError(
+            f"{name!r} is neither a local path nor a loadable Hugging Face Hub tokenizer ({type(error).__name__}: "
+            f"{error})") from None
+
+
+def check_output_dir(out_dir: str | os.PathLike, force: bool, sources: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Refuse an output folder that exists (unless `force`) or that is one of the inputs."""
+    out = Path(out_dir)
+    for source in sources:
+        source_path = Path(source)
+        if source_path.exists() and out.exists() and out.resolve() == (
+                source_path if source_path.is_dir() else source_path.parent).resolve():
+            raise FileExistsError(f"output folder {str(out)!r} is the input's folder; write to a new folder")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output path {str(out)!r} exists and is not a folder; choose another OUT")
+    if out.exists() and not force:
+        raise FileExistsError(f"output folder {str(out)!r} already exists; pass --force to replace it")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside `out_dir` that becomes `out_dir` only if the block succeeds.
+
+    A failure (or an interrupt) leaves any previous `out_dir` untouched and no half-written folder.
+    """
+    out = check_output_dir(out_dir, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder normal permissions
+        if out.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old", dir=out.parent))
+            os.replace(out, retired / out.name)
+            os.replace(staging, out)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
