@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""Benchmark the loss alone: forward + backward of CE only vs CE + NTL, ours vs `ntloss`.
+
+For each vocabulary size and TP size, all methods are timed interleaved in the same process(es)
+(round-robin over repetitions, so machine noise hits all alike): the cold first iteration and the
+median of the warm ones, and ratios against CE alone measured in the same run. Peak memory is
+measured per method in a fresh process (peak RSS above the inputs), and the bytes each rank sends
+per collective are counted by wrapping `torch.distributed.all_reduce`.
+
+CE alone is `torch.nn.functional.cross_entropy` for TP=1 and DeepSpeed's
+`deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy` on the same shard for TP>1.
+
+    python tools/bench_loss.py --tokens 4096 --vocab 32000 128256 --tp 1 2 --json bench_loss.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DIGIT_IDS_START = 1000  # number tokens at ids 1000..1009 (any shard works; see tests)
+NUMBER_SHARE = 0.2  # share of label positions that are number tokens
+
+
+# ------------------------------------------------------------------------------------ methods
+def build_methods(tp: int, names: list[str]):
+    """name -> (setup(logits, labels, ctx) -> closure returning a loss)."""
+    import torch.nn.functional as F
+
+    from ntl_pretrain.loss import NTLSettings, ce_ntl_loss
+
+    def ours(variant: str | None, reweigh: bool = False):
+        settings = NTLSettings(variant=variant or "was", reweigh=reweigh)
+        weight = 0.0 if variant is None else 0.3
+        return lambda logits, labels, ctx: (lambda: ce_ntl_loss(
+            logits, labels, ctx["vocab"], ntl_weight=weight, settings=settings, tp_group=ctx["group"],
+            vocab_start_index=ctx["start"]))
+
+    def ce(logits, labels, ctx):
+        if tp == 1:
+            return lambda: F.cross_entropy(logits, labels)
+        from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
+
+        return lambda: vocab_parallel_cross_entropy(logits, labels, tp_group=ctx["group"],
+                                                    vocab_start_index=ctx["start"],
+                                                    vocab_end_index=ctx["start"] + logits.shape[-1],
+                                                    global_vocab_size=ctx["vocab_size"])
+
+    def reference(reweigh: bool):
+        def setup(logits, labels, ctx):
+            import ntloss
+
+            loss = ntloss.NTLoss(_BenchTokenizer(ctx["vocab_size"]), reweigh=reweigh)
+            return lambda: F.cross_entropy(logits, labels) + 0.3 * loss(logits[None], labels[None])
+        return setup
+
+    table = {"ce": ce, "ours_ce_only": ours(None), "ours_was": ours("was"), "ours_was_reweigh": ours("was", True),
+             "ours_mse": ours("mse"), "ours_number_level": ours("number_level")}
+    if tp == 1:
+        table.update({"ntloss_was": reference(False), "ntloss_was_reweigh": reference(True)})
+    unknown = [name for name in names if name not in table and not name.startswith("ntloss")]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {sorted(table)}")
+    return {name: table[name] for name in names if name in table}
+
+
+class _BenchTokenizer:
+    """What `ntloss` reads from a tokenizer: a vocabulary with the ten digits at ids 1000..1009."""
+
+    def __init__(self, size: int):
+        self.vocab = {f"tok{i}": i for i in range(size)}
+        for digit in range(10):
+            del self.vocab[f"tok{DIGIT_IDS_START + digit}"]
+            self.vocab[str(digit)] = DIGIT_IDS_START + digit
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def add_tokens(self, tokens):
+        return 0
+
+    def __len__(self):
+        return len(self.vocab)
+
+
+# ------------------------------------------------------------------------------------ child
+def child(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ntl_pretrain.numbers import NumberVocab
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1" if args.tp > 1 else str(os.cpu_count()))))
+    rank = 0
+    group = None
+    if args.tp > 1:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        rank, group = dist.get_rank(), dist.group.WORLD
+    sent_bytes: list[int] = []
+    original = dist.all_reduce
+
+    def counting_all_reduce(tensor, *a, **k):
+        sent_bytes.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *a, **k)
+
+    dist.all_reduce = counting_all_reduce
+    vocab_size, n = args.vocab, args.tokens
+    width = vocab_size // args.tp
+    start = rank * width
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, vocab_size, (n,), generator=generator)
+    numbers = torch.rand(n, generator=generator) < NUMBER_SHARE
+    labels[numbers] = DIGIT_IDS_START + torch.randint(0, 10, (int(numbers.sum()),), generator=generator)
+    full = torch.randn(n, vocab_size, generator=generator)
+    logits = full[:, start:start + width].clone().requires_grad_()
+    del full
+    ctx = {"vocab": NumberVocab(tuple(range(DIGIT_IDS_START, DIGIT_IDS_START + 10)),
+                                tuple(float(d) for d in range(10)), vocab_size),
+           "group": group, "start": start, "vocab_size": vocab_size}
+    methods = {name: setup(logits, labels, ctx) for name, setup in build_methods(args.tp, args.methods).items()}
+
+    def run_once(fn) -> float:
+        logits.grad = None
+        if group is not None:
+            dist.barrier()
+        begin = time.perf_counter()
+        fn().backward()
+        return time.perf_counter() - begin
+
+    result: dict = {}
+    if args.mode == "memory":
+        (name, fn), = methods.items()
+        baseline = _rss_kib()
+        sent_bytes.clear()
+        run_once(fn)
+        result = {"peak_extra_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024,
+                  "bytes_per_collective": list(sent_bytes)}
+    else:
+        times = {name: [] for name in methods}
+        cold = {name: run_once(fn) for name, fn in methods.items()}
+        for _ in range(args.reps):
+            for name, fn in methods.items():
+                times[name].append(run_once(fn))
+        result = {name: {"cold_s": cold[name], "median_s": statistics.median(times[name])} for name in methods}
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    if group is not None:
+        dist.destroy_process_group()
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+# ------------------------------------------------------------------------------------ parent
+def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, __file__, "--child", "--mode", mode, "--tokens", str(args.tokens), "--vocab", str(vocab),
+           "--tp", str(tp), "--reps", str(args.reps), "--methods", *methods]
+    procs = []
+    for rank in range(tp):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmark child failed:\n{err[-3000:]}")
+    line = next(line for line in outputs[0][0].splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (rows of the logits)")
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (processes)")
+    parser.add_argument("--reps", type=int, default=7, help="warm repetitions per method")
+    parser.add_argument("--methods", nargs="+", default=["ce", "ours_ce_only", "ours_was", "ours_was_reweigh",
+                                                          "ntloss_was", "ntloss_was_reweigh"])
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="time", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.vocab = args.vocab[0]
+        args.tp = args.tp[0]
+        return child(args)
+
+    rows = []
+    for vocab in args.vocab:
+        for tp in args.tp:
+            if vocab % tp:
+                raise SystemExit(f"--vocab {vocab} is not divisible by --tp {tp}")
+            methods = [m for m in args.methods if tp == 1 or not m.startswith("ntloss")]
+            timing = launch(args, "time", methods, vocab, tp)
+            for name in methods:
+                row = {"tokens": args.tokens, "vocab": vocab, "tp": tp, "method": name, **timing[name],
+                       "ratio_vs_ce": timing[name]["median_s"] / timing["ce"]["median_s"] if "ce" in timing else None}
+                if not args.no_memory:
+                    row.update(launch(args, "memory", [name], vocab, tp))
+                rows.append(row)
+                print(_format_row(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "cpu_count": os.cpu_count()}, indent=1))
+
+
+def _format_row(row: dict) -> str:
+    ratio = f"{row['ratio_vs_ce']:.3f}x" if row.get("ratio_vs_ce") is not None else "-"
+    memory = f"  peak +{row['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in row else ""
+    comm = f"  sent {row['bytes_per_collective']} B" if row.get("bytes_per_collective") else ""
+    return (f"n={row['tokens']:<6} V={row['vocab']:<7} tp={row['tp']}  {row['method']:<20} "
+            f"warm {row['median_s'] * 1e3:8.1f} ms  cold {row['cold_s'] * 1e3:8.1f} ms  {ratio:>8}{memory}{comm}")
+
+
+if __name__ == "__main__":
+    main()
