@@ -80,6 +80,9 @@ class DataSourceConfig:
     generate_arithmetic: int = _doc(
         "> 0: when path does not exist, write this many generated arithmetic and number-rich documents "
         "there first (the demo's self-made corpus)", default=0)
+    generate_options: dict[str, Any] = _doc(
+        "more arguments of ntl_pretrain.eval.arithmetic.write_training_corpus (text_share, ops, train_digits)",
+        default_factory=dict)
 
 
 @dataclass

@@ -86,7 +86,7 @@ def generate_missing_corpus(source: DataSourceConfig, seed: int) -> bool:
         return False
     from .eval.arithmetic import write_training_corpus
 
-    write_training_corpus(source.path, n=source.generate_arithmetic, seed=seed)
+    write_training_corpus(source.path, n=source.generate_arithmetic, seed=seed, **source.generate_options)
     logger.info("wrote %d generated documents to %s", source.generate_arithmetic, source.path)
     return True
 

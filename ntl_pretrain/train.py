@@ -401,7 +401,7 @@ class Trainer:
 
         results = run_evaluation(self.engine, self.tokenizer, self.cfg.eval, step=self.step,
                                  output_dir=self.cfg.train.output_dir, writer=self.monitor.writer,
-                                 tp_group=self.tp_group, dp_group=self.dp_group)
+                                 tp_group=self.tp_group, dp_group=self.dp_group, final=final)
         self.monitor.message(f"step {self.step}: evaluation " + " ".join(
             f"{k}={v:.4g}" for k, v in results.items() if isinstance(v, (int, float))))
 

@@ -1,0 +1,177 @@
+"""The run configuration: YAML + overrides, strict keys and types, --help, DeepSpeed JSON merge, dry runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ntl_pretrain.config import Config, ConfigError, iter_keys, load_config, to_dict, write_resolved
+from ntl_pretrain.train import deepspeed_config, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", "data.sources.0.path=corpus.jsonl"]
+
+
+def test_yaml_and_overrides_reach_typed_fields(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"architecture": {"model_type": "llama", "hidden_size": 64}},
+                                    "tokenizer": {"name_or_path": "tok"},
+                                    "data": {"sources": [{"path": "a.jsonl"}, {"path": "b.jsonl", "weight": 2}]},
+                                    "optim": {"betas": [0.9, 0.99]}}))
+    cfg = load_config(path, ["train.max_steps=7", "optim.lr=1e-4", "data.sources.1.weight=3",
+                             "model.architecture.hidden_size=32", "loss.squash_factor=null", "data.seq_len=64"])
+    assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
+    assert cfg.optim.lr == pytest.approx(1e-4)  # "1e-4" is a YAML string; a float field converts it
+    assert [s.weight for s in cfg.data.sources] == [1.0, 3.0]
+    assert cfg.model.architecture == {"model_type": "llama", "hidden_size": 32}
+    assert cfg.optim.betas == [0.9, 0.99] and cfg.data.seq_len == 64
+
+
+@pytest.mark.parametrize("override, nearest", [
+    ("train.max_stepz=3", "train.max_steps"),
+    ("loss.ntl_wieght=0.1", "loss.ntl_weight"),
+    ("data.sources.0.text_feild=body", "data.sources.0.text_field"),
+    ("paralel.tp_size=2", "parallel.tp_size"),
+])
+def test_unknown_key_names_the_nearest_valid_key(override, nearest):
+    with pytest.raises(ConfigError, match="unknown config key") as info:
+        load_config(None, MINIMAL + [override])
+    assert repr(nearest) in str(info.value)
+
+
+def test_unknown_key_in_yaml_is_rejected(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_step: 3\n")
+    with pytest.raises(ConfigError, match=r"'train.max_step'.*did you mean 'train.max_steps'"):
+        load_config(path, MINIMAL)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=ten", "train.max_steps must be an integer, got str 'ten'"),
+    ("train.max_steps=1.5", "train.max_steps must be an integer"),
+    ("model.gradient_checkpointing=yes please", "model.gradient_checkpointing must be true or false"),
+    ("optim.lr=fast", "optim.lr must be a number"),
+    ("data.sources=corpus.jsonl", "data.sources must be a list"),
+    ("train.output_dir=3", "train.output_dir must be a string"),
+])
+def test_wrong_type_is_named(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, MINIMAL + [override])
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.zero_stage=4", "parallel.zero_stage"),
+    ("model.dtype=fp8", "model.dtype='fp8' is not one of bf16, fp16, fp32"),
+    ("loss.variant=l2", "loss.variant"),
+    ("data.seq_len=0", "data.seq_len must be >= 1"),
+    ("loss.ntl_schedule=linear_warmup", "loss.ntl_warmup_steps"),
+    ("data.sources.0.weight=0", "data.sources.0.weight must be > 0"),
+])
+def test_bad_values_are_named(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, MINIMAL + [override])
+    assert message in str(info.value)
+
+
+def test_help_lists_every_key_with_default_and_meaning():
+    result = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--help"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    keys = [key for key, *_ in iter_keys()]
+    assert len(keys) > 50
+    for key, _, default, doc in iter_keys():
+        assert f"  {key} (" in result.stdout, key
+        assert doc and doc.split("\n")[0][:40] in result.stdout.replace("\n      ", " "), key
+
+
+def test_help_through_bash(tmp_path):
+    result = subprocess.run(["bash", str(REPO / "launch" / "pretrain.sh"), "--help"], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "loss.ntl_weight" in result.stdout and "parallel.tp_size" in result.stdout
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, MINIMAL + ["train.max_steps=9", "loss.variant=mse"])
+    path = write_resolved(cfg, str(tmp_path / "run"))
+    assert os.listdir(tmp_path / "run") == ["config.yaml"]  # no temporary left behind
+    again = load_config(path)
+    assert to_dict(again) == to_dict(cfg)
+
+
+def test_local_rank_and_intermixed_overrides_parse():
+    args = parse_args(["--local_rank=1", "--config", "x.yaml", "a.b=1", "--dry-run", "c.d=2"])
+    assert args.config == "x.yaml" and args.dry_run and args.overrides == ["a.b=1", "c.d=2"]
+
+
+def test_generated_deepspeed_config_uses_deepspeed_keys():
+    cfg = load_config(None, MINIMAL + ["parallel.tp_size=2", "parallel.zero_stage=3", "data.micro_batch_size=4",
+                                       "train.grad_accum_steps=2", "model.dtype=bf16", "optim.grad_clip=0.5"])
+    ds = deepspeed_config(cfg, on_cpu=True)
+    assert ds["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": True}
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
+    assert ds["gradient_clipping"] == 0.5 and ds["optimizer"]["params"]["torch_adam"] is True
+    assert ds["scheduler"]["type"] == "WarmupCosineLR"
+
+
+def test_user_deepspeed_json_is_merged_and_read_back(tmp_path):
+    user = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 1000},
+            "tensor_parallel": {"autotp_size": 4}, "gradient_clipping": "auto", "bf16": {"enabled": False},
+            "fp16": {"enabled": True}, "train_micro_batch_size_per_gpu": 3}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(user))
+    cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}", "optim.grad_clip=0.7", "parallel.tp_size=2"])
+    ds = deepspeed_config(cfg, on_cpu=False)
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert ds["gradient_clipping"] == 0.7  # "auto" keeps the YAML's value
+    assert ds["tensor_parallel"]["autotp_size"] == 4 and ds["tensor_parallel"]["vocab_parallel_lm_head"] is True
+    # the YAML view is updated to what DeepSpeed will do, so the resolved config tells the truth
+    assert (cfg.parallel.tp_size, cfg.parallel.zero_stage, cfg.model.dtype, cfg.data.micro_batch_size) == (4, 2, "fp16", 3)
+
+
+def test_missing_or_broken_deepspeed_json(tmp_path):
+    cfg = load_config(None, MINIMAL + [f"deepspeed.config={tmp_path / 'nope.json'}"])
+    with pytest.raises(ConfigError, match="nope.json' does not exist"):
+        deepspeed_config(cfg, on_cpu=True)
+    (tmp_path / "bad.json").write_text("{stage: 3")
+    cfg = load_config(None, MINIMAL + [f"deepspeed.config={tmp_path / 'bad.json'}"])
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        deepspeed_config(cfg, on_cpu=True)
+
+
+def _dry_run(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    return subprocess.run([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--dry-run", *args],
+                          capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize("config, world", [(p.name, w) for p, w in
+                                           [(REPO / "configs" / "demo.yaml", 2)] +
+                                           [(p, 16) for p in sorted((REPO / "configs").glob("*.yaml"))
+                                            if p.name != "demo.yaml"]])
+def test_every_shipped_config_passes_a_dry_run(config, world):
+    result = _dry_run(["--config", f"configs/{config}", "--world-size", str(world)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dry run OK" in result.stdout
+
+
+def test_dry_run_rejects_tp_size_that_does_not_divide_the_world():
+    result = _dry_run(["--config", "configs/demo.yaml", "--world-size", "3"])
+    assert result.returncode == 2
+    assert "parallel.tp_size=2 does not divide the world size 3" in result.stderr
+
+
+def test_every_key_has_a_doc_and_a_default():
+    for key, hint, default, doc in iter_keys():
+        assert doc, f"{key} has no one-line doc"
+    assert dataclasses.asdict(Config())  # every section builds from defaults
