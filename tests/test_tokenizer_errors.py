@@ -1,0 +1,159 @@
+"""Bad input to the tokenizer tools: every error names the problem, and nothing half-written is left."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+
+from ntl_pretrain.tokenizer import (ConversionCheckError, SpmTrainConfig, TokenizerLoadError, load_tokenizer,
+                                    split_digits, train_spm, verify_conversion)
+from ntl_pretrain.tokenizer.corpus import read_corpus
+
+from test_tokenizer_families import build_gpt2_style
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpt2_style(tmp_path_factory) -> Path:
+    return build_gpt2_style(tmp_path_factory.mktemp("errors") / "gpt2_style")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return runpy.run_path(str(REPO / "tools" / "tokenizer.py"))
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_path_that_is_not_a_tokenizer(tmp_path):
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(TokenizerLoadError, match="holds no tokenizer: none of tokenizer.json"):
+        load_tokenizer(tmp_path / "weights")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(TokenizerLoadError, match="is not a tokenizer: expected a tokenizer folder"):
+        load_tokenizer(tmp_path / "notes.txt")
+    with pytest.raises(TokenizerLoadError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing" / "dir")
+    (tmp_path / "bad.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(TokenizerLoadError, match="is not a valid SentencePiece model"):
+        load_tokenizer(tmp_path / "bad.model")
+
+
+def test_corrupt_tokenizer_json(gpt2_style, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    text = (gpt2_style / "tokenizer.json").read_text()
+    (broken / "tokenizer.json").write_text(text[: len(text) // 2])  # truncated download
+    (broken / "tokenizer_config.json").write_text((gpt2_style / "tokenizer_config.json").read_text())
+    with pytest.raises(TokenizerLoadError, match="tokenizer.json' is corrupt: not valid JSON"):
+        load_tokenizer(broken)
+    with pytest.raises(TokenizerLoadError, match="is not a valid tokenizer.json"):
+        load_tokenizer(broken / "tokenizer.json")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"model": {"type": "NoSuchModel"}}))
+    with pytest.raises(TokenizerLoadError, match="is not a valid tokenizer.json"):
+        load_tokenizer(wrong)
+
+
+def test_slow_tokenizer_without_fast_equivalent(tmp_path):
+    folder = tmp_path / "byt5"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer"}))
+    with pytest.raises(TokenizerLoadError, match=r"slow \(Python\) tokenizer \(ByT5Tokenizer\) without a fast "
+                                                 r"equivalent.*train-spm"):
+        load_tokenizer(folder)
+
+
+def test_existing_output_folder_needs_force(gpt2_style, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous run")
+    with pytest.raises(FileExistsError, match="already exists; pass --force"):
+        split_digits(gpt2_style, out)
+    assert (out / "old.txt").read_text() == "previous run"  # untouched
+    report = split_digits(gpt2_style, out, force=True)
+    assert report.verification.passed
+    assert not (out / "old.txt").exists() and (out / "tokenizer.json").is_file()
+    assert _leftovers(tmp_path) == []  # no staging or retired folders left behind
+    with pytest.raises(FileExistsError, match="is the input's folder"):
+        split_digits(out, out, force=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not a folder"):
+        split_digits(gpt2_style, tmp_path / "file", force=True)
+
+
+def test_empty_corpus(gpt2_style, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n   \n\n")
+    with pytest.raises(ValueError, match="empty.txt' is empty"):
+        read_corpus(empty)
+    with pytest.raises(ValueError, match="is empty"):
+        split_digits(gpt2_style, tmp_path / "out", corpus=empty)
+    with pytest.raises(ValueError, match="is empty"):
+        train_spm(empty, tmp_path / "spm", SpmTrainConfig(vocab_size=300, num_threads=1))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        split_digits(gpt2_style, tmp_path / "out", corpus=tmp_path / "nope.txt")
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "1 2 3"}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl' line 2 is not valid JSON"):
+        read_corpus(bad_jsonl)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "spm").exists()
+
+
+def test_bad_train_spm_options(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size=100 is too small"):
+        SpmTrainConfig(vocab_size=100)
+    with pytest.raises(ValueError, match="model_type='word' is not supported"):
+        SpmTrainConfig(model_type="word")
+    with pytest.raises(ValueError, match="normalization='nfd' is not a SentencePiece rule"):
+        SpmTrainConfig(normalization="nfd")
+
+
+def test_failed_verification_writes_nothing(gpt2_style, tmp_path):
+    original = load_tokenizer(gpt2_style)
+    report = verify_conversion(original, original, ["In 2024 we sold 12345 apples."])
+    assert not report.passed and report.digits.failed == 1 and report.round_trip.passed
+    assert "is not a single bare digit" in report.digits.examples[0]
+    error = ConversionCheckError(report)
+    assert "FAIL (a) every digit is exactly one single-digit token" in str(error)
+
+
+def test_command_line_errors_exit_2_with_a_message(tool, gpt2_style, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast instead of retrying the Hub
+    assert tool["main"](["inspect", str(tmp_path / "missing" / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("")
+    assert tool["main"](["split-digits", str(gpt2_style), str(tmp_path / "o"), "--corpus",
+                         str(tmp_path / "empty.txt")]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert tool["main"](["number-vocab", "no-such-org/no-such-model-xyz"]) == 2
+    assert "neither a local path nor a loadable Hugging Face Hub tokenizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool["main"](["train-spm", str(tmp_path / "empty.txt"), str(tmp_path / "o")])  # --vocab-size required
+    assert "--vocab-size" in capsys.readouterr().err
+
+
+def test_number_vocab_command(tool, gpt2_style, tmp_path, capsys):
+    out = tmp_path / "vocab.json"
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = json.loads(out.read_text())
+    tokenizer = load_tokenizer(gpt2_style)
+    assert saved["tokens"] == printed["tokens"] and sorted(saved["tokens"]) == list("0123456789")
+    assert saved["token_ids"] == sorted(tokenizer.get_vocab()[d] for d in "0123456789")
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "small.json"),
+                         "--vocab-size", "10"]) == 2
+    assert "is smaller than the tokenizer's vocabulary" in capsys.readouterr().err
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "multi.json"),
+                         "--multi-digit"]) == 0
+    multi = json.loads((tmp_path / "multi.json").read_text())
+    assert multi["digit_level"] is False and len(multi["token_ids"]) > 10
