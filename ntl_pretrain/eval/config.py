@@ -54,6 +54,9 @@ class EvalConfig:
     max_length: int = _doc(
         "prompt plus answer limit in tokens; longer prompts keep their end (0: the model's max_position_embeddings)",
         default=0)
+    add_special_tokens: bool = _doc(
+        "add the tokenizer's special tokens (e.g. BOS) to prompts; off by default because training packs "
+        "documents without them", default=False)
     samples_to_log: int = _doc("sample generations per benchmark logged as text to TensorBoard", default=4)
 
     def __post_init__(self) -> None:

@@ -79,7 +79,8 @@ def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group
         return {}, [], 0, 0.0
     generation = greedy_generate(model, tokenizer, [p.prompt for _, p in problems],
                                  max_new_tokens=cfg.arithmetic_max_new_tokens, stop=ARITHMETIC_STOP,
-                                 batch_size=cfg.batch_size, max_length=cfg.max_length, dp_group=dp_group,
+                                 batch_size=cfg.batch_size, max_length=cfg.max_length,
+                                 add_special_tokens=cfg.add_special_tokens, dp_group=dp_group,
                                  tp_group=tp_group)
     records = []
     for (split, problem), output in zip(problems, generation.texts):
@@ -110,7 +111,8 @@ def evaluate_gsm8k(model: Any, tokenizer: Any, cfg: EvalConfig, *, final: bool =
                                 limit=cfg.gsm8k_final_limit if final else cfg.gsm8k_limit)
     generation = greedy_generate(model, tokenizer, [item.prompt for item in items],
                                  max_new_tokens=cfg.gsm8k_max_new_tokens, stop=gsm8k.STOP_STRINGS[cfg.gsm8k_variant],
-                                 batch_size=cfg.batch_size, max_length=cfg.max_length, dp_group=dp_group,
+                                 batch_size=cfg.batch_size, max_length=cfg.max_length,
+                                 add_special_tokens=cfg.add_special_tokens, dp_group=dp_group,
                                  tp_group=tp_group)
     accuracy, details = gsm8k.score(generation.texts, [item.gold for item in items], cfg.gsm8k_variant)
     records = [{"benchmark": "gsm8k", "index": item.index, "prompt": item.prompt, "output": output,

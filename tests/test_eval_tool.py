@@ -1,0 +1,116 @@
+"""tools/evaluate.py: an exported HF folder in one process, and a real training run's ZeRO-3 + AutoTP checkpoint
+on 2 CPU ranks under DeepSpeed's launcher, which must reproduce the training run's own final evaluation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "evaluate.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("ntl_evaluate_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tool_on_hf_folder_matches_the_hook(tmp_path: Path, capsys):
+    from test_eval_generate import char_tokenizer, tiny_llama
+    from ntl_pretrain.eval.config import EvalConfig
+    from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
+
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=4, initializer_range=0.3)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    tool = _load_tool()
+    code = tool.main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), "--step", "5",
+                      "arithmetic_n=6", "eval.batch_size=4", "arithmetic_ops=[+, '*']"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "eval/arith/extrapolation/accuracy" in printed
+    result = json.loads((tmp_path / "out" / "eval_results_step_0000005.json").read_text())
+    assert result["eval_config"]["arithmetic_ops"] == ["+", "*"] and result["step"] == 5
+
+    expected = run_evaluation(model, tokenizer, EvalConfig(arithmetic_n=6, batch_size=4, arithmetic_ops=["+", "*"]),
+                              step=5, output_dir=str(tmp_path / "direct"))
+    for key, value in expected.items():
+        if not key.startswith(("eval/time_s", "eval/generation/tokens_per_s")):
+            assert result["metrics"][key] == (None if value != value else value), key
+    tool_lines = (tmp_path / "out" / "eval" / "step_0000005.jsonl").read_text()
+    assert tool_lines == Path(predictions_path(str(tmp_path / "direct"), 5)).read_text()
+
+
+def test_tool_rejects_unknown_settings(tmp_path: Path):
+    tool = _load_tool()
+    with pytest.raises(ValueError, match="did you mean 'arithmetic_n'"):
+        tool.eval_config(tool.EvalConfig(), ["arithmetic_count=5"])
+    with pytest.raises(ValueError, match="key=value"):
+        tool.eval_config(tool.EvalConfig(), ["arithmetic_n"])
+    assert tool.main(["--run", str(tmp_path)]) == 2  # not a run folder: an error message, exit code 2
+
+
+TINY_RUN = """
+model:
+  architecture: {model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,
+                 num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 64,
+                 tie_word_embeddings: false}
+  dtype: fp32
+tokenizer: {name_or_path: ASSETS/tokenizer, train_vocab_size: 300}
+data:
+  sources: [{path: ASSETS/arithmetic.jsonl, text_field: text, generate_arithmetic: 600}]
+  seq_len: 32
+  micro_batch_size: 4
+  validation_documents: 0
+loss: {enabled: true, ntl_weight: 0.3}
+parallel: {tp_size: 2, zero_stage: 3}
+optim: {lr: 3.0e-3, warmup_steps: 1}
+train: {output_dir: RUN, max_steps: 3, val_every_n_steps: -1, log_every_n_steps: 1}
+checkpoint: {every_n_steps: 0}
+eval: {every_n_steps: 0, at_end: true, arithmetic_n: 6, arithmetic_max_new_tokens: 6, batch_size: 4}
+"""
+
+
+def _run(command: list[str], cwd: Path, timeout: int) -> None:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", NTL_CPU_PROCS="2",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{command[:3]} did not finish in {timeout}s (hang?): {str(error.stdout)[-2000:]}")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_tool_on_training_checkpoint_reproduces_the_runs_final_evaluation(tmp_path: Path):
+    run_dir, assets = tmp_path / "run", tmp_path / "assets"
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_RUN.replace("ASSETS", str(assets)).replace("RUN", str(run_dir)), encoding="utf-8")
+    _run(["bash", str(REPO / "launch" / "pretrain.sh"), "--config", str(config)], cwd=tmp_path, timeout=200)
+    in_training = (run_dir / "eval" / "step_0000003.jsonl").read_text()
+    assert len(in_training.splitlines()) == 12  # 6 interpolation + 6 extrapolation problems
+
+    _run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), str(TOOL), "--run", str(run_dir),
+          "--output-dir", str(tmp_path / "tool")], cwd=tmp_path, timeout=200)
+    result = json.loads((tmp_path / "tool" / "eval_results_step_0000003.json").read_text())
+    assert result["step"] == 3 and result["eval_config"]["arithmetic_n"] == 6  # the run's own eval settings
+    # The checkpoint's weights, not freshly initialised ones: the same predictions as the run made at its end.
+    assert (tmp_path / "tool" / "eval" / "step_0000003.jsonl").read_text() == in_training
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

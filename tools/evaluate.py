@@ -1,0 +1,212 @@
+"""Evaluate a model on the project's benchmarks (arithmetic, GSM8K): an exported HF folder or a training checkpoint.
+
+One process (plain PyTorch):
+    python tools/evaluate.py --model runs/demo/export gsm8k_path=../shared/data/gsm8k
+Several ranks (DeepSpeed ZeRO-3, optionally AutoTP with a vocabulary-parallel head; on CPU add
+DS_ACCELERATOR=cpu):
+    deepspeed --num_gpus 2 tools/evaluate.py --model DIR --tp 2 arithmetic_n=500
+A training run's checkpoint (its config.yaml rebuilds tokenizer and model; launch the same number of
+processes and the same parallel.tp_size as the training run, as DeepSpeed checkpoints require):
+    deepspeed --num_gpus 2 tools/evaluate.py --run runs/demo [--tag global_step150]
+
+Trailing `key=value` arguments override evaluation settings (ntl_pretrain.eval.EvalConfig keys, with or
+without the `eval.` prefix; values are YAML). The tool runs the "final" evaluation (GSM8K:
+gsm8k_final_limit, 0 = all). Rank 0 prints a table, writes every prediction to
+OUTPUT_DIR/eval/step_XXXXXXX.jsonl and the metrics to --json (default OUTPUT_DIR/eval_results_step_XXXXXXX.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import re
+import sys
+from typing import Any, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+import yaml  # noqa: E402
+
+from ntl_pretrain.eval.config import EvalConfig  # noqa: E402
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="exported Hugging Face model folder (or hub id) for from_pretrained")
+    source.add_argument("--run", help="training run folder (train.output_dir) holding config.yaml and checkpoints")
+    parser.add_argument("--tag", help="checkpoint tag in --run (default: DeepSpeed's 'latest')")
+    parser.add_argument("--tokenizer", help="tokenizer folder for --model (default: the model folder)")
+    parser.add_argument("--tp", type=int, default=1, help="AutoTP size for --model under several ranks (default 1)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="weights' dtype for --model (auto: bf16 on GPUs, fp32 on CPU)")
+    parser.add_argument("--output-dir", help="where eval/step_XXXXXXX.jsonl goes (default: --run, or ./eval_results)")
+    parser.add_argument("--json", help="metrics JSON path (default: OUTPUT_DIR/eval_results_step_XXXXXXX.json)")
+    parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
+    parser.add_argument("overrides", nargs="*", help="EvalConfig settings as key=value (e.g. arithmetic_n=500)")
+    return parser.parse_args(argv)
+
+
+def eval_config(base: EvalConfig, overrides: Sequence[str]) -> EvalConfig:
+    """`base` with `key=value` overrides (YAML values); unknown keys are named with the nearest valid one."""
+    names = [f.name for f in dataclasses.fields(EvalConfig)]
+    values = dataclasses.asdict(base)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip().removeprefix("eval.")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. arithmetic_n=500)")
+        if key not in names:
+            nearest = difflib.get_close_matches(key, names, n=1, cutoff=0.0)
+            raise ValueError(f"unknown evaluation setting {key!r}; did you mean {nearest[0]!r}? "
+                             f"Valid keys: {', '.join(names)}")
+        values[key] = yaml.safe_load(text) if text.strip() else ""
+    return EvalConfig(**values)
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _accelerator_name() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def load_hf_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """(model or engine, tokenizer, description) for an exported HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    on_cpu = _accelerator_name() == "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("fp32" if on_cpu else "bf16")
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
+    world = _world_size()
+    if world == 1 and args.tp == 1:
+        if not on_cpu:
+            from deepspeed.accelerator import get_accelerator
+
+            model = model.to(get_accelerator().current_device_name())
+        return model.eval(), tokenizer, f"{args.model} ({dtype}, 1 process)"
+    if args.tp < 1 or world % args.tp != 0:
+        raise ValueError(f"--tp {args.tp} does not divide the {world} processes launched; choose a divisor")
+    import deepspeed
+
+    from ntl_pretrain.distributed import init_distributed
+
+    init_distributed(timeout_minutes=30)
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                              "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
+    if args.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": args.tp, "vocab_parallel_lm_head": True}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine, tokenizer, f"{args.model} ({dtype}, {world} processes, ZeRO-3, tp={args.tp})"
+
+
+def _checkpoint_tag(run_dir: str, tag: str | None) -> str:
+    if tag:
+        return tag
+    latest = os.path.join(run_dir, "latest")
+    if not os.path.isfile(latest):
+        raise ValueError(f"{run_dir!r} has no 'latest' checkpoint file; pass --tag (e.g. --tag global_step100)")
+    with open(latest, encoding="utf-8") as handle:
+        return handle.read().strip()
+
+
+def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalConfig, str]:
+    """(engine, tokenizer, description, the run's eval settings, tag) for a training checkpoint."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from ntl_pretrain import distributed
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.model import build_model, load_tokenizer
+    from ntl_pretrain.train import deepspeed_config
+
+    config_path = os.path.join(args.run, "config.yaml")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{args.run!r} is not a training run folder: {config_path} is missing")
+    cfg = load_config(config_path)
+    tag = _checkpoint_tag(args.run, args.tag)
+    checkpoint_dir = os.path.join(args.run, tag)
+    saved_ranks = len(glob.glob(os.path.join(checkpoint_dir, "*model_states.pt")))
+    if saved_ranks == 0:
+        raise ValueError(f"no DeepSpeed checkpoint in {checkpoint_dir!r}; list {args.run!r} for tags (global_stepN)")
+    world = _world_size()
+    zero3 = cfg.parallel.zero_stage == 3
+    if zero3 and saved_ranks != world:
+        raise ValueError(f"checkpoint {checkpoint_dir!r} was saved by {saved_ranks} ZeRO-3 ranks but {world} were "
+                         f"launched; start {saved_ranks} processes (tp={cfg.parallel.tp_size}), or export the "
+                         f"checkpoint to a HF folder and use --model")
+    ds_config = deepspeed_config(cfg, on_cpu=get_accelerator().device_name() == "cpu")
+    distributed.init_distributed(cfg.train.dist_timeout_minutes)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+    model, _ = build_model(cfg.model, tokenizer, cfg.parallel.tp_size)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    path, _ = engine.load_checkpoint(args.run, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+    if path is None:
+        raise ValueError(f"DeepSpeed could not load checkpoint {tag!r} from {args.run!r}")
+    return engine, tokenizer, f"{checkpoint_dir} ({world} processes, tp={cfg.parallel.tp_size})", cfg.eval, tag
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """Metrics as an aligned two-column table."""
+    width = max((len(k) for k in metrics), default=10)
+    lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  {'-' * 12}"]
+    lines += [f"{key.ljust(width)}  {value:.6g}" for key, value in metrics.items()]
+    return "\n".join(lines)
+
+
+def _write_json(path: str, data: Any) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from ntl_pretrain.eval.hooks import run_evaluation
+
+    try:
+        if args.model:
+            cfg = eval_config(EvalConfig(), args.overrides)
+            model, tokenizer, description = load_hf_model(args)
+            step = args.step if args.step is not None else 0
+            output_dir = args.output_dir or "eval_results"
+        else:
+            model, tokenizer, description, run_eval_cfg, tag = load_run_checkpoint(args)
+            cfg = eval_config(run_eval_cfg, args.overrides)
+            match = re.search(r"(\d+)$", tag)
+            step = args.step if args.step is not None else (int(match.group(1)) if match else 0)
+            output_dir = args.output_dir or args.run
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    metrics = run_evaluation(model, tokenizer, cfg, step=step, output_dir=output_dir, final=True)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")
+        # NaN (e.g. MAE with no parseable answer) is not JSON: write null.
+        finite = {k: (None if v != v else v) for k, v in metrics.items()}
+        _write_json(json_path, {"model": description, "step": step, "metrics": finite,
+                                "eval_config": dataclasses.asdict(cfg),
+                                "predictions": os.path.join(output_dir, "eval", f"step_{step:07d}.jsonl")})
+        print(f"evaluated {description}")
+        print(format_table(metrics))
+        print(f"metrics: {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
