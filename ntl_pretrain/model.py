@@ -140,16 +140,14 @@ def _load_config(cfg: ModelConfig) -> Any:
         raise ValueError(f"model.architecture.model_type={model_type!r}: {error}") from None
 
 
-def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int, *, zero_init_config: dict | None = None
-                ) -> tuple[torch.nn.Module, ModelReport]:
-    """The causal LM on CPU, ready for `deepspeed.initialize`.
+def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.nn.Module, ModelReport]:
+    """The causal LM on CPU, ready for `deepspeed.initialize` (every rank holds the full weights until
+    DeepSpeed partitions them: ZeRO-3 and AutoTP shard them inside `deepspeed.initialize`).
 
     Args:
         cfg: the model section.
         tokenizer: the run's tokenizer; a model built from scratch gets its (padded) vocabulary.
         tp_size: tensor-parallel size; the vocabulary of a new or resized model is padded so it divides.
-        zero_init_config: the DeepSpeed config, when the weights should be created already partitioned
-            (ZeRO-3 `zero.Init`, for models too large to materialise on every rank).
     """
     from transformers import AutoModelForCausalLM
 
@@ -157,12 +155,6 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int, *, zero_init_con
     dtype = DTYPES[cfg.dtype]
     config = _load_config(cfg)
     tokenizer_size = len(tokenizer)
-    dschf = None
-    if zero_init_config is not None:
-        # transformers creates weights under deepspeed.zero.Init while this object is alive
-        from transformers.integrations import HfDeepSpeedConfig
-
-        dschf = HfDeepSpeedConfig(zero_init_config)  # noqa: F841 (kept alive on purpose)
     if cfg.name_or_path is None:
         config.vocab_size = padded_vocab_size(tokenizer_size, cfg.pad_vocab_to_multiple_of, tp_size)
         if tokenizer.eos_token_id is not None:
@@ -175,8 +167,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int, *, zero_init_con
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, attn_implementation=attn,
                                                      dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         source = cfg.name_or_path
-    del dschf
-    model_vocab = model.get_input_embeddings().weight.shape[0] if zero_init_config is None else config.vocab_size
+    model_vocab = model.get_input_embeddings().weight.shape[0]
     resized_from = None
     if model_vocab < tokenizer_size:
         if not cfg.resize_embeddings:
@@ -184,17 +175,17 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int, *, zero_init_con
                 f"the model's vocabulary ({model_vocab}) is smaller than the tokenizer's ({tokenizer_size} tokens): "
                 f"token ids >= {model_vocab} have no embedding. Set model.resize_embeddings=true to resize it "
                 f"(new rows get the mean embedding), or use the model's own tokenizer")
+        from .tokenizer.resize import resize_model_embeddings
+
         resized_from = model_vocab
-        target = padded_vocab_size(tokenizer_size, cfg.pad_vocab_to_multiple_of, tp_size)
-        model.resize_token_embeddings(target, mean_resizing=True)
-        logger.info("resized the embeddings from %d to %d rows (tokenizer: %d tokens)", model_vocab, target,
-                    tokenizer_size)
-        model_vocab = target
+        resize = resize_model_embeddings(model, tokenizer, math.lcm(cfg.pad_vocab_to_multiple_of, tp_size), init="mean")
+        logger.info("resized the embeddings from %d to %d rows (tokenizer: %d tokens): %s", resize.old_rows,
+                    resize.new_rows, tokenizer_size, resize)
+        model_vocab = resize.new_rows
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     report = ModelReport(source=source, attn_implementation=attn, dtype=cfg.dtype, vocab_size=int(model_vocab),
                          tokenizer_size=tokenizer_size, resized_from=resized_from,
-                         parameters=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                        for p in model.parameters()))
+                         parameters=sum(p.numel() for p in model.parameters()))
     return model, report
