@@ -275,3 +275,16 @@ def test_command_line_end_to_end(family_dirs, tmp_path):
     inspection, _ = decoder.raw_decode(result.stdout.lstrip()[end:].lstrip())
     assert split_report["verification"]["passed"] and inspection["digit_level"] is True
     assert "already exists; pass --force" in result.stderr
+
+
+def test_train_spm_samples_lines_uniformly(tmp_path):
+    from ntl_pretrain.tokenizer.spm import _sample_lines
+
+    corpus = tmp_path / "lines.txt"
+    corpus.write_text("\n".join(f"line {i}" for i in range(2000)) + "\n\n")
+    sample = _sample_lines([corpus], 200)
+    indices = [int(line.split()[1]) for line in sample]
+    assert len(set(indices)) == 200 and indices == sorted(indices)
+    assert 60 < sum(i < 1000 for i in indices) < 140  # both halves of the corpus, not just its start
+    assert sample == _sample_lines([corpus], 200)  # reproducible
+    assert len(_sample_lines([corpus], 0)) == 2000

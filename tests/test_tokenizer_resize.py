@@ -146,6 +146,9 @@ def test_resize_bad_arguments(tokenizers_before_after):
     with pytest.raises(ValueError, match=r"new_token_ids \[99999\] are not ids"):
         resize_model_embeddings(model, after, pad_to_multiple_of=8, new_token_ids=[99999])
     assert model.config.vocab_size == len(before)  # refused before anything changed
+    model.get_input_embeddings().weight.ds_id = 0  # what deepspeed.zero.Init marks partitioned parameters with
+    with pytest.raises(RuntimeError, match="already partitioned by DeepSpeed ZeRO-3: resize the full model before"):
+        resize_model_embeddings(model, after, pad_to_multiple_of=8)
 
 
 def test_resize_model_command(tokenizers_before_after, tmp_path):

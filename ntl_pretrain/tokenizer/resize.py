@@ -1,8 +1,8 @@
 """Resize a model's input and output embeddings after its tokenizer gained tokens.
 
 The rows are resized with transformers' own `resize_token_embeddings` (which handles tied and
-untied heads, the head's bias, `config.vocab_size` and ZeRO-3 gathering when transformers knows
-about DeepSpeed); this module then initialises the new rows:
+untied heads, the head's bias and `config.vocab_size`); this module then initialises the new rows.
+Call it on the full model, before `deepspeed.initialize` partitions it (as the trainer does).
 
 - a new bare digit "7" gets the embedding of the same digit under another spelling that the model
   already learned ("Ġ7" in byte-level BPE, "▁7" in SentencePiece, "##7", "7</w>"), when one exists;
@@ -16,12 +16,10 @@ dividing that multiple splits the vocabulary evenly. Rows are never removed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -47,6 +45,9 @@ class ResizeReport:
     copied_from: dict[str, str] = field(default_factory=dict)
     mean_token_rows: int = 0
     padding_rows: int = 0
+
+    def __str__(self) -> str:
+        return self.format()
 
     @property
     def changed(self) -> bool:
@@ -77,20 +78,6 @@ class ResizeReport:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def _rows(weight: torch.Tensor) -> int:
-    # ZeRO-3 partitioned parameters keep their full shape in `ds_shape`
-    return int(getattr(weight, "ds_shape", weight.shape)[0])
-
-
-def _gathered(params: Sequence[torch.Tensor]):
-    """Gather ZeRO-3 partitioned parameters (rank 0's edits win); a no-op for ordinary tensors."""
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=0)
 
 
 def _digit_sources(tokenizer, token_ids: Iterable[int], usable) -> dict[int, int]:
@@ -134,13 +121,9 @@ def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int
     output_embeddings = model.get_output_embeddings()
     params = [input_embeddings.weight] + ([output_embeddings.weight] if output_embeddings is not None else [])
     if any(hasattr(p, "ds_id") for p in params):
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        if not is_deepspeed_zero3_enabled():
-            raise RuntimeError("the embeddings are ZeRO-3 partitioned but transformers does not know it: resize before "
-                               "deepspeed.initialize, or keep the HfDeepSpeedConfig object alive while loading and "
-                               "resizing")
-    old_rows = _rows(input_embeddings.weight)
+        raise RuntimeError("the embeddings are already partitioned by DeepSpeed ZeRO-3: resize the full model before "
+                           "deepspeed.initialize (and outside deepspeed.zero.Init), then hand it to DeepSpeed")
+    old_rows = int(input_embeddings.weight.shape[0])
     tokenizer_size = len(tokenizer)
     target_rows = _round_up(max(old_rows, tokenizer_size), pad_to_multiple_of)
     inside = sorted(set(int(i) for i in (new_token_ids or ())))
@@ -184,15 +167,12 @@ def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int
     input_embeddings = model.get_input_embeddings()
     output_embeddings = model.get_output_embeddings()
     with torch.no_grad():
-        with _gathered([input_embeddings.weight]):
-            initialise(input_embeddings.weight)
+        initialise(input_embeddings.weight)
         if output_embeddings is not None and output_embeddings.weight is not input_embeddings.weight:
-            with _gathered([output_embeddings.weight]):
-                initialise(output_embeddings.weight)
+            initialise(output_embeddings.weight)
         bias = getattr(output_embeddings, "bias", None) if output_embeddings is not None else None
         if isinstance(bias, torch.Tensor):
-            with _gathered([bias]):
-                initialise(bias)
+            initialise(bias)
     report.tied = output_embeddings is not None and output_embeddings.weight is input_embeddings.weight
     return report
 

@@ -9,9 +9,9 @@ converted with transformers' own SentencePiece converter, checked to encode the 
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import os
+import random
 import re
 from dataclasses import asdict, dataclass
 
@@ -42,7 +42,7 @@ class SpmTrainConfig:
     normalization: str = "identity"
     """SentencePiece normalization rule: "identity" keeps text verbatim, "nmt_nfkc" applies NFKC."""
     max_sentences: int = 2_000_000
-    """Lines sampled from the corpus for training (SentencePiece's input_sentence_size); 0 = all."""
+    """Lines sampled uniformly from the corpus for training (bounds memory); 0 = all lines."""
     max_sentence_length: int = 16384
     """Longest line in bytes that training uses; longer lines are skipped."""
     num_threads: int = 0
@@ -93,6 +93,26 @@ class SpmTrainReport:
         ])
 
 
+def _sample_lines(files: list, limit: int, seed: int = 0) -> list[str]:
+    """A uniform sample of `limit` corpus lines (all lines when `limit` is 0), in corpus order.
+
+    Reservoir sampling keeps memory at `limit` lines however large the corpus, and a fixed seed makes
+    training reproducible.
+    """
+    if not limit:
+        return list(iter_corpus_lines(files))
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str]] = []
+    for index, line in enumerate(iter_corpus_lines(files)):
+        if index < limit:
+            reservoir.append((index, line))
+        else:
+            slot = rng.randint(0, index)
+            if slot < limit:
+                reservoir[slot] = (index, line)
+    return [line for _, line in sorted(reservoir)]
+
+
 def _train(lines, config: SpmTrainConfig) -> bytes:
     model = io.BytesIO()
     try:
@@ -101,7 +121,7 @@ def _train(lines, config: SpmTrainConfig) -> bytes:
             character_coverage=config.character_coverage, normalization_rule_name=config.normalization,
             split_digits=True, byte_fallback=True, required_chars="0123456789", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             add_dummy_prefix=True, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-            input_sentence_size=config.max_sentences, shuffle_input_sentence=True,
+            input_sentence_size=0, shuffle_input_sentence=False,  # already sampled by _sample_lines
             max_sentence_length=config.max_sentence_length, num_threads=config.num_threads or os.cpu_count() or 1,
             minloglevel=2)
     except RuntimeError as error:
@@ -127,10 +147,7 @@ def train_spm(corpus: list[str | os.PathLike] | str | os.PathLike, out_dir: str 
         raise ValueError("train-spm needs at least one corpus file")
     check_output_dir(out_dir, force)
     samples = [text for path in files for text in read_corpus(path, max_samples=PARITY_SAMPLES, lines_per_sample=1)]
-    lines = iter_corpus_lines(files)
-    if config.max_sentences:
-        lines = itertools.islice(lines, config.max_sentences * 10)  # SentencePiece samples from what it is given
-    model_bytes = _train(lines, config)
+    model_bytes = _train(iter(_sample_lines(files, config.max_sentences)), config)
     with atomic_output_dir(out_dir, force) as staging:
         model_path = staging / SENTENCEPIECE_MODEL
         model_path.write_bytes(model_bytes)
