@@ -13,6 +13,7 @@ import io
 import json
 import random
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ LLAMA3_STYLE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|
                         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 NAMES = ["Ann", "Bob", "Carla", "Dev", "Emma", "Farid", "Gus"]
 NOUNS = ["apples", "pages", "miles", "tickets", "coins", "books", "eggs"]
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
 
 def number_corpus(lines: int = 600, seed: int = 0) -> list[str]:
@@ -71,7 +73,8 @@ def build_gpt2_style(folder: Path) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(all_digit_texts(), trainer)
-    return _save_tokenizers_backend(tokenizer, folder, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    return _save_tokenizers_backend(tokenizer, folder, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                    chat_template=CHAT_TEMPLATE)
 
 
 def build_llama3_style(folder: Path) -> Path:
@@ -179,8 +182,14 @@ def test_split_digits_checks_and_number_vocab(family, family_dirs, converted_dir
     assert sorted(saved.tokens) == list(DIGITS)
     assert all(vocab[token] == token_id for token, token_id in zip(saved.tokens, saved.token_ids))
     assert saved.vocab_size == len(converted)
-    # special tokens survive the rewrite
+    # special tokens, chat template and normaliser survive the rewrite
     assert converted.bos_token == original.bos_token and converted.eos_token == original.eos_token
+    assert converted.all_special_tokens == original.all_special_tokens
+    assert converted.chat_template == original.chat_template
+    if family == "gpt2_style":
+        assert converted.chat_template == CHAT_TEMPLATE
+    before, after = (json.loads(t.backend_tokenizer.to_str())["normalizer"] for t in (original, converted))
+    assert after == before
     assert json.loads((out / "split_digits.json").read_text())["verification"]["passed"] is True
 
 
@@ -245,6 +254,19 @@ def test_train_spm_is_digit_level_and_loads_directly(tmp_path):
     assert is_digit_level(tokenizer)
     assert NumberVocab.load(tmp_path / "spm") == NumberVocab.from_tokenizer(tokenizer)
     assert inspect_tokenizer(load_tokenizer(tmp_path / "spm" / "tokenizer.model")).digit_level
+
+
+def test_train_spm_command(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": line}) for line in number_corpus(300, seed=5)))
+    tool = runpy.run_path(str(REPO / "tools" / "tokenizer.py"))
+    assert tool["main"](["train-spm", str(corpus), str(tmp_path / "unigram"), "--vocab-size", "320",
+                         "--model-type", "unigram", "--num-threads", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["digit_level"] and report["config"]["model_type"] == "unigram" and report["pieces"] == 320
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "unigram"))
+    assert tokenizer.tokenize("Ann sold 2024")[-4:] == ["2", "0", "2", "4"]
+    assert NumberVocab.load(tmp_path / "unigram").token_ids == tuple(report["number_vocab"]["token_ids"])
 
 
 def test_train_spm_vocab_too_large_for_corpus(tmp_path):
