@@ -137,6 +137,20 @@ def _load_hub_id(name: str, trust_remote_code: bool) -> TokenizersBackend:
             f"{error})") from None
 
 
+def load_verbatim(folder: str | os.PathLike) -> None:
+    """Make `AutoTokenizer.from_pretrained(folder)` load the folder's `tokenizer.json` as it is.
+
+    Model-specific classes (e.g. `GPT2Tokenizer` in transformers 5) rebuild their own pipeline from
+    the vocabulary and would drop changes made to `tokenizer.json`; the generic fast class does not.
+    "PreTrainedTokenizerFast" is that class's name in transformers 4 and an alias in transformers 5.
+    """
+    path = Path(folder) / TOKENIZER_CONFIG
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("auto_map", None)  # remote code would replace the class again
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def check_output_dir(out_dir: str | os.PathLike, force: bool, sources: tuple[str | os.PathLike, ...] = ()) -> Path:
     """Refuse an output folder that exists (unless `force`) or that is one of the inputs."""
     out = Path(out_dir)

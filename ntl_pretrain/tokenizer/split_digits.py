@@ -19,8 +19,8 @@ Digits missing from the vocabulary are added to the model vocabulary (BPE, WordP
 and Unigram when its next id is free) or otherwise as non-special added tokens, with new ids after
 all existing ones, so no existing id moves. Special tokens, added tokens, normalizer, decoder,
 post-processor and the chat template are kept. The result is saved with `tokenizer_class`
-"TokenizersBackend" so that transformers loads `tokenizer.json` verbatim instead of rebuilding a
-model-specific pipeline (which would drop the new step).
+"PreTrainedTokenizerFast" so that transformers loads `tokenizer.json` verbatim instead of rebuilding
+a model-specific pipeline (which would drop the new step).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from ntl_pretrain.numbers import DIGITS, NumberVocab
 from ntl_pretrain.tokenizer.analysis import VerificationReport, digit_split_problems, verify_conversion
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS, read_corpus
-from ntl_pretrain.tokenizer.loading import (TOKENIZER_CONFIG, TOKENIZER_JSON, atomic_output_dir,
-                                            check_output_dir, load_tokenizer)
+from ntl_pretrain.tokenizer.loading import (TOKENIZER_JSON, atomic_output_dir, check_output_dir, load_tokenizer,
+                                            load_verbatim)
 
 ISOLATE_DIGITS = {"type": "Split", "pattern": {"Regex": "[0-9]"}, "behavior": "Isolated", "invert": False}
 REPORT_FILENAME = "split_digits.json"
@@ -190,11 +190,7 @@ def save_split_tokenizer(tokenizer: TokenizersBackend, plan: DigitSplitPlan, fol
     folder = Path(folder)
     tokenizer.save_pretrained(str(folder))
     Tokenizer.from_str(json.dumps(plan.backend_json)).save(str(folder / TOKENIZER_JSON))
-    config_path = folder / TOKENIZER_CONFIG
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["tokenizer_class"] = "TokenizersBackend"  # load tokenizer.json verbatim, see the module docstring
-    config.pop("auto_map", None)
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    load_verbatim(folder)
     for name in STALE_VOCAB_FILES:
         (folder / name).unlink(missing_ok=True)
 

@@ -20,7 +20,8 @@ import sentencepiece
 from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.tokenizer.analysis import CheckResult
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS, iter_corpus_lines, read_corpus
-from ntl_pretrain.tokenizer.loading import SENTENCEPIECE_MODEL, atomic_output_dir, check_output_dir, load_tokenizer
+from ntl_pretrain.tokenizer.loading import (SENTENCEPIECE_MODEL, atomic_output_dir, check_output_dir, load_tokenizer,
+                                            load_verbatim)
 from ntl_pretrain.tokenizer.split_digits import is_digit_level
 
 REPORT_FILENAME = "train_spm.json"
@@ -153,6 +154,7 @@ def train_spm(corpus: list[str | os.PathLike] | str | os.PathLike, out_dir: str 
         model_path.write_bytes(model_bytes)
         converted = load_tokenizer(staging)  # transformers' SentencePiece -> tokenizers conversion
         converted.save_pretrained(str(staging))
+        load_verbatim(staging)
         tokenizer = load_tokenizer(staging)  # what the trainer will load: tokenizer.json + tokenizer_config.json
         processor = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
         parity = CheckResult("sentencepiece_parity")
