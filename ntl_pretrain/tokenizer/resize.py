@@ -6,7 +6,8 @@ Call it on the full model, before `deepspeed.initialize` partitions it (as the t
 
 - a new bare digit "7" gets the embedding of the same digit under another spelling that the model
   already learned ("Ġ7" in byte-level BPE, "▁7" in SentencePiece, "##7", "7</w>"), when one exists;
-- every other new row, padding rows included, gets the mean of the existing rows. A mean row keeps
+- every other new row, padding rows included, gets the mean of the rows of the tokenizer's
+  existing tokens (a padded model's spare rows were never trained and are left out). A mean row keeps
   the output distribution close to the old one (its logit is about the average logit), unlike a
   random row.
 
@@ -104,11 +105,11 @@ def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int
         model: a `transformers` PreTrainedModel (causal LM), tied or untied head.
         tokenizer: the tokenizer the model will be trained with (`len(tokenizer)` tokens).
         pad_to_multiple_of: total rows become a multiple of this (e.g. 64 * tensor-parallel size).
-        init: "mean" (new rows = mean of existing rows, new digits copy another spelling's row) or
-            "model" (new rows keep the model's own random initialisation).
+        init: "mean" (new rows = mean of the existing tokens' rows, new digits copy another
+            spelling's row) or "model" (appended rows keep the model's own random initialisation).
         new_token_ids: ids of tokens added to the tokenizer that fall INSIDE the existing rows (a model
-            whose vocabulary was already padded); their rows are re-initialised too. Ids at or above
-            the old row count are always treated as new.
+            whose vocabulary was already padded); with init="mean" their rows are re-initialised too.
+            Ids at or above the old row count are always treated as new.
     """
     if not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer (e.g. 64, or a "
@@ -144,7 +145,8 @@ def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int
         return report
 
     new_id_set = set(new_ids)
-    trained = [i for i in range(old_rows) if i not in new_id_set]
+    # rows of the tokenizer's existing tokens; a padded model's spare rows were never trained
+    trained = [i for i in range(min(old_rows, tokenizer_size)) if i not in new_id_set]
     if not trained:
         raise ValueError("every existing embedding row belongs to a new token; there is no trained row to average")
     sources = _digit_sources(tokenizer, new_ids, lambda i: i < old_rows and i not in new_id_set)
