@@ -125,8 +125,8 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def _any_rank_busy(busy: bool, device: torch.device) -> bool:
-    """All-reduce (world) of a busy flag: True while any rank still has prompts to finish."""
+def _any_rank_flag(busy: bool, device: torch.device) -> bool:
+    """All-reduce (world, MAX) of a flag: True if it is set on any rank (e.g. still has prompts to finish)."""
     if not (dist.is_available() and dist.is_initialized()):
         return busy
     flag = torch.tensor([1 if busy else 0], dtype=torch.int64, device=device)
@@ -207,9 +207,12 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     chunk = -(-n // layout.dp_size)
     mine = list(range(layout.dp_rank * chunk, min(n, (layout.dp_rank + 1) * chunk)))
     encoded = {i: tokenizer(prompts[i], add_special_tokens=add_special_tokens)["input_ids"] for i in mine}
+    empty = [i for i in mine if not encoded[i]]
+    # Only this rank tokenized its chunk: agree on the error first, so every rank raises and none waits.
+    if _any_rank_flag(bool(empty), device):
+        detail = f"prompt {empty[0]} ({prompts[empty[0]]!r})" if empty else "a prompt on another rank"
+        raise ValueError(f"{detail} encodes to no tokens; give non-empty prompts")
     for i in mine:
-        if not encoded[i]:
-            raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens; give a non-empty prompt")
         if max_length > 0:
             keep = max(1, max_length - max_new[i])
             encoded[i] = encoded[i][-keep:]
@@ -230,7 +233,7 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
                     indices = queue.pop(0)
                     batch = _Batch(indices, [encoded[i] for i in indices], [max_new[i] for i in indices],
                                    pad_id, device)
-                if not _any_rank_busy(batch is not None, device):
+                if not _any_rank_flag(batch is not None, device):
                     break
                 forward_passes += 1
                 if batch is None:
