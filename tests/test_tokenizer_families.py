@@ -89,7 +89,8 @@ def build_llama3_style(folder: Path) -> Path:
     return _save_tokenizers_backend(tokenizer, folder, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
 
 
-def train_sentencepiece(texts: list[str], split_digits: bool, vocab_size: int = 400, model_type: str = "unigram") -> bytes:
+def train_sentencepiece(texts: list[str], split_digits: bool, vocab_size: int = 400,
+                        model_type: str = "unigram") -> bytes:
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size, model_type=model_type,

@@ -135,6 +135,22 @@ def test_resize_reinitialises_new_tokens_inside_padded_rows(tokenizers_before_af
     assert torch.equal(weight[mask], old_input[mask])
 
 
+def test_mean_leaves_out_spare_rows_of_a_padded_model(tokenizers_before_after):
+    before, after, _root = tokenizers_before_after
+    model = _tiny_llama(len(before) + 2, tied=True)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[len(before):] = 100.0  # spare rows that never saw a token
+    old_input = model.get_input_embeddings().weight.detach().clone()
+    seven = after.convert_tokens_to_ids("7")
+    report = resize_model_embeddings(model, after, pad_to_multiple_of=16, new_token_ids=[seven])
+    weight = model.get_input_embeddings().weight
+    assert report.new_rows == -(-(len(before) + 2) // 16) * 16
+    assert report.padding_rows == report.new_rows - len(before) - 2
+    expected = old_input[:len(before)].mean(dim=0).expand(report.padding_rows, -1)
+    torch.testing.assert_close(weight[len(before) + 2:], expected)
+    assert torch.equal(weight[len(before) + 1], old_input[len(before) + 1])  # an existing spare row is left alone
+
+
 def test_resize_bad_arguments(tokenizers_before_after):
     before, after, _root = tokenizers_before_after
     model = _tiny_llama(len(before), tied=True)

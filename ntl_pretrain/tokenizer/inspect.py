@@ -89,15 +89,12 @@ class InspectionReport:
         missing = [d for d, i in self.digit_token_ids.items() if i is None]
         lines.append("digit tokens '0'..'9': " + (", ".join(f"{d}={i}" for d, i in present.items()) or "none")
                      + (f"; MISSING {missing}" if missing else ""))
-        lines.append(f"multi-digit number tokens: {self.multi_digit_tokens}"
-                     + (f" (e.g. {', '.join(map(repr, self.multi_digit_examples))})" if self.multi_digit_examples else "")
+        lines.append(f"multi-digit number tokens: {self.multi_digit_tokens}{_examples(self.multi_digit_examples)}"
                      + ("; they stay in the vocabulary but the probes never produce them"
                         if self.digit_level and self.multi_digit_tokens else ""))
         lines.append(f"digits with a space marker: {self.space_marked_digit_tokens}"
-                     + (f" (e.g. {', '.join(map(repr, self.space_marked_digit_examples))})"
-                        if self.space_marked_digit_examples else ""))
-        lines.append(f"other tokens holding digits: {self.other_digit_tokens}"
-                     + (f" (e.g. {', '.join(map(repr, self.other_digit_examples))})" if self.other_digit_examples else ""))
+                     f"{_examples(self.space_marked_digit_examples)}")
+        lines.append(f"other tokens holding digits: {self.other_digit_tokens}{_examples(self.other_digit_examples)}")
         if self.number_vocab is not None:
             ids = ", ".join(f"{t}={i}" for t, i in zip(self.number_vocab["tokens"], self.number_vocab["token_ids"]))
             lines.append(f"NTL number vocabulary (digit-level, K={len(self.number_vocab['token_ids'])}): {ids}")
@@ -109,6 +106,10 @@ class InspectionReport:
         lines += [f"  - {problem}" for problem in self.problems]
         lines.append(self.advice)
         return "\n".join(lines)
+
+
+def _examples(tokens: list[str]) -> str:
+    return f" (e.g. {', '.join(map(repr, tokens))})" if tokens else ""
 
 
 def _surface(token: str) -> str:

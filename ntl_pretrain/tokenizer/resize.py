@@ -63,8 +63,8 @@ class ResizeReport:
         if not self.changed:
             return (f"embeddings unchanged: {self.old_rows} rows already hold the tokenizer's {self.tokenizer_size} "
                     f"tokens and are a multiple of {self.pad_to_multiple_of}")
-        lines = [f"embeddings resized {self.old_rows} -> {self.new_rows} rows (tokenizer: {self.tokenizer_size} tokens, "
-                 f"multiple of {self.pad_to_multiple_of}; {'tied' if self.tied else 'untied'} output head)"]
+        lines = [f"embeddings resized {self.old_rows} -> {self.new_rows} rows (tokenizer: {self.tokenizer_size} "
+                 f"tokens, multiple of {self.pad_to_multiple_of}; {'tied' if self.tied else 'untied'} output head)"]
         if self.copied_from:
             lines.append("  digit rows copied from another spelling: "
                          + ", ".join(f"{new!r} <- {old!r}" for new, old in self.copied_from.items()))

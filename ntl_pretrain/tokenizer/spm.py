@@ -130,7 +130,8 @@ def _train(lines, config: SpmTrainConfig) -> bytes:
         too_high = re.search(r"Vocabulary size (?:is )?too high \((\d+)\).*?<= (\d+)", message)
         if too_high:
             raise ValueError(f"--vocab-size {too_high.group(1)} is too large for this corpus: SentencePiece can find "
-                             f"at most {too_high.group(2)} pieces in it. Use a smaller --vocab-size or more text") from None
+                             f"at most {too_high.group(2)} pieces in it. Use a smaller --vocab-size or more text"
+                             ) from None
         raise ValueError(f"SentencePiece training failed: {message}") from None
     return model.getvalue()
 
