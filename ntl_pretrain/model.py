@@ -71,6 +71,11 @@ def train_digit_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> str:
     try:
         wrapped.save_pretrained(tmp)
         os.replace(tmp, out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(out_dir):
+            raise
+        # another process (a rank on another node without a shared file system) finished first: same result
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -230,13 +230,18 @@ def _prepare_assets(cfg: Config) -> None:
 
 
 def _number_vocab(cfg: Config, tokenizer: Any) -> NumberVocab:
+    """The number tokens NTL acts on (with NTL off they still feed the number-token figures)."""
     try:
         return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level)
     except ValueError as error:
-        if not cfg.loss.enabled or cfg.loss.ntl_weight == 0:
-            raise ValueError(f"{error} (tokenizer.name_or_path={tokenizer_source(cfg.tokenizer, cfg.model)!r})") from None
-        raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "
-                         f"Or train with CE only: loss.enabled=false") from None
+        if cfg.loss.enabled and cfg.loss.ntl_weight > 0:
+            raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "
+                             f"Or train with CE only: loss.enabled=false") from None
+        try:  # CE only: any number-like tokens will do for monitoring
+            return NumberVocab.from_tokenizer(tokenizer, digit_level=False)
+        except ValueError:
+            raise ValueError(f"{error} (tokenizer.name_or_path={tokenizer_source(cfg.tokenizer, cfg.model)!r}); "
+                             f"the trainer's number-token figures need at least one number token") from None
 
 
 def _vocab_parallel_head(engine: Any) -> tuple[int, int]:
