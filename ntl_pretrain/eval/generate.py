@@ -125,13 +125,13 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def _any_rank_flag(busy: bool, device: torch.device) -> bool:
+def _any_rank_flag(flag: bool, device: torch.device) -> bool:
     """All-reduce (world, MAX) of a flag: True if it is set on any rank (e.g. still has prompts to finish)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return busy
-    flag = torch.tensor([1 if busy else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _model_device(model_engine_or_module: Any) -> torch.device:
