@@ -27,7 +27,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DIGIT_IDS_START = 1000  # number tokens at ids 1000..1009 (any shard works; see tests)
+
+
+def digit_ids_start(vocab_size: int) -> int:
+    """Number tokens sit in the middle of the vocabulary, so with TP=2 they straddle both shards."""
+    return vocab_size // 2 - 5
+
 NUMBER_SHARE = 0.2  # share of label positions that are number tokens
 
 
@@ -74,13 +79,13 @@ def build_methods(tp: int, names: list[str]):
 
 
 class _BenchTokenizer:
-    """What `ntloss` reads from a tokenizer: a vocabulary with the ten digits at ids 1000..1009."""
+    """What `ntloss` reads from a tokenizer: a vocabulary with the ten digits at `digit_ids_start`."""
 
     def __init__(self, size: int):
         self.vocab = {f"tok{i}": i for i in range(size)}
         for digit in range(10):
-            del self.vocab[f"tok{DIGIT_IDS_START + digit}"]
-            self.vocab[str(digit)] = DIGIT_IDS_START + digit
+            del self.vocab[f"tok{digit_ids_start(size) + digit}"]
+            self.vocab[str(digit)] = digit_ids_start(size) + digit
 
     def get_vocab(self):
         return dict(self.vocab)
@@ -121,11 +126,12 @@ def child(args) -> None:
     generator = torch.Generator().manual_seed(0)
     labels = torch.randint(0, vocab_size, (n,), generator=generator)
     numbers = torch.rand(n, generator=generator) < NUMBER_SHARE
-    labels[numbers] = DIGIT_IDS_START + torch.randint(0, 10, (int(numbers.sum()),), generator=generator)
+    labels[numbers] = digit_ids_start(vocab_size) + torch.randint(0, 10, (int(numbers.sum()),), generator=generator)
     full = torch.randn(n, vocab_size, generator=generator)
     logits = full[:, start:start + width].clone().requires_grad_()
     del full
-    ctx = {"vocab": NumberVocab(tuple(range(DIGIT_IDS_START, DIGIT_IDS_START + 10)),
+    first_digit = digit_ids_start(vocab_size)
+    ctx = {"vocab": NumberVocab(tuple(range(first_digit, first_digit + 10)),
                                 tuple(float(d) for d in range(10)), vocab_size),
            "group": group, "start": start, "vocab_size": vocab_size}
     methods = {name: setup(logits, labels, ctx) for name, setup in build_methods(args.tp, args.methods).items()}
