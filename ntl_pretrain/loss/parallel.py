@@ -54,6 +54,18 @@ class ShardLayout:
         return cls(vocab_start_index, local_width, ids[slots] - vocab_start_index, slots)
 
 
+SUM_EXP_BLOCK_ELEMENTS = 1 << 21  # 8 MiB of float32 temporaries: reused by the allocator, no page faults
+
+
+def _sum_exp_by_blocks(logits: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> None:
+    """`out = sum(exp(logits - shift[:, None]), -1)`, a block of rows at a time so the temporary stays
+    small (a full `[n, V]` temporary costs as much in fresh pages as the exp itself)."""
+    rows = max(1, SUM_EXP_BLOCK_ELEMENTS // max(1, logits.shape[1]))
+    for first in range(0, logits.shape[0], rows):
+        block = torch.sub(logits[first:first + rows], shift[first:first + rows, None]).to(out.dtype)
+        torch.sum(block.exp_(), dim=-1, out=out[first:first + rows])
+
+
 class _ShardReductions(torch.autograd.Function):
     """Reduce a local logit shard to (shift, sum_exp, target logit, number-token logits) over TP.
 
@@ -91,7 +103,7 @@ class _ShardReductions(torch.autograd.Function):
                 dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=tp_group)
             # A row whose logits are all -inf would give nan; its sum_exp is 0 and its lse -inf.
             shift = torch.where(torch.isfinite(max_buf[:-1]), max_buf[:-1], 0.0)
-            table[:, 0] = torch.sub(logits, shift.unsqueeze(1)).to(dtype).exp_().sum(-1)
+            _sum_exp_by_blocks(logits, shift, out=table[:, 0])
             global_end = max_buf[-1]
         if target_owned is not None:
             picked = logits.gather(1, target_local.unsqueeze(1)).squeeze(1)
