@@ -142,3 +142,26 @@ def test_bash_form_refuses_a_folder_with_another_runs_checkpoints(tp2_run, asset
     assert "no GPU found: starting 2 CPU processes" in result.stderr
     assert "already holds checkpoints of another run (global_step16)" in result.stdout + result.stderr
     assert sorted(str(p) for p in out.rglob("*")) == before
+
+
+def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
+    import shutil
+
+    import torch
+
+    source, _ = tp2_run
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    env_args = f"--master_port {_free_port()}"
+    result = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=18",
+                                                                       "train.resume=auto", "train.val_every_n_steps=-1",
+                                                                       "eval.at_end=false")],
+                            cwd=REPO, env=dict(_env(), NTL_DEEPSPEED_ARGS=env_args), capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "training steps 17..18" in result.stdout
+    scalars, _ = _scalars(out / "tensorboard")
+    assert sorted({s for s, _ in scalars["train/loss"]}) == list(range(1, 19))  # continues, no duplicate step
+    assert (out / "latest").read_text().strip() == "global_step18"
+    state = torch.load(out / "global_step18" / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert state["step"] == 18 and state["data"]["position"] == 18 * 8  # 8 sequences per step, none repeated
