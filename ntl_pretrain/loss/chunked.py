@@ -1,0 +1,456 @@
+"""CE + NTL straight from the hidden states, over chunks of tokens: the full `[n, V]` logits never exist.
+
+Everything CE and NTL need from the logits is, per row, `(shift, sum_exp, target_logit,
+number_logits[K])` (see `parallel.py`). `_ChunkedHeadObjective` computes them chunk by chunk from
+`hidden @ W^T` and, in the same pass, the parts of the gradient that are known in forward, so no
+chunk's logits are computed twice:
+
+- CE: the logit gradient of `ce_sum` is `valid * softmax - onehot(target)`, known as soon as the
+  chunk's row statistics are reduced over the TP group. Its products with `W` (hidden gradient) and
+  with the hidden states (weight gradient) are accumulated chunk by chunk.
+- NTL: after the last chunk, the NTL maths (`ntl.py`) runs once on the small replicated `[n, K]`
+  statistics of all rows (so numbers that cross chunk boundaries are fine), and autograd gives the
+  gradient of `ntl_sum` w.r.t. the number logits (K columns: tiny matmuls) and, with reweigh, w.r.t.
+  the log-sum-exp (dense, but only on the rows that carry an NTL term; those rows' logits are
+  recomputed in backward).
+
+The Function's differentiable outputs are the scalars `ce_sum` and `ntl_sum`; any loss built from them
+has the gradient `dL/dce_sum * dce_sum + dL/dntl_sum * dntl_sum`, which backward assembles from the
+two scalars it receives (loss scale, NTL weight and normalisation included).
+
+Collectives (TP group, every rank, every chunk, whatever the labels): forward one all-reduce MAX of
+`c + 1` floats and one all-reduce SUM of `c * (K + 2) + 1` floats per chunk of `c` rows; backward one
+all-reduce SUM of the `[n, H]` hidden gradient (the vocabulary-parallel head's own backward would do
+the same). With T = 1 there is no collective.
+
+DeepSpeed: the objective runs inside the LM head module's own call (`head(hidden)`), through hooks
+installed for that one call, so ZeRO-3 gathers the head weight for the forward and again for the
+backward, releases it after each, and its gradient reaches ZeRO's reduction hooks exactly as for the
+plain head. `chunked_model_ce_ntl_sums` calls the whole model (the DeepSpeed engine), so the engine's
+forward bookkeeping (backward prologue, gradient accumulation scaling) sees the objective as the
+model's output.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..numbers import NumberVocab
+from .ntl import NTLSettings, ntl_terms
+from .objective import ObjectiveSums
+from .parallel import ShardLayout, ShardStats, compute_dtype, group_size
+
+# Layout of the packed objective tensor the head returns in place of its logits.
+CE_SUM, NTL_SUM, TOKEN_COUNT, NTL_COUNT, NUMBER_TOKENS, ABS_ERROR_SUM = range(6)
+PACKED_WIDTH = 6
+
+
+@dataclass
+class _Plan:
+    """Everything the chunked objective needs besides the hidden states and the head's parameters."""
+
+    labels: torch.Tensor  # [...] labels in the caller's shape (rows matter for number-level NTL)
+    loss_weights: torch.Tensor | None  # [...] NTL weights or None
+    number_vocab: NumberVocab
+    settings: NTLSettings
+    with_ntl: bool
+    chunk_tokens: int
+    tp_group: dist.ProcessGroup | None
+    vocab_start_index: int
+
+
+class _ChunkedHeadObjective(torch.autograd.Function):
+    """`(hidden [n, H], weight [V_local, H], bias [V_local] | None) -> packed [6]` (see module docstring).
+
+    Forward: per chunk, one all-reduce MAX (`c + 1` floats) and one all-reduce SUM (`c * (K + 2) + 1`
+    floats) over the TP group. Backward: one all-reduce SUM of the `[n, H]` hidden gradient over the
+    TP group (the hidden states are replicated over it, each rank holds a vocabulary shard).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: _Plan,
+                need_grads: tuple[bool, bool, bool]) -> torch.Tensor:
+        n, width = hidden.shape[0], weight.shape[0]
+        device, dtype = hidden.device, compute_dtype(hidden.dtype)
+        number_vocab, settings, tp_group = plan.number_vocab, plan.settings, plan.tp_group
+        parallel = group_size(tp_group) > 1
+        num_numbers = len(number_vocab)
+        layout = ShardLayout.build(number_vocab, plan.vocab_start_index, width, device)
+        flat_labels = plan.labels.reshape(-1).long()
+        valid = flat_labels != settings.ignore_index
+        shifted = flat_labels - plan.vocab_start_index
+        target_owned = valid & (shifted >= 0) & (shifted < width)
+        target_local = shifted.clamp(0, width - 1)
+        need_hidden_grad, need_weight_grad, need_bias_grad = need_grads
+        need_any_grad = any(need_grads)
+
+        shift = torch.empty(n, dtype=dtype, device=device)
+        sum_exp = torch.empty(n, dtype=dtype, device=device)
+        target_logit = torch.empty(n, dtype=dtype, device=device)
+        number_logits = torch.empty(n, num_numbers, dtype=dtype, device=device)
+        hidden_grad_ce = torch.empty_like(hidden) if need_hidden_grad else None
+        weight_grad = torch.zeros_like(weight) if need_weight_grad else None
+        bias_grad = torch.zeros(width, dtype=dtype, device=device) if need_bias_grad else None
+        total_width = width
+
+        for first in range(0, n, plan.chunk_tokens):
+            last = min(first + plan.chunk_tokens, n)
+            rows = slice(first, last)
+            chunk = hidden[rows]
+            logits = F.linear(chunk, weight, bias)
+            # Row max over the whole vocabulary (exact, so every TP layout shifts alike), plus the
+            # shard's end index to check that the shards tile the vocabulary.
+            max_buf = torch.cat([logits.amax(dim=-1).to(dtype), shift.new_tensor([plan.vocab_start_index + width])])
+            if parallel:
+                dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=tp_group)
+            chunk_shift = torch.where(torch.isfinite(max_buf[:-1]), max_buf[:-1], 0.0)
+            packed = torch.zeros((last - first) * (num_numbers + 2) + 1, dtype=dtype, device=device)
+            table = packed[:-1].view(last - first, num_numbers + 2)
+            picked = logits.gather(1, target_local[rows].unsqueeze(1)).squeeze(1)
+            table[:, 1] = torch.where(target_owned[rows], picked.to(dtype), 0.0)
+            if layout.local_number_cols.numel():
+                table[:, 2 + layout.owned_number_slots] = logits.index_select(1, layout.local_number_cols).to(dtype)
+            # exp(z - shift), in place when the logits are already in the compute dtype
+            probs = logits.sub_(chunk_shift.unsqueeze(1)) if logits.dtype == dtype else logits.to(dtype).sub_(
+                chunk_shift.unsqueeze(1))
+            del logits
+            probs.exp_()
+            table[:, 0] = probs.sum(-1)
+            packed[-1] = width
+            if parallel:
+                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+            if first == 0:
+                total_width = _check_layout(packed, max_buf, flat_labels, number_vocab, settings.ignore_index)
+            shift[rows], sum_exp[rows] = chunk_shift, table[:, 0]
+            target_logit[rows], number_logits[rows] = table[:, 1], table[:, 2:]
+            if need_any_grad:
+                # logit gradient of ce_sum: valid * softmax - onehot(target), written over probs
+                probs.mul_((valid[rows].to(dtype) / table[:, 0]).unsqueeze(1))
+                owned = torch.nonzero(target_owned[rows]).flatten()
+                probs.index_put_((owned, target_local[rows][owned]), probs.new_tensor(-1.0), accumulate=True)
+                _accumulate_grads(probs, chunk, weight, rows, hidden_grad_ce, weight_grad, bias_grad)
+            del probs
+
+        stats = ShardStats(shift, sum_exp, target_logit, number_logits, total_width)
+        result, ntl_grads = _objective_from_stats(stats, plan, need_any_grad)
+        ctx.plan, ctx.layout, ctx.need_grads = plan, layout, need_grads
+        ctx.grads_ce = (hidden_grad_ce, weight_grad, bias_grad)
+        ctx.ntl_grads = ntl_grads
+        ctx.weight, ctx.bias = weight, bias  # parameters: gathered again by ZeRO-3 before backward
+        ctx.save_for_backward(hidden, shift)
+        ctx.used = False
+        return result
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_packed: torch.Tensor):
+        if ctx.used:
+            raise RuntimeError("the chunked CE + NTL objective keeps one set of precomputed gradients and supports "
+                               "a single backward pass (do not use retain_graph=True through it)")
+        ctx.used = True
+        hidden, shift = ctx.saved_tensors
+        weight, bias, layout, plan = ctx.weight, ctx.bias, ctx.layout, ctx.plan
+        hidden_grad, weight_grad, bias_grad = ctx.grads_ce
+        ctx.grads_ce = (None, None, None)
+        grad_ce, grad_ntl = grad_packed[CE_SUM], grad_packed[NTL_SUM]
+        for grad in (hidden_grad, weight_grad, bias_grad):
+            if grad is not None:
+                grad.mul_(grad_ce.to(grad.dtype))
+        if ctx.ntl_grads is not None:
+            number_grad, reweigh_rows, reweigh_grad = ctx.ntl_grads
+            if layout.local_number_cols.numel():
+                # the number-token columns this shard owns
+                grad_cols = number_grad.index_select(1, layout.owned_number_slots) * grad_ntl
+                cols = layout.local_number_cols
+                if hidden_grad is not None:
+                    hidden_grad.add_(grad_cols.to(weight.dtype) @ weight.index_select(0, cols))
+                if weight_grad is not None:
+                    weight_grad.index_add_(0, cols, (grad_cols.t().to(hidden.dtype) @ hidden).to(weight_grad.dtype))
+                if bias_grad is not None:
+                    bias_grad.index_add_(0, cols, grad_cols.sum(0))
+            if reweigh_rows is not None:
+                # d ntl / d sum_exp is dense over the vocabulary at the rows with an NTL term: recompute
+                # those rows' logits, chunk by chunk, as `exp(z - shift) * g`.
+                for first in range(0, reweigh_rows.numel(), plan.chunk_tokens):
+                    rows = reweigh_rows[first:first + plan.chunk_tokens]
+                    chunk = hidden.index_select(0, rows)
+                    probs = F.linear(chunk, weight, bias).to(shift.dtype).sub_(shift[rows].unsqueeze(1)).exp_()
+                    probs.mul_((reweigh_grad[first:first + plan.chunk_tokens] * grad_ntl).unsqueeze(1))
+                    _accumulate_grads(probs, chunk, weight, rows, hidden_grad, weight_grad, bias_grad)
+        if hidden_grad is not None and group_size(plan.tp_group) > 1:
+            # each rank holds the contribution of its vocabulary shard
+            dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.tp_group)
+        if bias_grad is not None:
+            bias_grad = bias_grad.to(bias.dtype)
+        return hidden_grad, weight_grad, bias_grad, None, None
+
+
+def _accumulate_grads(logit_grad: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor, rows: slice | torch.Tensor,
+                      hidden_grad: torch.Tensor | None, weight_grad: torch.Tensor | None,
+                      bias_grad: torch.Tensor | None) -> None:
+    """Add the contributions of one chunk's `[c, V_local]` logit gradient (float32) to the parameter
+    and hidden gradients. The matmuls run in the head's dtype, as the unchunked head's backward does."""
+    if bias_grad is not None:
+        bias_grad.add_(logit_grad.sum(0))
+    grad = logit_grad.to(weight.dtype)
+    if hidden_grad is not None:
+        if isinstance(rows, slice):
+            torch.mm(grad, weight, out=hidden_grad[rows])
+        else:
+            hidden_grad.index_add_(0, rows, grad @ weight)
+    if weight_grad is not None:
+        weight_grad.addmm_(grad.t(), chunk.to(weight.dtype))
+
+
+def _check_layout(packed: torch.Tensor, max_buf: torch.Tensor, flat_labels: torch.Tensor, number_vocab: NumberVocab,
+                  ignore_index: int) -> int:
+    """Checks on the reduced values of the first chunk: identical on every TP rank, so all raise together."""
+    total_width, end = int(packed[-1].item()), int(max_buf[-1].item())
+    if total_width != end:
+        raise ValueError(
+            f"the vocabulary shards of the TP group do not tile the vocabulary: widths sum to {total_width} but the "
+            f"last shard ends at {end}. Pass each rank's own head shard with its vocab_start_index "
+            f"(VocabParallelLinear.vocab_start_index).")
+    if total_width < number_vocab.vocab_size:
+        raise ValueError(f"the LM head spans {total_width} vocabulary rows over the TP group, fewer than the number "
+                         f"vocabulary's vocab_size={number_vocab.vocab_size}: the model's vocabulary is smaller than "
+                         f"the tokenizer's; resize its embeddings")
+    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= total_width))
+    if bool(bad.any()):
+        raise ValueError(f"label {int(flat_labels[bad][0])} is outside the vocabulary [0, {total_width}) and is not "
+                         f"ignore_index={ignore_index}")
+    return total_width
+
+
+def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
+    """CE and NTL sums (the same maths as `objective.ce_ntl_sums`) from the reduced statistics, packed;
+    and, when gradients are wanted, the gradient of `ntl_sum` w.r.t. the statistics."""
+    settings, number_vocab = plan.settings, plan.number_vocab
+    flat_labels = plan.labels.reshape(-1).long()
+    dtype = stats.number_logits.dtype
+    valid = (flat_labels != settings.ignore_index).to(dtype)
+    packed = torch.zeros(PACKED_WIDTH, dtype=dtype, device=flat_labels.device)
+    packed[CE_SUM] = ((stats.lse - stats.target_logit) * valid).sum()
+    packed[TOKEN_COUNT] = valid.sum()
+
+    slot = number_vocab.index_of(flat_labels, settings.ignore_index)
+    rows = torch.nonzero(slot >= 0).flatten()
+    values = number_vocab.values_tensor(flat_labels.device, dtype)
+    expected = torch.softmax(stats.number_logits[rows], dim=-1) @ values
+    packed[ABS_ERROR_SUM] = (expected - values[slot[rows]]).abs().sum()
+    packed[NUMBER_TOKENS] = float(rows.numel())
+    if not plan.with_ntl:
+        return packed, None
+
+    with torch.enable_grad():
+        number_logits = stats.number_logits.detach().requires_grad_(need_grads)
+        sum_exp = stats.sum_exp.detach().requires_grad_(need_grads and settings.reweigh)
+        leaf_stats = ShardStats(stats.shift, sum_exp, None, number_logits, stats.vocab_size)
+        terms = ntl_terms(number_logits, plan.labels, number_vocab, settings,
+                          number_mass=leaf_stats.number_mass if settings.reweigh else None,
+                          loss_weights=plan.loss_weights)
+        ntl_sum = (terms.loss * terms.weights).sum()
+    packed[NTL_SUM] = ntl_sum.detach()
+    packed[NTL_COUNT] = terms.weights.sum().detach()
+    if not need_grads or not ntl_sum.requires_grad:
+        return packed, None
+    inputs = [number_logits, sum_exp] if settings.reweigh else [number_logits]
+    grads = torch.autograd.grad(ntl_sum, inputs, allow_unused=True)
+    number_grad = grads[0] if grads[0] is not None else torch.zeros_like(number_logits)
+    if not settings.reweigh or grads[1] is None:
+        return packed, (number_grad, None, None)
+    reweigh_rows = torch.nonzero(grads[1]).flatten()
+    return packed, (number_grad, reweigh_rows, grads[1][reweigh_rows])
+
+
+def _sums_from_packed(packed: torch.Tensor) -> ObjectiveSums:
+    return ObjectiveSums(ce_sum=packed[CE_SUM], ntl_sum=packed[NTL_SUM], token_count=packed[TOKEN_COUNT].detach(),
+                         ntl_count=packed[NTL_COUNT].detach(), number_tokens=packed[NUMBER_TOKENS].detach(),
+                         abs_error_sum=packed[ABS_ERROR_SUM].detach())
+
+
+# ------------------------------------------------------------------------------------ the head call
+class _HeadCall:
+    """State of one armed call of the LM head: the request going in, the packed objective coming out."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.hidden: torch.Tensor | None = None
+        self.computed: torch.Tensor | None = None
+        self.returned: torch.Tensor | None = None
+        self.calls = 0
+
+    def capture_input(self, module: torch.nn.Module, args: tuple) -> tuple:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("the LM head was called twice in one forward with the chunked objective armed; "
+                               "chunk_tokens supports models that call their head once per forward")
+        if len(args) != 1 or not torch.is_tensor(args[0]) or args[0].dim() < 2:
+            raise TypeError("the chunked objective expects the LM head to be called with one [..., n, H] tensor (the "
+                            "hidden states) as its only positional argument")
+        self.hidden = args[0]
+        # The head's own forward runs on zero rows: its hooks (ZeRO-3 gather and release) still run,
+        # its [n, V] matmul does not.
+        return (args[0].narrow(-2, 0, 0),)
+
+    def compute(self, module: torch.nn.Module, args: tuple, output: Any) -> torch.Tensor:
+        weight, bias = module.weight, getattr(module, "bias", None)
+        hidden = self.hidden
+        self.hidden = None
+        _check_head_call(hidden, weight, self.plan)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        grad_on = torch.is_grad_enabled()
+        need_grads = (grad_on and flat.requires_grad, grad_on and weight.requires_grad,
+                      grad_on and bias is not None and bias.requires_grad)
+        self.computed = _ChunkedHeadObjective.apply(flat, weight, bias, self.plan, need_grads)
+        return self.computed
+
+    def record_output(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self.returned = output
+
+
+def _check_head_call(hidden: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> None:
+    if weight.dim() != 2 or weight.numel() == 0:
+        raise ValueError(f"the LM head's weight must be a [V, H] matrix while the head runs, got shape "
+                         f"{tuple(weight.shape)}; under ZeRO-3 call the head module (not its weight) so that "
+                         f"DeepSpeed gathers it")
+    if not torch.is_floating_point(hidden):
+        raise TypeError(f"hidden states must be floating point, got {hidden.dtype}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} does not match the LM head's input size {weight.shape[1]}")
+    if tuple(hidden.shape[:-1]) != tuple(plan.labels.shape):
+        raise ValueError(f"the LM head got hidden states of shape {tuple(hidden.shape)} but the labels have shape "
+                         f"{tuple(plan.labels.shape)}: labels must be aligned with every position the head sees "
+                         f"(already shifted), and the model must not drop positions (logits_to_keep)")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden states ({hidden.dtype}) and LM head weight ({weight.dtype}) must share a dtype")
+
+
+@contextmanager
+def _armed(head: torch.nn.Module, plan: _Plan) -> Iterator[_HeadCall]:
+    """Hooks on `head` for the calls made inside the context.
+
+    Installed per call and removed after it, so their order around DeepSpeed's own hooks is fixed:
+    the input capture runs after ZeRO-3's gather (and its post-backward wrapping of the input), the
+    computation before ZeRO-3's release (and its pre-backward wrapping of the output).
+    """
+    call = _HeadCall(plan)
+    handles = [head.register_forward_pre_hook(call.capture_input),
+               head.register_forward_hook(call.compute, prepend=True),
+               head.register_forward_hook(call.record_output)]
+    try:
+        yield call
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings,
+               chunk_tokens: int, tp_group: dist.ProcessGroup | None, vocab_start_index: int,
+               loss_weights: torch.Tensor | None, with_ntl: bool) -> _Plan:
+    if not isinstance(number_vocab, NumberVocab):
+        raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive number of tokens per chunk, got {chunk_tokens!r}")
+    if not isinstance(head, torch.nn.Module) or not hasattr(head, "weight"):
+        raise TypeError(f"head must be the model's LM head module (nn.Linear or DeepSpeed's VocabParallelLinear), "
+                        f"got {type(head).__name__}")
+    if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
+        raise TypeError(f"labels must be a non-empty integer tensor, got {labels.dtype} with shape {tuple(labels.shape)}")
+    if loss_weights is not None:
+        if loss_weights.shape != labels.shape:
+            raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
+                             f"{tuple(labels.shape)}")
+        if bool((loss_weights < 0).any()):
+            raise ValueError("loss_weights must be >= 0")
+    head_group = getattr(head, "mp_group", None)
+    if getattr(head, "is_vocab_parallel_lm_head", False) and group_size(head_group) > 1:
+        if tp_group is not head_group or vocab_start_index != head.vocab_start_index:
+            raise ValueError(f"the head is vocabulary-parallel (DeepSpeed VocabParallelLinear); pass "
+                             f"tp_group=head.mp_group and vocab_start_index=head.vocab_start_index "
+                             f"({head.vocab_start_index}), got vocab_start_index={vocab_start_index}")
+    if group_size(tp_group) == 1 and vocab_start_index != 0:
+        raise ValueError(f"vocab_start_index={vocab_start_index} without a tensor-parallel group; pass the tp_group "
+                         f"that shards the vocabulary, or 0 for a full head")
+    if vocab_start_index < 0:
+        raise ValueError(f"vocab_start_index must be >= 0, got {vocab_start_index}")
+    return _Plan(labels=labels, loss_weights=loss_weights, number_vocab=number_vocab, settings=settings,
+                 with_ntl=with_ntl, chunk_tokens=chunk_tokens, tp_group=tp_group, vocab_start_index=vocab_start_index)
+
+
+def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab,
+                        settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
+                        tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
+                        loss_weights: torch.Tensor | None = None, with_ntl: bool = True) -> ObjectiveSums:
+    """`ce_ntl_sums(head(hidden), labels, ...)` without ever holding more than `chunk_tokens` rows of logits.
+
+    Same meaning, values and gradients (float32 round-off) as `objective.ce_ntl_sums` on the head's
+    logits. `ce_sum` and `ntl_sum` are differentiable w.r.t. `hidden` and the head's weight (and bias):
+    combine them into any loss and call backward once.
+
+    Args:
+        hidden: `[..., H]` input of the LM head (the model's last hidden states), replicated over the TP
+            group.
+        head: the LM head module: `nn.Linear` (bias allowed) or DeepSpeed AutoTP's `VocabParallelLinear`.
+            It is called once (its forward runs on zero rows), so DeepSpeed's hooks on it run; under
+            ZeRO-3 this is what gathers its weight. Do not call this on a model wrapped in a
+            DeepSpeed engine's forward: use `chunked_model_ce_ntl_sums` there.
+        labels: `[...]` target ids aligned with `hidden` (already shifted), identical on every TP rank.
+        number_vocab, settings, loss_weights, with_ntl: as in `ce_ntl_sums`.
+        chunk_tokens: rows of logits computed at a time (memory: `chunk_tokens x V_local` floats, a few
+            times over).
+        tp_group, vocab_start_index: the vocabulary-parallel layout of the head (`head.mp_group`,
+            `head.vocab_start_index`); None and 0 for a full head.
+    """
+    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, tp_group, vocab_start_index, loss_weights,
+                      with_ntl)
+    with _armed(head, plan) as call:
+        packed = head(hidden)
+    if call.computed is None:
+        raise RuntimeError("the LM head's hooks did not run; chunked_ce_ntl_sums needs a head module whose forward "
+                           "hooks are honoured")
+    return _sums_from_packed(packed)
+
+
+def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, labels: torch.Tensor,
+                              number_vocab: NumberVocab, settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
+                              tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
+                              loss_weights: torch.Tensor | None = None, with_ntl: bool = True) -> ObjectiveSums:
+    """Forward of a causal LM (a DeepSpeed engine or a HF model) with its head replaced by the chunked
+    CE + NTL objective; the replacement for `ce_ntl_sums(model(**inputs).logits, labels, ...)`.
+
+    The model's forward runs as usual (for an engine: `engine(**inputs)`, with all its hooks) and
+    passes its last hidden states to `head` (`model.get_output_embeddings()`); the head's output,
+    which the model returns as `.logits`, is the packed objective instead of the logits. Models that
+    transform the head's output (final logit soft-capping, scaling) are refused.
+
+    Args:
+        model: the callable that runs the forward (`engine` or the HF model itself).
+        head: the model's LM head module.
+        inputs: keyword arguments of the forward (`input_ids`, `attention_mask`, ...), without labels.
+        Others: as in `chunked_ce_ntl_sums`.
+    """
+    if "labels" in inputs:
+        raise ValueError("do not pass labels to the model: it would compute its own loss on the head's output; "
+                         "pass them to chunked_model_ce_ntl_sums")
+    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, tp_group, vocab_start_index, loss_weights,
+                      with_ntl)
+    with _armed(head, plan) as call:
+        output = model(**inputs)
+    if call.computed is None:
+        raise RuntimeError(f"{type(head).__name__} (the head passed) was not called by the model's forward; pass "
+                           f"the model's own LM head (model.get_output_embeddings())")
+    packed = getattr(output, "logits", None)
+    if packed is None and isinstance(output, (tuple, list)) and output:
+        packed = output[0]
+    if packed is not call.returned:
+        raise ValueError(f"{type(model).__name__} transforms its LM head's output before returning it as logits "
+                         f"(e.g. final logit soft-capping); chunk_tokens needs a model that returns the head's "
+                         f"output unchanged. Set chunk_tokens to 0 for this model.")
+    return _sums_from_packed(packed)
