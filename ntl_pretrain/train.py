@@ -335,11 +335,14 @@ class Trainer:
         labels = [mb.labels.to(self.device) for mb in micro_batches]
         counts = count_step(labels, self.number_vocab, self.settings, self.dp_group)
         totals = torch.zeros(6, dtype=torch.float64, device=self.device)
-        for batch in micro_batches:
+        grad_norm = None
+        for index, batch in enumerate(micro_batches):
             sums = self._forward_sums(batch, with_ntl)
             loss = scaled_micro_batch_loss(sums, counts, lam if with_ntl else 0.0, self.layout.dp_size,
                                            cfg.train.grad_accum_steps)
             self.engine.backward(loss)
+            if index == len(micro_batches) - 1 and cfg.parallel.zero_stage == 0:
+                grad_norm = self._unpartitioned_grad_norm()
             self.engine.step()
             totals += torch.stack([sums.ce_sum.detach(), sums.ntl_sum.detach(), sums.token_count, sums.ntl_count,
                                    sums.number_tokens, sums.abs_error_sum]).double()
@@ -352,7 +355,8 @@ class Trainer:
         self.tokens_seen += step_tokens
         ce = ce_sum / max(tokens, 1.0)
         ntl = ntl_sum / ntl_count if ntl_count > 0 else 0.0
-        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
         return {
             "train/loss": ce + lam * ntl if with_ntl else ce,
             "train/ce": ce, "train/ntl": ntl, "train/ntl_lambda": lam if with_ntl else 0.0,
@@ -363,6 +367,14 @@ class Trainer:
             "train/number_mae": abs_error / number_tokens if number_tokens > 0 else 0.0,
             "train/memory_gib": memory_gib(self.device),
         }
+
+    def _unpartitioned_grad_norm(self) -> float:
+        """Global gradient norm without ZeRO (DeepSpeed's engine keeps none then); TP-sharded parameters
+        are summed over the TP group, replicated ones counted once."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        parameters = [p for p in self.engine.module.parameters() if p.grad is not None]
+        return float(clip_grad_norm_(parameters, max_norm=float("inf"), mpu=self.engine.mpu))
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -407,8 +419,10 @@ class Trainer:
         results = run_evaluation(self.engine, self.tokenizer, self.cfg.eval, step=self.step,
                                  output_dir=self.cfg.train.output_dir, writer=self.monitor.writer,
                                  tp_group=self.tp_group, dp_group=self.dp_group, final=final)
-        self.monitor.message(f"step {self.step}: evaluation " + " ".join(
-            f"{k}={v:.4g}" for k, v in results.items() if isinstance(v, (int, float))))
+        headline = {k: v for k, v in results.items()
+                    if isinstance(v, (int, float)) and k.rsplit("/", 1)[-1] in ("accuracy", "mae", "time_s")
+                    and k.count("/") <= 3}  # the headline figures; TensorBoard and the predictions file have all
+        self.monitor.message(f"step {self.step}: evaluation " + " ".join(f"{k}={v:.4g}" for k, v in headline.items()))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> None:

@@ -175,3 +175,15 @@ def test_every_key_has_a_doc_and_a_default():
     for key, hint, default, doc in iter_keys():
         assert doc, f"{key} has no one-line doc"
     assert dataclasses.asdict(Config())  # every section builds from defaults
+
+
+def test_ntl_weight_schedules():
+    from ntl_pretrain.train import ntl_lambda
+
+    constant = load_config(None, MINIMAL + ["loss.ntl_weight=0.5"])
+    assert [ntl_lambda(constant, s) for s in (1, 10, 1000)] == [0.5, 0.5, 0.5]
+    warm = load_config(None, MINIMAL + ["loss.ntl_weight=0.4", "loss.ntl_schedule=linear_warmup",
+                                        "loss.ntl_warmup_steps=4"])
+    assert [ntl_lambda(warm, s) for s in (1, 2, 4, 9)] == pytest.approx([0.1, 0.2, 0.4, 0.4])
+    off = load_config(None, MINIMAL + ["loss.enabled=false"])
+    assert ntl_lambda(off, 5) == 0.0

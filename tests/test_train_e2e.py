@@ -131,6 +131,24 @@ def test_tp1_through_a_localhost_hostfile_matches_tp2(tp2_run, assets, tmp_path)
         assert got == pytest.approx(want, rel=2e-4, abs=1e-6), tag
 
 
+def test_zero0_with_gradient_accumulation_matches_zero3(tp2_run, assets, tmp_path):
+    """No ZeRO, T=2, the same global batch as 2 micro-batches of 4: the same losses and gradient norms."""
+    out2, _ = tp2_run
+    out = tmp_path / "run"
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "launch/pretrain.sh",
+               *_overrides(assets, out, "parallel.zero_stage=0", "data.micro_batch_size=4", "train.grad_accum_steps=2",
+                           "train.max_steps=4", "train.val_every_n_steps=-1", "checkpoint.save_final=false")]
+    result = _run(command)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "dp=1 tp=2 zero=0 micro_batch=4 grad_accum=2" in result.stdout
+    zero0, _ = _scalars(out / "tensorboard")
+    zero3, _ = _scalars(out2 / "tensorboard")
+    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm"):
+        got = [v for _, v in zero0[tag]]
+        want = [v for _, v in zero3[tag][:4]]
+        assert got == pytest.approx(want, rel=2e-4, abs=1e-6), tag
+
+
 def test_bash_form_refuses_a_folder_with_another_runs_checkpoints(tp2_run, assets):
     out, _ = tp2_run
     before = sorted(str(p) for p in out.rglob("*"))

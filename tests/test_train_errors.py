@@ -140,3 +140,13 @@ def test_output_dir_with_another_runs_checkpoints_is_refused(tmp_path):
     cfg.train.resume = "none"
     cfg.train.output_dir = str(tmp_path / "fresh")
     assert check_output_dir(cfg) is None
+
+
+def test_gradient_checkpointing_and_attention_choice(digit_tokenizer):
+    cfg = _cfg("model.architecture={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, "
+               "num_attention_heads: 2, num_key_value_heads: 2}", "model.dtype=bf16", "model.gradient_checkpointing=true",
+               "model.attn_implementation=eager")
+    model, report = build_model(cfg.model, digit_tokenizer, tp_size=1)
+    assert model.is_gradient_checkpointing and report.attn_implementation == "eager"
+    assert model.config._attn_implementation == "eager"
+    assert next(model.parameters()).dtype == torch.bfloat16
