@@ -188,7 +188,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.n
                     resize.new_rows, tokenizer_size, resize)
         model_vocab = resize.new_rows
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     report = ModelReport(source=source, attn_implementation=attn, dtype=cfg.dtype, vocab_size=int(model_vocab),
                          tokenizer_size=tokenizer_size, resized_from=resized_from,

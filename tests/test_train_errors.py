@@ -147,6 +147,6 @@ def test_gradient_checkpointing_and_attention_choice(digit_tokenizer):
                "num_attention_heads: 2, num_key_value_heads: 2}", "model.dtype=bf16", "model.gradient_checkpointing=true",
                "model.attn_implementation=eager")
     model, report = build_model(cfg.model, digit_tokenizer, tp_size=1)
-    assert model.is_gradient_checkpointing and report.attn_implementation == "eager"
+    assert model.is_activation_checkpointing and report.attn_implementation == "eager"
     assert model.config._attn_implementation == "eager"
     assert next(model.parameters()).dtype == torch.bfloat16
