@@ -294,6 +294,7 @@ class _HeadCall:
         if len(args) != 1 or not torch.is_tensor(args[0]) or args[0].dim() < 2:
             raise TypeError("the chunked objective expects the LM head to be called with one [..., n, H] tensor (the "
                             "hidden states) as its only positional argument")
+        _check_head_call(args[0], module.weight, self.plan)
         self.hidden = args[0]
         # The head's own forward runs on zero rows: its hooks (ZeRO-3 gather and release) still run,
         # its [n, V] matmul does not.
@@ -303,7 +304,6 @@ class _HeadCall:
         weight, bias = module.weight, getattr(module, "bias", None)
         hidden = self.hidden
         self.hidden = None
-        _check_head_call(hidden, weight, self.plan)
         flat = hidden.reshape(-1, hidden.shape[-1])
         grad_on = torch.is_grad_enabled()
         need_grads = (grad_on and flat.requires_grad, grad_on and weight.requires_grad,
@@ -449,7 +449,9 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
     packed = getattr(output, "logits", None)
     if packed is None and isinstance(output, (tuple, list)) and output:
         packed = output[0]
-    if packed is not call.returned:
+    # ZeRO-3 wraps module outputs in identity autograd nodes, so compare values, not tensor identity
+    if not (torch.is_tensor(packed) and packed.shape == call.returned.shape
+            and torch.equal(packed.detach(), call.returned.detach())):
         raise ValueError(f"{type(model).__name__} transforms its LM head's output before returning it as logits "
                          f"(e.g. final logit soft-capping); chunk_tokens needs a model that returns the head's "
                          f"output unchanged. Set chunk_tokens to 0 for this model.")
