@@ -50,8 +50,8 @@ def _builder_for(path: str) -> str | None:
 
 
 def _looks_local(path: str) -> bool:
-    return (path.startswith((".", "/", "~")) or os.sep in path and _builder_for(path) is not None
-            or _builder_for(path) is not None or any(ch in path for ch in "*?["))
+    """A path the user meant as a local file (a hub id has no file extension and no leading ./ / ~)."""
+    return path.startswith((".", "/", "~")) or _builder_for(path) is not None or any(ch in path for ch in "*?[")
 
 
 def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] | None:
@@ -264,12 +264,10 @@ class PretrainingData:
         self.position = 0  # global samples consumed
 
     @classmethod
-    def build(cls, cfg: DataConfig, tokenizer: Any, *, dp_rank: int, dp_size: int,
-              tokenize_first: bool = True) -> "PretrainingData":
-        """Load, split, tokenize and pack every source.
+    def build(cls, cfg: DataConfig, tokenizer: Any, *, dp_rank: int, dp_size: int) -> "PretrainingData":
+        """Load, split, tokenize and pack every source (deterministic: every rank gets the same streams).
 
-        `tokenize_first`: whether this process fills the datasets cache before the others read it
-        (local rank 0); the caller orders the processes (see distributed.main_process_first).
+        The trainer runs this on local rank 0 first, which fills the `datasets` cache the others then read.
         """
         sources: list[Any] = []
         validation: list[np.ndarray] = []

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,7 +58,12 @@ def init_distributed(timeout_minutes: int) -> None:
     """Start torch.distributed through DeepSpeed (nccl on GPUs, gloo/ccl on CPU) with a bounded timeout,
     so a rank that dies never leaves the others waiting forever."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        # before the first collective: NCCL object collectives use the current device, which must be this rank's
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
 
@@ -88,23 +91,6 @@ def check_layout_matches_deepspeed(expected: ParallelLayout) -> None:
     if actual != (expected.tp_rank, expected.dp_rank, expected.dp_size):
         raise RuntimeError(f"DeepSpeed's (tp_rank, dp_rank, dp_size) = {actual} differs from the assumed "
                            f"{(expected.tp_rank, expected.dp_rank, expected.dp_size)}; data would be sharded wrongly")
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-@contextmanager
-def main_process_first(is_first: bool) -> Iterator[None]:
-    """Run the block on the chosen process first (it fills caches, writes files), then on the others."""
-    if not is_first:
-        barrier()
-    try:
-        yield
-    finally:
-        if is_first:
-            barrier()
 
 
 def broadcast_error(message: str | None) -> None:

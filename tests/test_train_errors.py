@@ -55,25 +55,42 @@ def test_tokenizer_without_digits_when_ntl_is_on(tmp_path):
     assert "NTL is on" in message and "no bare digit tokens" in message and "loss.enabled=false" in message
 
 
-def test_tokenizer_without_digits_through_the_command_line(tmp_path):
-    """The real entry point, one process: exit code 2, the message on stderr, no run folder written."""
-    _words_only_tokenizer(tmp_path / "words")
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": "hello world apples"}) + "\n" for _ in range(50)))
+def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """The real entry point as one process (world size 1), on the demo config with local files."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    out = tmp_path / "run"
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", str(REPO / "configs" / "demo.yaml"),
-         f"tokenizer.name_or_path={tmp_path / 'words'}", "tokenizer.train_vocab_size=0",
-         f"data.sources.0.path={tmp_path / 'c.jsonl'}", "data.sources.0.generate_arithmetic=0",
-         "parallel.tp_size=1", f"train.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}"],
+         "tokenizer.train_vocab_size=0", "data.sources.0.generate_arithmetic=0", f"train.output_dir={tmp_path / 'run'}",
+         f"data.cache_dir={tmp_path / 'cache'}", *overrides],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+
+@pytest.mark.parametrize("case", ["no_digits", "missing_data", "tp_does_not_divide"])
+def test_command_line_errors_name_the_problem_and_write_nothing(tmp_path, case, digit_tokenizer):
+    """Exit code 2, one message on stderr, no run folder written."""
+    _words_only_tokenizer(tmp_path / "words")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": "hello world apples"}) + "\n" for _ in range(600)))
+    overrides = {
+        "no_digits": ["parallel.tp_size=1", f"data.sources.0.path={tmp_path / 'c.jsonl'}"],
+        "missing_data": ["parallel.tp_size=1", f"data.sources.0.path={tmp_path / 'missing.jsonl'}"],
+        "tp_does_not_divide": ["parallel.tp_size=2", f"data.sources.0.path={tmp_path / 'c.jsonl'}"],
+    }[case]
+    expected = {
+        "no_digits": "NTL is on (loss.enabled=true, loss.ntl_weight=0.3) but tokenizer",
+        "missing_data": "data.sources.0.path=",
+        "tp_does_not_divide": "parallel.tp_size=2 does not divide the world size 1",
+    }[case]
+    tokenizer = tmp_path / "words" if case == "no_digits" else digit_tokenizer.name_or_path
+    result = _cli(tmp_path, f"tokenizer.name_or_path={tokenizer}", *overrides)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "NTL is on" in result.stderr and "'0'..'9'" not in result.stdout
-    assert not out.exists()
+    assert expected in result.stderr
+    if case == "missing_data":
+        assert "missing.jsonl': no such file or folder" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_model_vocabulary_smaller_than_the_tokenizer(tmp_path, digit_tokenizer):
