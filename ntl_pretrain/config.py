@@ -94,6 +94,8 @@ class DataConfig:
     micro_batch_size: int = _doc("sequences per data-parallel rank and micro-batch "
                                  "(DeepSpeed train_micro_batch_size_per_gpu)", default=1)
     validation_documents: int = _doc("documents of each source held out for validation", default=200)
+    mask_document_start: bool = _doc(
+        "no loss on the first token of a document (predicted from the previous document's EOS)", default=True)
     seed: int = _doc("seed of the document split, shuffling and mixture", default=1234)
     num_proc: int = _doc("processes for tokenization (datasets.map num_proc)", default=1)
     cache_dir: str | None = _doc("datasets cache folder; null uses the Hugging Face default", default=None)

@@ -5,7 +5,8 @@ streamed) is split into held-out validation documents and training documents, to
 Megatron-style: documents are concatenated with an EOS token after each one and cut into samples of
 `seq_len + 1` tokens where sample i covers tokens [i*seq_len, (i+1)*seq_len] (consecutive samples share
 one token, none is lost). A sample gives `input_ids = s[:-1]` and `labels = s[1:]`, already aligned
-with the logits, so the trainer never slices the `[B, S, V]` logits.
+with the logits, so the trainer never slices the `[B, S, V]` logits; the label after each EOS (a new
+document's first token, which the previous document cannot predict) is ignored (-100).
 
 The global sample stream is a pure function of the seed: global sample g comes from the source a
 seeded draw (by weight) assigns to it, and is that source's next sample in a per-epoch seeded
@@ -31,6 +32,7 @@ from .config import DataConfig, DataSourceConfig
 logger = logging.getLogger(__name__)
 
 TOKENS = "tokens"  # column of packed samples
+IGNORE_INDEX = -100  # label of positions without a target
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
              ".jsonl.gz": "json", ".json.gz": "json"}
 _MIX_BLOCK = 4096  # global samples whose sources are drawn together
@@ -242,9 +244,14 @@ class MicroBatch:
     labels: torch.Tensor  # [micro_batch_size, seq_len] long
 
 
-def _to_micro_batch(samples: list[np.ndarray]) -> MicroBatch:
+def _to_micro_batch(samples: list[np.ndarray], boundary_id: int | None) -> MicroBatch:
+    """Inputs and shifted labels; with `boundary_id` (EOS), the label after it is ignored (-100): the first
+    token of a document cannot be predicted from the document before it."""
     stacked = torch.from_numpy(np.stack(samples).astype(np.int64))
-    return MicroBatch(input_ids=stacked[:, :-1].contiguous(), labels=stacked[:, 1:].contiguous())
+    input_ids, labels = stacked[:, :-1].clone(), stacked[:, 1:].clone()  # own storage: labels are edited below
+    if boundary_id is not None:
+        labels[input_ids == boundary_id] = IGNORE_INDEX
+    return MicroBatch(input_ids=input_ids, labels=labels)
 
 
 class PretrainingData:
@@ -255,8 +262,9 @@ class PretrainingData:
     """
 
     def __init__(self, cfg: DataConfig, sources: list[Any], validation: list[np.ndarray], *, dp_rank: int,
-                 dp_size: int) -> None:
+                 dp_size: int, eos_id: int) -> None:
         self.cfg = cfg
+        self.boundary_id = eos_id if cfg.mask_document_start else None
         self.sources = sources
         self.validation = validation
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -296,7 +304,7 @@ class PretrainingData:
                 held_packed = pack_documents(held_out, tokenizer, source.text_field, cfg.seq_len, cfg.num_proc,
                                              f"packing {key} (validation)")
                 validation.extend(np.asarray(s[TOKENS]) for s in held_packed)
-        return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size)
+        return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size, eos_id=tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------ training
     def sample(self, g: int) -> np.ndarray:
@@ -310,7 +318,7 @@ class PretrainingData:
         batches = []
         for m in range(grad_accum_steps):
             first = base + (m * dp + self.dp_rank) * mbs
-            batches.append(_to_micro_batch([self.sample(first + i) for i in range(mbs)]))
+            batches.append(_to_micro_batch([self.sample(first + i) for i in range(mbs)], self.boundary_id))
         self.position = base + grad_accum_steps * dp * mbs
         return batches
 
@@ -332,7 +340,7 @@ class PretrainingData:
         batches = []
         for m in range(count):
             first = (m * dp + self.dp_rank) * mbs
-            batches.append(_to_micro_batch(self.validation[first: first + mbs]))
+            batches.append(_to_micro_batch(self.validation[first: first + mbs], self.boundary_id))
         return batches
 
     def check_validation(self, max_batches: int) -> None:

@@ -64,13 +64,20 @@ def test_packing_matches_a_plain_reference(tokenizer, tmp_path):
     assert sum(s.count(tokenizer.eos_token_id) for s in expected) >= len(texts) - 1
 
 
-def test_labels_are_inputs_shifted_by_one(tokenizer, tmp_path):
+def test_labels_are_inputs_shifted_by_one_and_skip_document_starts(tokenizer, tmp_path):
     path = _write_jsonl(tmp_path / "c.jsonl", _documents(80))
-    data = PretrainingData.build(_cfg([DataSourceConfig(path=str(path))], tmp_path), tokenizer, dp_rank=0, dp_size=1)
-    (batch,) = data.next_step(1)
-    assert batch.input_ids.shape == batch.labels.shape == (2, SEQ)
-    window = data.sample(0)
-    assert batch.input_ids[0].tolist() == window[:-1].tolist() and batch.labels[0].tolist() == window[1:].tolist()
+    eos = tokenizer.eos_token_id
+    for mask in (True, False):
+        cfg = _cfg([DataSourceConfig(path=str(path))], tmp_path, mask_document_start=mask)
+        data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+        batches = [data.next_step(1)[0] for _ in range(6)]
+        assert batches[0].input_ids.shape == batches[0].labels.shape == (2, SEQ)
+        for step, batch in enumerate(batches):
+            for row in range(2):
+                window = data.sample(step * 2 + row).tolist()
+                want = [-100 if mask and prev == eos else nxt for prev, nxt in zip(window[:-1], window[1:])]
+                assert batch.input_ids[row].tolist() == window[:-1] and batch.labels[row].tolist() == want
+        assert sum(int((b.input_ids == eos).sum()) for b in batches) > 0  # the check above did see boundaries
 
 
 def test_dp_ranks_split_the_global_batch_and_tp_ranks_agree(tokenizer, tmp_path):
