@@ -4,7 +4,8 @@ Launch it like the trainer (one process per rank), e.g. on CPU:
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 tools/bench_train.py --config configs/demo.yaml
 It builds the run's engine once, trains `--warmup` steps, then `--steps` measured steps in ABBA order
 (on, off, off, on, ...) so drift in machine load hits both sides equally, and prints (and writes with
-`--out`) the median step time and tokens/s of each side and their ratio.
+`--out`) the median step time and tokens/s of each side, the ratio of the medians, and the median of
+the per-block ratios (on+on)/(off+off), the figure least disturbed by other load on the machine.
 """
 
 from __future__ import annotations
@@ -43,11 +44,17 @@ def main() -> int:
             trainer.train_step(with_ntl=True)
         times: dict[bool, list[float]] = {True: [], False: []}
         rates: dict[bool, list[float]] = {True: [], False: []}
-        for i in range(args.steps):
+        block_ratios = []  # (on + on) / (off + off) within each ABBA block: cancels slow drift in machine load
+        block: list[float] = []
+        for i in range(args.steps - args.steps % 4):
             with_ntl = (i % 4) in (0, 3)  # ABBA
             figures = trainer.train_step(with_ntl=with_ntl)
             times[with_ntl].append(figures["train/step_time_s"])
             rates[with_ntl].append(figures["train/tokens_per_s"])
+            block.append(figures["train/step_time_s"])
+            if len(block) == 4:
+                block_ratios.append((block[0] + block[3]) / (block[1] + block[2]))
+                block = []
         trainer.monitor.close()
     if trainer.layout.is_main:
         on, off = statistics.median(times[True]), statistics.median(times[False])
@@ -60,6 +67,7 @@ def main() -> int:
             "median_tokens_per_s_ntl_on": statistics.median(rates[True]),
             "median_tokens_per_s_ntl_off": statistics.median(rates[False]),
             "step_time_ratio_on_over_off": on / off,
+            "median_abba_block_ratio": statistics.median(block_ratios),
         }
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
