@@ -10,7 +10,15 @@ per collective are counted by wrapping `torch.distributed.all_reduce`.
 CE alone is `torch.nn.functional.cross_entropy` for TP=1 and DeepSpeed's
 `deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy` on the same shard for TP>1.
 
+The LM head + loss methods start from the hidden states `[n, H]` and the head's weight shard
+`[V/T, H]` instead of the logits: `head_*` computes the full logits and the objective on them (for
+TP>1 with DeepSpeed's column-parallel input, whose backward all-reduces the hidden gradient),
+`chunked_*` the same objective with `ntl_pretrain.loss.chunked` (`--chunk-tokens` rows of logits at
+a time). Each `chunked_*` row reports its time and peak memory relative to the matching `head_*`.
+
     python tools/bench_loss.py --tokens 4096 --vocab 32000 128256 --tp 1 2 --json bench_loss.json
+    python tools/bench_loss.py --tokens 16384 --vocab 128256 --tp 1 --hidden 256 --chunk-tokens 1024 \
+        --methods head_was chunked_was head_was_reweigh chunked_was_reweigh
 """
 
 from __future__ import annotations
@@ -34,14 +42,21 @@ def digit_ids_start(vocab_size: int) -> int:
     return vocab_size // 2 - 5
 
 NUMBER_SHARE = 0.2  # share of label positions that are number tokens
+HEAD_PREFIXES = ("head_", "chunked_")  # methods that start from the hidden states and the head weight
+
+
+def is_head_method(name: str) -> bool:
+    return name.startswith(HEAD_PREFIXES)
 
 
 # ------------------------------------------------------------------------------------ methods
 def build_methods(tp: int, names: list[str]):
-    """name -> (setup(logits, labels, ctx) -> closure returning a loss)."""
+    """name -> (setup(inputs, labels, ctx) -> closure returning a loss); `inputs` are the logits, or
+    (hidden, head) for the head methods."""
     import torch.nn.functional as F
 
     from ntl_pretrain.loss import NTLSettings, ce_ntl_loss
+    from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums
 
     def ours(variant: str | None, reweigh: bool = False):
         settings = NTLSettings(variant=variant or "was", reweigh=reweigh)
@@ -68,8 +83,44 @@ def build_methods(tp: int, names: list[str]):
             return lambda: F.cross_entropy(logits, labels) + 0.3 * loss(logits[None], labels[None])
         return setup
 
+    def head(variant: str | None, reweigh: bool = False):
+        settings = NTLSettings(variant=variant or "was", reweigh=reweigh)
+        weight = 0.0 if variant is None else 0.3
+
+        def setup(inputs, labels, ctx):
+            hidden, module = inputs
+            if tp == 1:
+                return lambda: ce_ntl_loss(module(hidden), labels, ctx["vocab"], ntl_weight=weight, settings=settings)
+            from deepspeed.module_inject.layers import ColumnParallel
+
+            return lambda: ce_ntl_loss(module(ColumnParallel.apply(ctx["group"], hidden)), labels, ctx["vocab"],
+                                       ntl_weight=weight, settings=settings, tp_group=ctx["group"],
+                                       vocab_start_index=ctx["start"])
+        return setup
+
+    def chunked(variant: str | None, reweigh: bool = False):
+        settings = NTLSettings(variant=variant or "was", reweigh=reweigh)
+        weight = 0.0 if variant is None else 0.3
+
+        def setup(inputs, labels, ctx):
+            hidden, module = inputs
+
+            def loss():
+                sums = chunked_ce_ntl_sums(hidden, module, labels, ctx["vocab"], settings,
+                                           chunk_tokens=ctx["chunk_tokens"], tp_group=ctx["group"],
+                                           vocab_start_index=ctx["start"], with_ntl=weight != 0)
+                total = sums.ce_sum / sums.token_count.clamp_min(1)
+                return total + weight * sums.ntl_sum / sums.ntl_count.clamp_min(1) if weight else total
+            return loss
+        return setup
+
     table = {"ce": ce, "ours_ce_only": ours(None), "ours_was": ours("was"), "ours_was_reweigh": ours("was", True),
              "ours_mse": ours("mse"), "ours_number_level": ours("number_level")}
+    for kind, build in (("head", head), ("chunked", chunked)):
+        table.update({f"{kind}_ce_only": build(None), f"{kind}_was": build("was"),
+                      f"{kind}_was_reweigh": build("was", True), f"{kind}_mse": build("mse"),
+                      f"{kind}_number_level": build("number_level"),
+                      f"{kind}_number_level_reweigh": build("number_level", True)})
     if tp == 1:
         table.update({"ntloss_was": reference(False), "ntloss_was_reweigh": reference(True)})
     unknown = [name for name in names if name not in table and not name.startswith("ntloss")]
@@ -127,17 +178,31 @@ def child(args) -> None:
     labels = torch.randint(0, vocab_size, (n,), generator=generator)
     numbers = torch.rand(n, generator=generator) < NUMBER_SHARE
     labels[numbers] = digit_ids_start(vocab_size) + torch.randint(0, 10, (int(numbers.sum()),), generator=generator)
-    full = torch.randn(n, vocab_size, generator=generator)
-    logits = full[:, start:start + width].clone().requires_grad_()
-    del full
+    leaves = []  # tensors whose gradient each run recomputes
+    logits = head_inputs = None
+    if not all(is_head_method(name) for name in args.methods):
+        full = torch.randn(n, vocab_size, generator=generator)
+        logits = full[:, start:start + width].clone().requires_grad_()
+        del full
+        leaves.append(logits)
+    if any(is_head_method(name) for name in args.methods):
+        hidden = torch.randn(n, args.hidden, generator=generator).requires_grad_()
+        module = torch.nn.Linear(args.hidden, width, bias=False)
+        with torch.no_grad():  # this rank's rows of one full head: logits of about unit scale
+            module.weight.copy_(torch.randn(width, args.hidden, generator=torch.Generator().manual_seed(1 + rank))
+                                / args.hidden ** 0.5)
+        head_inputs = (hidden, module)
+        leaves += [hidden, module.weight]
     first_digit = digit_ids_start(vocab_size)
     ctx = {"vocab": NumberVocab(tuple(range(first_digit, first_digit + 10)),
                                 tuple(float(d) for d in range(10)), vocab_size),
-           "group": group, "start": start, "vocab_size": vocab_size}
-    methods = {name: setup(logits, labels, ctx) for name, setup in build_methods(args.tp, args.methods).items()}
+           "group": group, "start": start, "vocab_size": vocab_size, "chunk_tokens": args.chunk_tokens}
+    methods = {name: setup(head_inputs if is_head_method(name) else logits, labels, ctx)
+               for name, setup in build_methods(args.tp, args.methods).items()}
 
     def run_once(fn) -> float:
-        logits.grad = None
+        for leaf in leaves:
+            leaf.grad = None
         if group is not None:
             dist.barrier()
         begin = time.perf_counter()
@@ -148,10 +213,11 @@ def child(args) -> None:
     if args.mode == "memory":
         (name, fn), = methods.items()
         baseline = _rss_kib()
+        peak_reset = _reset_peak_rss()  # else building the inputs may have set a higher peak already
         sent_bytes.clear()
         run_once(fn)
-        result = {"peak_extra_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024,
-                  "bytes_per_collective": list(sent_bytes)}
+        peak = _peak_rss_kib() if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = {"peak_extra_mib": (peak - baseline) / 1024, "bytes_per_collective": list(sent_bytes)}
     else:
         times = {name: [] for name in methods}
         cold = {name: run_once(fn) for name, fn in methods.items()}
@@ -165,12 +231,26 @@ def child(args) -> None:
         dist.destroy_process_group()
 
 
-def _rss_kib() -> int:
+def _rss_kib(field: str = "VmRSS:") -> int:
     with open("/proc/self/status") as handle:
         for line in handle:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1])
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _peak_rss_kib() -> int:
+    return _rss_kib("VmHWM:")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------------ parent
@@ -179,7 +259,8 @@ def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--tokens", str(args.tokens), "--vocab", str(vocab),
-           "--tp", str(tp), "--reps", str(args.reps), "--methods", *methods]
+           "--tp", str(tp), "--reps", str(args.reps), "--hidden", str(args.hidden), "--chunk-tokens",
+           str(args.chunk_tokens), "--methods", *methods]
     procs = []
     for rank in range(tp):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
@@ -201,6 +282,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="warm repetitions per method")
     parser.add_argument("--methods", nargs="+", default=["ce", "ours_ce_only", "ours_was", "ours_was_reweigh",
                                                           "ntloss_was", "ntloss_was_reweigh"])
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size H of the head methods")
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="rows of logits per chunk (chunked_*)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -219,23 +302,46 @@ def main() -> None:
                 raise SystemExit(f"--vocab {vocab} is not divisible by --tp {tp}")
             methods = [m for m in args.methods if tp == 1 or not m.startswith("ntloss")]
             timing = launch(args, "time", methods, vocab, tp)
+            group_rows = []
             for name in methods:
+                vs_ce = "ce" in timing and not is_head_method(name)
                 row = {"tokens": args.tokens, "vocab": vocab, "tp": tp, "method": name, **timing[name],
-                       "ratio_vs_ce": timing[name]["median_s"] / timing["ce"]["median_s"] if "ce" in timing else None}
+                       "ratio_vs_ce": timing[name]["median_s"] / timing["ce"]["median_s"] if vs_ce else None}
                 if not args.no_memory:
                     row.update(launch(args, "memory", [name], vocab, tp))
-                rows.append(row)
+                group_rows.append(row)
+            for row in group_rows:
+                if row["method"].startswith("chunked_"):
+                    _add_ratios_vs_unchunked(row, group_rows)
                 print(_format_row(row), flush=True)
+            rows += group_rows
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "cpu_count": os.cpu_count()}, indent=1))
+
+
+def _add_ratios_vs_unchunked(row: dict, rows: list[dict]) -> None:
+    """Time and peak memory of a chunked_* row relative to the head_* row of the same run (same vocabulary
+    and TP size), if that was measured."""
+    twin = next((other for other in rows if other["method"] == "head_" + row["method"][len("chunked_"):]), None)
+    if twin is None:
+        return
+    row["time_vs_unchunked"] = row["median_s"] / twin["median_s"]
+    if "peak_extra_mib" in row and twin.get("peak_extra_mib"):
+        row["memory_vs_unchunked"] = row["peak_extra_mib"] / twin["peak_extra_mib"]
 
 
 def _format_row(row: dict) -> str:
     ratio = f"{row['ratio_vs_ce']:.3f}x" if row.get("ratio_vs_ce") is not None else "-"
     memory = f"  peak +{row['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in row else ""
     comm = f"  sent {row['bytes_per_collective']} B" if row.get("bytes_per_collective") else ""
-    return (f"n={row['tokens']:<6} V={row['vocab']:<7} tp={row['tp']}  {row['method']:<20} "
-            f"warm {row['median_s'] * 1e3:8.1f} ms  cold {row['cold_s'] * 1e3:8.1f} ms  {ratio:>8}{memory}{comm}")
+    versus = ""
+    if "time_vs_unchunked" in row:
+        versus = f"  vs unchunked: time {row['time_vs_unchunked']:.3f}x"
+        if "memory_vs_unchunked" in row:
+            versus += f", memory {row['memory_vs_unchunked']:.3f}x"
+    return (f"n={row['tokens']:<6} V={row['vocab']:<7} tp={row['tp']}  {row['method']:<26} "
+            f"warm {row['median_s'] * 1e3:8.1f} ms  cold {row['cold_s'] * 1e3:8.1f} ms  {ratio:>8}{memory}{comm}"
+            f"{versus}")
 
 
 if __name__ == "__main__":
