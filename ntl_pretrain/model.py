@@ -184,8 +184,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.n
 
         resized_from = model_vocab
         resize = resize_model_embeddings(model, tokenizer, math.lcm(cfg.pad_vocab_to_multiple_of, tp_size), init="mean")
-        logger.info("resized the embeddings from %d to %d rows (tokenizer: %d tokens): %s", resize.old_rows,
-                    resize.new_rows, tokenizer_size, resize)
+        logger.info("%s", resize)
         model_vocab = resize.new_rows
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
