@@ -429,6 +429,10 @@ class Trainer:
         cfg = self.cfg
         val_every = cfg.train.val_every_n_steps
         ckpt_every = cfg.checkpoint.every_n_steps
+        if self.step >= cfg.train.max_steps:
+            self.monitor.message(f"nothing to do: the run is at step {self.step} and train.max_steps={cfg.train.max_steps}")
+            self.monitor.close()
+            return
         self.monitor.message(f"training steps {self.step + 1}..{cfg.train.max_steps}: dp={self.layout.dp_size} "
                              f"tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
                              f"{cfg.data.micro_batch_size} grad_accum={cfg.train.grad_accum_steps} seq_len={cfg.data.seq_len}")

@@ -183,3 +183,12 @@ def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
     assert (out / "latest").read_text().strip() == "global_step18"
     state = torch.load(out / "global_step18" / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     assert state["step"] == 18 and state["data"]["position"] == 18 * 8  # 8 sequences per step, none repeated
+    # resuming a finished run does nothing and leaves its checkpoints alone
+    before = {str(p): p.stat().st_mtime_ns for p in (out / "global_step18").iterdir()}
+    again = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=18",
+                                                                      "train.resume=auto", "eval.at_end=false")],
+                           cwd=REPO, env=dict(_env(), NTL_DEEPSPEED_ARGS=f"--master_port {_free_port()}"),
+                           capture_output=True, text=True, timeout=TIMEOUT)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert "nothing to do: the run is at step 18" in again.stdout
+    assert {str(p): p.stat().st_mtime_ns for p in (out / "global_step18").iterdir()} == before
