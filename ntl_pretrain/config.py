@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -157,8 +158,8 @@ class TrainConfig:
     val_every_n_steps: int = _doc("steps between validation losses (0 = only at the end, -1 = never)",
                                   default=200)
     val_batches: int = _doc("micro-batches per data-parallel rank in one validation", default=8)
-    resume: str = _doc("none | auto (newest checkpoint in output_dir) | a checkpoint tag in output_dir",
-                       default="none")
+    resume: str = _doc("none | auto (newest complete checkpoint in output_dir, or a fresh start) | a checkpoint "
+                       "tag in output_dir (global_step300)", default="none")
     dist_timeout_minutes: int = _doc("collectives that wait longer than this fail the job instead of hanging",
                                      default=30)
 
@@ -169,6 +170,22 @@ class CheckpointConfig:
 
     every_n_steps: int = _doc("steps between checkpoints (0 = only at the end)", default=1000)
     save_final: bool = _doc("save a checkpoint after the last step", default=True)
+    keep_last: int = _doc("keep the newest K complete checkpoints, delete older ones (0 = keep all)", default=3)
+    keep_every_n_steps: int = _doc(
+        "checkpoints at multiples of this step are permanent: never deleted by keep_last (0 = none; a KEEP "
+        "file in a checkpoint folder also makes it permanent)", default=0)
+    preempt_signals: list[str] = _doc(
+        "signals that make every rank save at the next step boundary and exit 0 (cluster pre-emption)",
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    preempt_grace_s: float = _doc(
+        "seconds from a pre-emption signal to the exit; past it the process exits without the checkpoint "
+        "(set it below what the cluster allows, e.g. Slurm's --signal lead time)", default=300.0)
+    reshard_on_resume: bool = _doc(
+        "resume a checkpoint saved with another dp/tp size or ZeRO stage through a DeepSpeed universal "
+        "checkpoint (converted once, beside it)", default=True)
+    export_hf_at_end: bool = _doc("after the final checkpoint, export it as a Hugging Face folder", default=False)
+    export_dir: str | None = _doc("folder of that export; null uses train.output_dir/hf_export", default=None)
+    export_max_shard_size: str = _doc("largest safetensors shard of an export (e.g. 5GB, 500MB)", default="5GB")
 
 
 @dataclass
@@ -504,6 +521,14 @@ def validate(config: Config) -> None:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
     if config.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0")
+    if config.checkpoint.keep_last < 0 or config.checkpoint.keep_every_n_steps < 0:
+        raise ConfigError("checkpoint.keep_last and checkpoint.keep_every_n_steps must be >= 0 (0 = keep all / none)")
+    if not config.checkpoint.preempt_grace_s > 0:
+        raise ConfigError(f"checkpoint.preempt_grace_s must be > 0, got {config.checkpoint.preempt_grace_s}")
+    for name in config.checkpoint.preempt_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"checkpoint.preempt_signals: {name!r} is not a catchable signal name "
+                              f"(e.g. SIGTERM, SIGUSR1, SIGUSR2)")
     if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
         raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
 

@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from . import distributed
+from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, export_hf, fingerprint,
+                         purge_tensorboard_after, resolve_resume, run_on_main, write_hf_assets)
 from .config import Config, ConfigError, help_text, load_config, to_yaml, write_resolved
 from .data import DataError, PretrainingData, generate_missing_corpus, load_documents
 from .loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
@@ -31,7 +33,6 @@ from .numbers import NumberVocab
 
 logger = logging.getLogger("ntl_pretrain")
 T = TypeVar("T")
-CHECKPOINT_LATEST = "latest"  # DeepSpeed's pointer file to the newest checkpoint tag
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -155,34 +156,10 @@ def ntl_settings(cfg: Config) -> NTLSettings:
                        smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
 
 
-def find_checkpoint_tags(output_dir: str) -> list[str]:
-    """Checkpoint tags (DeepSpeed folders) present in a run folder, oldest step first."""
-    if not os.path.isdir(output_dir):
-        return []
-    tags = [d for d in os.listdir(output_dir) if d.startswith("global_step") and os.path.isdir(os.path.join(output_dir, d))]
-    return sorted(tags, key=lambda d: int(d[len("global_step"):]) if d[len("global_step"):].isdigit() else -1)
-
-
 def check_output_dir(cfg: Config) -> str | None:
-    """The checkpoint tag to resume from, or None; refuses a folder holding another run's checkpoints."""
-    output_dir = cfg.train.output_dir
-    tags = find_checkpoint_tags(output_dir)
-    has_latest = os.path.isfile(os.path.join(output_dir, CHECKPOINT_LATEST))
-    resume = cfg.train.resume
-    if resume == "none":
-        if tags or has_latest:
-            raise ValueError(
-                f"train.output_dir={output_dir!r} already holds checkpoints of another run ({', '.join(tags) or 'latest'}); "
-                f"refusing to mix runs. Continue it with train.resume=auto, or choose a new train.output_dir")
-        return None
-    if resume == "auto":
-        if has_latest:
-            with open(os.path.join(output_dir, CHECKPOINT_LATEST), encoding="utf-8") as handle:
-                return handle.read().strip()
-        return tags[-1] if tags else None
-    if resume not in tags:
-        raise ValueError(f"train.resume={resume!r}: no such checkpoint in {output_dir!r} (found: {tags or 'none'})")
-    return resume
+    """The checkpoint tag to resume from, or None; refuses a folder holding another run's checkpoints
+    (see `checkpoint.resolve_resume`)."""
+    return resolve_resume(cfg.train.output_dir, cfg.train.resume)
 
 
 def collective_call(fn: Callable[[], T], first: bool) -> T:
@@ -269,6 +246,9 @@ class Trainer:
         distributed.init_distributed(cfg.train.dist_timeout_minutes)
         self.layout = distributed.layout(cfg.parallel.tp_size)
         _setup_logging(self.layout.is_main)
+        # installed first: a pre-emption signal during start-up is then honoured at the first step boundary
+        self.preemption = PreemptionHandler(cfg.checkpoint.preempt_signals, cfg.checkpoint.preempt_grace_s)
+        self.preemption.install()
         self.resume_tag = check_output_dir(cfg)
         torch.manual_seed(cfg.train.seed)
 
@@ -288,6 +268,14 @@ class Trainer:
                     self.model_report.source, self.model_report.parameters / 1e6, self.model_report.vocab_size,
                     self.model_report.tokenizer_size, self.model_report.attn_implementation, self.model_report.dtype)
 
+        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.train.output_dir, self.layout, cfg.parallel.zero_stage,
+                                             fingerprint(model.config, self.tokenizer, self.number_vocab),
+                                             seed=cfg.train.seed)
+        load_tag = None
+        if self.resume_tag is not None:
+            load_tag = self.checkpoints.plan_resume(self.resume_tag)  # checks; universal form if the layout changed
+            if load_tag != self.resume_tag:
+                self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=self.ds_config)
         del model
@@ -301,8 +289,8 @@ class Trainer:
         self.settings = ntl_settings(cfg)
         self.step = 0
         self.tokens_seen = 0
-        if self.resume_tag is not None:
-            self._resume(self.resume_tag)
+        if load_tag is not None:
+            self._resume(load_tag)
 
         output_dir = cfg.train.output_dir
         if self.layout.is_main:
@@ -310,7 +298,10 @@ class Trainer:
             _write_json(os.path.join(output_dir, "ds_config.json"), self.ds_config)
             _write_json(os.path.join(output_dir, "model_report.json"), asdict(self.model_report))
             self.number_vocab.save(output_dir)
-        self.monitor = Monitor(self.layout.is_main, cfg.monitor.tensorboard_dir or os.path.join(output_dir, "tensorboard"),
+        tensorboard_dir = cfg.monitor.tensorboard_dir or os.path.join(output_dir, "tensorboard")
+        if self.layout.is_main and self.resume_tag is not None:
+            purge_tensorboard_after(tensorboard_dir, self.step)  # points a killed run wrote after its checkpoint
+        self.monitor = Monitor(self.layout.is_main, tensorboard_dir,
                                total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
                                log_every=cfg.train.log_every_n_steps, start_step=self.step)
         self.monitor.text("config", "```\n" + to_yaml(cfg) + "\n```", self.step)
@@ -394,21 +385,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints and evaluation
     def save_checkpoint(self) -> str:
-        tag = f"global_step{self.step}"
+        """Save a checkpoint of the current step on every rank (atomic; keeps the last K)."""
         client_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict(),
-                        "config": to_yaml(self.cfg)}
-        self.engine.save_checkpoint(self.cfg.train.output_dir, tag=tag, client_state=client_state)
-        self.monitor.message(f"saved checkpoint {os.path.join(self.cfg.train.output_dir, tag)}")
+                        "ntl_lambda": ntl_lambda(self.cfg, max(self.step, 1)), "config": to_yaml(self.cfg)}
+        tag = self.checkpoints.save(
+            self.engine, self.step, client_state,
+            lambda folder: write_hf_assets(folder, self.engine.module.config, self.tokenizer, self.number_vocab))
+        seconds = self.checkpoints.last_save.get("save_s", 0.0)
+        self.monitor.message(f"saved checkpoint {os.path.join(self.cfg.train.output_dir, tag)} ({seconds:.1f} s)")
         return tag
 
-    def _resume(self, tag: str) -> None:
-        path, client_state = self.engine.load_checkpoint(self.cfg.train.output_dir, tag=tag)
-        if path is None:
-            raise ValueError(f"could not load checkpoint {tag!r} from {self.cfg.train.output_dir!r}")
+    def _resume(self, load_tag: str) -> None:
+        client_state = self.checkpoints.load(self.engine, load_tag)
         self.step = int(client_state["step"])
         self.tokens_seen = int(client_state.get("tokens_seen", 0))
         self.data.load_state_dict(client_state["data"])
-        logger.info("resumed from %s at step %d", path, self.step)
+        logger.info("resumed from %s at step %d (%.1f s)", os.path.join(self.cfg.train.output_dir, load_tag),
+                    self.step, self.checkpoints.last_save.get("load_s", 0.0))
+
+    def export_final(self, tag: str) -> None:
+        """Export a checkpoint of this run as a Hugging Face folder (global rank 0 converts; all wait)."""
+        cfg = self.cfg.checkpoint
+        out = cfg.export_dir or os.path.join(self.cfg.train.output_dir, "hf_export")
+        report = run_on_main(self.layout.is_main, lambda: export_hf(
+            os.path.join(self.cfg.train.output_dir, tag), out, max_shard_size=cfg.export_max_shard_size))
+        if report is not None:
+            self.monitor.message(f"exported {tag} to {out} ({report['seconds']:.1f} s)")
 
     def evaluate(self, final: bool) -> None:
         """Run the evaluation hooks (ntl_pretrain.eval) when due; every rank calls this."""
@@ -440,6 +442,10 @@ class Trainer:
         while self.step < cfg.train.max_steps:
             scalars = self.train_step()
             self.monitor.log_step(self.step, scalars)
+            signal_name = self.preemption.requested(self.device)  # every rank, every step: one small all-reduce
+            if signal_name is not None:
+                self._stop_for_preemption(signal_name)
+                return
             last = self.step == cfg.train.max_steps
             if val_every > 0 and self.step % val_every == 0 and not last:
                 self.monitor.log_validation(self.step, self.validate())
@@ -450,9 +456,20 @@ class Trainer:
         if val_every >= 0:
             self.monitor.log_validation(self.step, self.validate())
         if cfg.checkpoint.save_final and saved_at != f"global_step{self.step}":
-            self.save_checkpoint()
+            saved_at = self.save_checkpoint()
         self.evaluate(final=True)
+        if cfg.checkpoint.export_hf_at_end and saved_at is not None:
+            self.export_final(saved_at)
         self.monitor.close()
+        self.preemption.uninstall()
+
+    def _stop_for_preemption(self, signal_name: str) -> None:
+        """Save at this step boundary and return (the process then exits 0)."""
+        self.monitor.message(f"step {self.step}: {signal_name} received (pre-emption): saving a checkpoint")
+        tag = self.save_checkpoint()
+        self.monitor.message(f"pre-empted at step {self.step}: {tag} saved; continue with train.resume=auto")
+        self.monitor.close()
+        self.preemption.uninstall()
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -492,7 +509,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
-    trainer.fit()
+    try:
+        trainer.fit()
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
