@@ -6,6 +6,12 @@ It builds the run's engine once, trains `--warmup` steps, then `--steps` measure
 (on, off, off, on, ...) so drift in machine load hits both sides equally, and prints (and writes with
 `--out`) the median step time and tokens/s of each side, the ratio of the medians, and the median of
 the per-block ratios (on+on)/(off+off), the figure least disturbed by other load on the machine.
+
+`--zero-stage` and `--tp` set `parallel.zero_stage` and `parallel.tp_size` (the world size must be a
+multiple of the TP size). Model FLOP/s are estimated per token as 6 x (parameters in matrix products)
++ 12 x layers x hidden x seq_len (attention scores and values), forward and backward, as in the
+PaLM MFU convention (no activation recomputation counted); on a GPU MFU divides them by the devices'
+peak dense bf16/fp16 FLOP/s (a built-in table of common GPUs, or `--peak-tflops` per device).
 """
 
 from __future__ import annotations
@@ -22,6 +28,36 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ntl_pretrain.config import load_config  # noqa: E402
 from ntl_pretrain.train import Trainer  # noqa: E402
 
+# Peak dense bf16/fp16 tensor-core TFLOP/s per device (vendor data sheets, without sparsity), by a
+# substring of torch.cuda.get_device_name(); the first match wins, so longer names come first.
+PEAK_TFLOPS = (
+    ("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("B200", 2250.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 125.0),
+    ("A10", 125.0), ("A6000", 155.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0), ("V100", 125.0),
+    ("T4", 65.0), ("MI300X", 1307.0), ("MI250X", 383.0),
+)
+
+
+def model_flops_per_token(trainer: Trainer) -> float:
+    """Training FLOPs per token: 6 x matrix-product parameters + 12 x layers x hidden x seq_len."""
+    model_config = trainer.engine.module.config
+    hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
+    # The input embedding is a lookup, not a matrix product (unless tied, where it is the head too).
+    lookup = 0 if getattr(model_config, "tie_word_embeddings", False) else trainer.model_report.vocab_size * hidden
+    return 6.0 * (trainer.model_report.parameters - lookup) + 12.0 * layers * hidden * trainer.cfg.data.seq_len
+
+
+def peak_tflops_per_device(override: float | None) -> float | None:
+    """Peak dense TFLOP/s of one device: `override`, else the table entry of this GPU, else None."""
+    if override is not None:
+        return override
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(torch.cuda.current_device())
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,13 +65,23 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="measured steps (half with NTL, half without)")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="ZeRO stage (parallel.zero_stage; default: the config's)")
+    parser.add_argument("--tp", type=int, default=None, help="AutoTP size (parallel.tp_size; default: the config's)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak dense TFLOP/s of one device for MFU (default: table of common GPUs; none on CPU)")
     parser.add_argument("--local_rank", type=int, default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
 
     with tempfile.TemporaryDirectory(prefix="bench_train_") as scratch:
         overrides = [f"train.output_dir={scratch}/run", f"train.max_steps={args.warmup + args.steps}",
-                     "monitor.progress_bar=never", "train.val_every_n_steps=-1", *args.overrides]
+                     "monitor.progress_bar=never", "train.val_every_n_steps=-1"]
+        if args.zero_stage is not None:
+            overrides.append(f"parallel.zero_stage={args.zero_stage}")
+        if args.tp is not None:
+            overrides.append(f"parallel.tp_size={args.tp}")
+        overrides += args.overrides
         cfg = load_config(args.config, overrides)
         if not cfg.loss.enabled or cfg.loss.ntl_weight == 0:
             parser.error("the config must have NTL on (loss.enabled=true, loss.ntl_weight > 0)")
@@ -69,6 +115,16 @@ def main() -> int:
             "step_time_ratio_on_over_off": on / off,
             "median_abba_block_ratio": statistics.median(block_ratios),
         }
+        flops_per_token = model_flops_per_token(trainer)
+        peak = peak_tflops_per_device(args.peak_tflops)
+        result["model_parameters"] = trainer.model_report.parameters
+        result["vocab_size"] = trainer.model_report.vocab_size
+        result["model_flops_per_token"] = flops_per_token
+        result["peak_tflops_per_device"] = peak
+        for side in ("on", "off"):
+            achieved = flops_per_token * result[f"median_tokens_per_s_ntl_{side}"] / 1e12
+            result[f"model_tflops_per_s_ntl_{side}"] = achieved
+            result[f"mfu_ntl_{side}"] = achieved / (peak * trainer.layout.world_size) if peak else None
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
             tmp = f"{args.out}.tmp{os.getpid()}"
