@@ -70,14 +70,18 @@ def test_runs_plot_labels_and_event_folder_directly(tmp_path):
     read_png(out)
 
 
-def test_bench_plot_from_real_bench_loss_json(tmp_path):
+def test_bench_plot_from_real_bench_loss_json_with_a_token_sweep(tmp_path):
     bench_json = tmp_path / "bench_loss.json"
-    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_loss.py"), "--tokens", "32", "--vocab", "256",
-                    "--tp", "1", "--reps", "1", "--methods", "ce", "ours_was", "--no-memory", "--json",
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_loss.py"), "--tokens", "32", "48", "--vocab",
+                    "256", "--tp", "1", "--reps", "1", "--methods", "ce", "ours_was", "--no-memory", "--json",
                     str(bench_json)], check=True, timeout=300, capture_output=True)
+    rows = json.loads(bench_json.read_text())["rows"]
+    assert [(row["tokens"], row["method"]) for row in rows] == [(32, "ce"), (32, "ours_was"), (48, "ce"),
+                                                               (48, "ours_was")]
     out = tmp_path / "bench.png"
     completed = run_plot("bench", bench_json, "--out", out)
-    assert json.loads(completed.stdout.strip().splitlines()[-1])["groups"] == ["loss: n=32 V=256 TP=1"]
+    assert json.loads(completed.stdout.strip().splitlines()[-1])["groups"] == ["loss: n=32 V=256 TP=1",
+                                                                               "loss: n=48 V=256 TP=1"]
     read_png(out)
 
 

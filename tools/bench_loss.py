@@ -16,7 +16,7 @@ TP>1 with DeepSpeed's column-parallel input, whose backward all-reduces the hidd
 `chunked_*` the same objective with `ntl_pretrain.loss.chunked` (`--chunk-tokens` rows of logits at
 a time). Each `chunked_*` row reports its time and peak memory relative to the matching `head_*`.
 
-    python tools/bench_loss.py --tokens 4096 --vocab 32000 128256 --tp 1 2 --json bench_loss.json
+    python tools/bench_loss.py --tokens 4096 16384 --vocab 32000 128256 --tp 1 2 --json bench_loss.json
     python tools/bench_loss.py --tokens 16384 --vocab 128256 --tp 1 --hidden 256 --chunk-tokens 1024 \
         --methods head_was chunked_was head_was_reweigh chunked_was_reweigh
 """
@@ -276,7 +276,7 @@ def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (rows of the logits)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096], help="tokens per rank (rows of the logits)")
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (processes)")
     parser.add_argument("--reps", type=int, default=7, help="warm repetitions per method")
@@ -291,32 +291,40 @@ def main() -> None:
     parser.add_argument("--mode", default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        args.tokens = args.tokens[0]
         args.vocab = args.vocab[0]
         args.tp = args.tp[0]
         return child(args)
 
     rows = []
-    for vocab in args.vocab:
-        for tp in args.tp:
-            if vocab % tp:
-                raise SystemExit(f"--vocab {vocab} is not divisible by --tp {tp}")
-            methods = [m for m in args.methods if tp == 1 or not m.startswith("ntloss")]
-            timing = launch(args, "time", methods, vocab, tp)
-            group_rows = []
-            for name in methods:
-                vs_ce = "ce" in timing and not is_head_method(name)
-                row = {"tokens": args.tokens, "vocab": vocab, "tp": tp, "method": name, **timing[name],
-                       "ratio_vs_ce": timing[name]["median_s"] / timing["ce"]["median_s"] if vs_ce else None}
-                if not args.no_memory:
-                    row.update(launch(args, "memory", [name], vocab, tp))
-                group_rows.append(row)
-            for row in group_rows:
-                if row["method"].startswith("chunked_"):
-                    _add_ratios_vs_unchunked(row, group_rows)
-                print(_format_row(row), flush=True)
-            rows += group_rows
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "cpu_count": os.cpu_count()}, indent=1))
+    token_counts = args.tokens
+    for tokens, vocab, tp in ((n, v, t) for n in token_counts for v in args.vocab for t in args.tp):
+        args.tokens = tokens  # what `launch` passes to the children of this run
+        if vocab % tp:
+            raise SystemExit(f"--vocab {vocab} is not divisible by --tp {tp}")
+        methods = [m for m in args.methods if tp == 1 or not m.startswith("ntloss")]
+        timing = launch(args, "time", methods, vocab, tp)
+        group_rows = []
+        for name in methods:
+            vs_ce = "ce" in timing and not is_head_method(name)
+            row = {"tokens": args.tokens, "vocab": vocab, "tp": tp, "method": name, **timing[name],
+                   "ratio_vs_ce": timing[name]["median_s"] / timing["ce"]["median_s"] if vs_ce else None}
+            if not args.no_memory:
+                row.update(launch(args, "memory", [name], vocab, tp))
+            group_rows.append(row)
+        for row in group_rows:
+            if row["method"].startswith("chunked_"):
+                _add_ratios_vs_unchunked(row, group_rows)
+            print(_format_row(row), flush=True)
+        rows += group_rows
+        if args.json:  # after every group: a long sweep stopped midway keeps what it measured
+            _write_json(args.json, {"rows": rows, "cpu_count": os.cpu_count()})
+
+
+def _write_json(path: str, document: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(json.dumps(document, indent=1))
+    os.replace(tmp, path)
 
 
 def _add_ratios_vs_unchunked(row: dict, rows: list[dict]) -> None:
