@@ -183,6 +183,7 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                     probs = F.linear(chunk, weight, bias).to(shift.dtype).sub_(shift[rows].unsqueeze(1)).exp_()
                     probs.mul_((reweigh_grad[first:first + plan.chunk_tokens] * grad_ntl).unsqueeze(1))
                     _accumulate_grads(probs, chunk, weight, rows, hidden_grad, weight_grad, bias_grad)
+                    del probs  # before the next chunk's logits exist
         if hidden_grad is not None and group_size(plan.tp_group) > 1:
             # each rank holds the contribution of its vocabulary shard
             dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.tp_group)

@@ -46,7 +46,8 @@ def main() -> None:
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
-        "zero_optimization": {"stage": args.zero_stage},
+        # no persistent parameters: the tiny head is partitioned like a real one, so ZeRO-3 must gather it
+        "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": 0},
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
@@ -76,6 +77,10 @@ def main() -> None:
 
     ce_sum = ntl_sum = 0.0
     for input_ids, labels in micro_batches:
+        if args.zero_stage == 3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            assert head.weight.ds_status == ZeroParamStatus.NOT_AVAILABLE, head.weight.ds_summary()
         if args.chunk_tokens:
             sums = chunked_model_ce_ntl_sums(engine, head, {"input_ids": input_ids}, labels, number_vocab, settings,
                                              chunk_tokens=args.chunk_tokens, tp_group=tp_group,
