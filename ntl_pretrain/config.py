@@ -116,6 +116,8 @@ class LossConfig:
     squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
     smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)
     float_level: bool = _doc("number_level: a '.' between digits joins them into one number", default=False)
+    chunk_tokens: int = _doc("compute LM head + loss over chunks of this many tokens, never the full logits "
+                             "(docs/chunked.md; 0 = off)", default=0)
 
 
 @dataclass
@@ -513,6 +515,8 @@ def validate(config: Config) -> None:
                           "hold out documents or set train.val_every_n_steps=-1")
     if config.loss.ntl_weight < 0:
         raise ConfigError(f"loss.ntl_weight must be >= 0, got {config.loss.ntl_weight}")
+    if config.loss.chunk_tokens < 0:
+        raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
     if config.loss.ntl_schedule == "linear_warmup" and config.loss.ntl_warmup_steps < 1:
         raise ConfigError("loss.ntl_schedule=linear_warmup needs loss.ntl_warmup_steps >= 1")
     if len(config.optim.betas) != 2:

@@ -27,6 +27,7 @@ from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, 
 from .config import Config, ConfigError, help_text, load_config, to_yaml, write_resolved
 from .data import DataError, PretrainingData, generate_missing_corpus, load_documents
 from .loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
+from .loss.chunked import chunked_model_ce_ntl_sums
 from .model import build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib
 from .numbers import NumberVocab
@@ -309,8 +310,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _forward_sums(self, batch: Any, with_ntl: bool) -> Any:
-        logits = self.engine(input_ids=batch.input_ids.to(self.device)).logits
-        return ce_ntl_sums(logits, batch.labels.to(self.device), self.number_vocab, self.settings,
+        input_ids, labels = batch.input_ids.to(self.device), batch.labels.to(self.device)
+        if self.cfg.loss.chunk_tokens:
+            # the head + loss over chunks of tokens: the full logits never exist (docs/chunked.md)
+            return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
+                                             {"input_ids": input_ids}, labels, self.number_vocab, self.settings,
+                                             chunk_tokens=self.cfg.loss.chunk_tokens, tp_group=self.tp_group,
+                                             vocab_start_index=self.vocab_start, with_ntl=with_ntl)
+        logits = self.engine(input_ids=input_ids).logits
+        return ce_ntl_sums(logits, labels, self.number_vocab, self.settings,
                            tp_group=self.tp_group, vocab_start_index=self.vocab_start, with_ntl=with_ntl)
 
     def train_step(self, with_ntl: bool | None = None) -> dict[str, float]:
@@ -374,7 +382,8 @@ class Trainer:
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         with_ntl = self.cfg.loss.enabled
         for batch in self.data.validation_micro_batches(self.cfg.train.val_batches):
-            sums = self._forward_sums(batch, with_ntl)
+            with torch.no_grad():  # forward only (the chunked head would otherwise prepare gradients)
+                sums = self._forward_sums(batch, with_ntl)
             totals += torch.stack([sums.ce_sum, sums.ntl_sum, sums.token_count, sums.ntl_count]).double()
         self.engine.train()
         ce_sum, ntl_sum, tokens, ntl_count = distributed.all_reduce_sum(totals.tolist(), self.dp_group, self.device)

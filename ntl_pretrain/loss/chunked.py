@@ -372,7 +372,9 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
             raise ValueError("loss_weights must be >= 0")
     head_group = getattr(head, "mp_group", None)
     if getattr(head, "is_vocab_parallel_lm_head", False) and group_size(head_group) > 1:
-        if tp_group is not head_group or vocab_start_index != head.vocab_start_index:
+        same_group = group_size(tp_group) > 1 and (
+            dist.get_process_group_ranks(tp_group) == dist.get_process_group_ranks(head_group))
+        if not same_group or vocab_start_index != head.vocab_start_index:
             raise ValueError(f"the head is vocabulary-parallel (DeepSpeed VocabParallelLinear); pass "
                              f"tp_group=head.mp_group and vocab_start_index=head.vocab_start_index "
                              f"({head.vocab_start_index}), got vocab_start_index={vocab_start_index}")
