@@ -281,9 +281,9 @@ def fingerprint(model_config: Any, tokenizer: Any, number_vocab: Any) -> dict[st
 def check_fingerprint(saved: dict, current: dict, where: str) -> None:
     """Raise naming the first difference between a checkpoint's fingerprint and this run's."""
     fixes = {
-        "model": "the model (architecture or vocabulary size)",
-        "tokenizer": "the tokenizer (vocabulary or how it splits text)",
-        "number_vocab": "the NTL number vocabulary (tokenizer.digit_level or the tokenizer)",
+        "model": "model (architecture or vocabulary size)",
+        "tokenizer": "tokenizer (vocabulary or how it splits text)",
+        "number_vocab": "NTL number vocabulary (tokenizer.digit_level or the tokenizer)",
     }
     for key, what in fixes.items():
         if key in saved and saved[key] != current[key]:
@@ -481,6 +481,7 @@ class PreemptionHandler:
         self._previous.clear()
         if self._watchdog is not None:
             self._watchdog.cancel()
+            self._watchdog.join(timeout=5)
 
     def _on_signal(self, number: int, frame: Any) -> None:
         if not self.received:

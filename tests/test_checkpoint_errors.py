@@ -1,0 +1,160 @@
+"""Checkpoint errors a user can cause, found before anything is loaded or overwritten (no processes launched).
+
+Errors that need a real checkpoint (a truncated shard, another model or tokenizer, another layout) are
+tested on the reference run's checkpoints in test_checkpoint_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ntl_pretrain.checkpoint import (MANIFEST_NAME, CheckpointError, PreemptionHandler, list_checkpoints,
+                                     read_manifest, resolve_resume, step_of_tag)
+from ntl_pretrain.config import ConfigError, load_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _snapshot(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _fake_complete(folder, step: int) -> None:
+    """A folder with a manifest whose listed files exist with their sizes (what a finished save leaves)."""
+    tag = folder / f"global_step{step}"
+    tag.mkdir(parents=True)
+    (tag / "shard.pt").write_bytes(b"x" * 100)
+    (tag / MANIFEST_NAME).write_text(json.dumps({"step": step, "files": {"shard.pt": 100}}))
+
+
+def test_missing_checkpoint_directory(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(CheckpointError, match=r"train.resume='global_step3'.*the checkpoint directory.*does not exist"):
+        resolve_resume(str(missing), "global_step3")
+    assert resolve_resume(str(missing), "auto") is None  # a first start with resume=auto (e.g. a Slurm job)
+    assert resolve_resume(str(missing), "none") is None
+    assert not missing.exists()
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    path = tmp_path / "run"
+    path.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="is a file, not a folder"):
+        resolve_resume(str(path), "auto")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads folders whatever their permissions")
+def test_unreadable_checkpoint_directory(tmp_path):
+    out = tmp_path / "run"
+    _fake_complete(out, 5)
+    os.chmod(out, 0)
+    try:
+        with pytest.raises(CheckpointError, match="is not readable"):
+            resolve_resume(str(out), "auto")
+    finally:
+        os.chmod(out, 0o755)
+
+
+def test_a_folder_with_another_runs_checkpoints_is_refused_and_left_alone(tmp_path):
+    out = tmp_path / "run"
+    _fake_complete(out, 20)
+    (out / "latest").write_text("global_step20")
+    before = _snapshot(out)
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints of another run \(global_step20\).*"
+                                              r"train.resume=auto"):
+        resolve_resume(str(out), "none")
+    assert resolve_resume(str(out), "auto") == "global_step20"
+    with pytest.raises(CheckpointError, match=r"no such checkpoint in .* \(found: \['global_step20'\]\)"):
+        resolve_resume(str(out), "global_step7")
+    with pytest.raises(CheckpointError, match="is not none, auto or a checkpoint tag"):
+        resolve_resume(str(out), "step20")
+    assert _snapshot(out) == before
+
+
+def test_interrupted_saves_are_never_picked(tmp_path):
+    out = tmp_path / "run"
+    _fake_complete(out, 10)
+    (out / "global_step20.partial").mkdir()  # a save killed before its rename
+    (out / "global_step30").mkdir()  # a folder without a manifest (killed, or not ours)
+    (out / "latest").write_text("global_step30")
+    assert resolve_resume(str(out), "auto") == "global_step10"
+    with pytest.raises(CheckpointError, match=r"global_step30' is incomplete: it has no ntl_checkpoint.json"):
+        resolve_resume(str(out), "global_step30")
+    assert [info.tag for info in list_checkpoints(str(out))] == ["global_step10"]
+    only_partial = tmp_path / "partial_only"
+    (only_partial / "global_step5").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"holds checkpoint folders \(global_step5\) but none is complete"):
+        resolve_resume(str(only_partial), "auto")
+
+
+def test_damaged_manifest_and_missing_or_truncated_files(tmp_path):
+    out = tmp_path / "run"
+    _fake_complete(out, 3)
+    tag = out / "global_step3"
+    (tag / "shard.pt").write_bytes(b"x" * 60)
+    with pytest.raises(CheckpointError, match=r"shard.pt has 60 bytes, 100 were written \(a truncated shard\)"):
+        resolve_resume(str(out), "global_step3")
+    (tag / "shard.pt").unlink()
+    with pytest.raises(CheckpointError, match="shard.pt is missing"):
+        resolve_resume(str(out), "global_step3")
+    (tag / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(CheckpointError, match="damaged ntl_checkpoint.json"):
+        read_manifest(str(tag))
+
+
+def test_tag_names():
+    assert step_of_tag("global_step300") == 300
+    assert step_of_tag("global_step300.partial") is None
+    assert step_of_tag("global_step300_universal") is None
+
+
+def test_checkpoint_config_errors():
+    base = ["model.architecture={model_type: llama}", "tokenizer.name_or_path=t", "data.sources=[{path: x.jsonl}]"]
+    with pytest.raises(ConfigError, match="checkpoint.preempt_signals: 'SIGKILL' is not a catchable signal"):
+        load_config(None, [*base, "checkpoint.preempt_signals=[SIGKILL]"])
+    with pytest.raises(ConfigError, match="checkpoint.preempt_grace_s must be > 0"):
+        load_config(None, [*base, "checkpoint.preempt_grace_s=0"])
+    with pytest.raises(ConfigError, match="checkpoint.keep_last and checkpoint.keep_every_n_steps must be >= 0"):
+        load_config(None, [*base, "checkpoint.keep_last=-1"])
+
+
+def test_preemption_handler_records_the_signal_and_bounds_the_exit():
+    handler = PreemptionHandler(["SIGUSR1"], grace_s=60)
+    handler.install()
+    try:
+        import torch
+
+        assert handler.requested(torch.device("cpu")) is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while not handler.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handler.requested(torch.device("cpu")) == "SIGUSR1"
+        assert handler._watchdog is not None and handler._watchdog.is_alive()  # bounded by the grace time
+    finally:
+        handler.uninstall()
+    assert not handler._watchdog.is_alive()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    with pytest.raises(CheckpointError, match="'SIGNOPE' is not a signal name"):
+        PreemptionHandler(["SIGNOPE"], 10)
+
+
+def test_preemption_grace_time_exceeded_ends_the_process():
+    """A process that does not reach a step boundary in time exits (non-zero) when the grace time is over."""
+    script = ("import os, signal, time\n"
+              "from ntl_pretrain.checkpoint import PreemptionHandler\n"
+              "h = PreemptionHandler(['SIGTERM'], grace_s=0.5); h.install()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(30)\n")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert time.monotonic() - started < 20
+    assert "no checkpoint within checkpoint.preempt_grace_s=0.5 s of SIGTERM" in result.stderr
