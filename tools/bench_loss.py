@@ -17,7 +17,7 @@ TP>1 with DeepSpeed's column-parallel input, whose backward all-reduces the hidd
 a time). Each `chunked_*` row reports its time and peak memory relative to the matching `head_*`.
 
     python tools/bench_loss.py --tokens 4096 16384 --vocab 32000 128256 --tp 1 2 --json bench_loss.json
-    python tools/bench_loss.py --tokens 16384 --vocab 128256 --tp 1 --hidden 256 --chunk-tokens 1024 \
+    python tools/bench_loss.py --tokens 16384 --vocab 128256 --tp 1 --hidden 256 --chunk-tokens 1024 \\
         --methods head_was chunked_was head_was_reweigh chunked_was_reweigh
 """
 
