@@ -414,8 +414,14 @@ def convert_to_universal(checkpoint_path: str, output_path: str | None = None, w
                               num_merge_workers=workers, keep_temp_folder=False, strict=True,
                               inject_missing_state=False)
     started = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):  # its progress prints would interleave with the run's log
-        ds_to_universal(args)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints would interleave with the run's log
+            ds_to_universal(args)
+    except (OSError, RuntimeError, ValueError, KeyError, AssertionError) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"converting {checkpoint_path!r} to a universal checkpoint failed ({type(error).__name__}: "
+                              f"{error}); the checkpoint itself is unchanged. Free disk space, or resume with the "
+                              f"layout it was saved with ({saved_layout(manifest).describe()})") from None
     # carry our own files (RNG, HF assets) and write a manifest of the universal folder
     for name in os.listdir(checkpoint_path):
         source = os.path.join(checkpoint_path, name)
@@ -427,6 +433,9 @@ def convert_to_universal(checkpoint_path: str, output_path: str | None = None, w
                               files=_file_sizes(staging))
     _write_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(universal_manifest, indent=1))
     os.rename(staging, output_path)
+    pointer = os.path.join(os.path.dirname(output_path), "latest_universal")  # ds_to_universal's, naming the staging folder
+    if os.path.isfile(pointer):
+        _write_atomic(pointer, os.path.basename(output_path))
     logger.info("converted %s to a universal checkpoint %s in %.1f s", checkpoint_path, output_path,
                 time.perf_counter() - started)
     return output_path
@@ -631,7 +640,7 @@ class CheckpointManager:
             return None
         previous = list_checkpoints(self.output_dir, verify=False)
         keep = f"the previous checkpoint {previous[-1].tag} is intact" if previous else "no previous checkpoint exists"
-        return f"{error}. {keep} (resume with train.resume=auto); free disk space or fix permissions of {self.output_dir!r}"
+        return f"{error}; {keep} (resume with train.resume=auto); free disk space or fix permissions of {self.output_dir!r}"
 
     def _prepare(self, staging: str, write_hf_files: Callable[[str], None]) -> None:
         os.makedirs(self.output_dir, exist_ok=True)

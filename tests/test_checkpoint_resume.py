@@ -77,7 +77,7 @@ def _fp32_partitions(checkpoint: Path) -> dict[str, list[torch.Tensor]]:
     found = {}
     for path in sorted(checkpoint.glob("*optim_states.pt")):
         state = torch.load(path, map_location="cpu", weights_only=False)
-        found[path.name] = list(state["fp32_flat_groups"])
+        found[path.name] = list(state["optimizer_state_dict"]["fp32_flat_groups"])
     return found
 
 
@@ -269,9 +269,10 @@ def test_resume_t2_checkpoint_on_one_process_then_a_failed_save_keeps_the_previo
     out = tmp_path / "run"
     _copy_checkpoint(reference, "global_step4", out)
     before = {p.name: p.stat().st_size for p in (out / "global_step4").iterdir() if p.is_file()}
-    # 4 MiB file-size limit: the one-process optimizer shard (~11 MB) cannot be written (EFBIG, like a full disk)
+    # 8 MiB file-size limit: the universal conversion's files fit (< 4 MB), the one-process optimizer shard
+    # (~11 MB) cannot be written (EFBIG, like a full disk)
     result = _run(_launch(1, _overrides(assets, out, "parallel.tp_size=1", "train.max_steps=5", "train.resume=auto"),
-                          prefix="ulimit -f 4096"))
+                          prefix="ulimit -f 8192"))
     assert result.returncode != 0
     assert "dp=1 tp=1 zero=3" in result.stdout
     got, want = _scalars(out / "tensorboard"), _scalars(reference / "tensorboard")
