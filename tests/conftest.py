@@ -55,6 +55,31 @@ def build_byte_level_bpe_tokenizer(vocab_size: int = 400):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
 
 
+DEEPSPEED_SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"
+
+
+def _mapped_files() -> set[str]:
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(maxsplit=5)[-1].strip() for line in maps.read_text().splitlines()
+                          if DEEPSPEED_SHM_PREFIX in line)
+        except OSError:  # the process ended while we read
+            continue
+    return mapped
+
+
+@pytest.fixture(autouse=True)
+def _remove_stale_deepspeed_shm():
+    """DeepSpeed's CPU all-reduce leaves a 66 MiB buffer per rank in /dev/shm (RAM) when its processes
+    exit; a suite of multi-process tests would pile up gigabytes. Remove the ones no process maps."""
+    yield
+    in_use = _mapped_files()
+    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        if str(path) not in in_use:
+            path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def word_tokenizer():
     return build_word_level_tokenizer()
