@@ -65,12 +65,11 @@ def _assert_same_step(setup, result: dict, weights: dict, reference: dict, ref_w
 
 
 def test_zero3_chunked_equals_unchunked_dp2_tp2_grad_accum(setup):
-    # a micro-batch holds 32 or 64 tokens: 5 and 7 do not divide them; with accumulation the first
-    # micro-batch is the two rows without number tokens, so whole chunks of 8 hold none
     reference = _run(setup, "ref_t1", 1, chunk_tokens=0)
-    # two data-parallel ranks: ZeRO-3 really gathers the (non-persistent) head weight and reduce-scatters its grad
-    _assert_same_step(setup, *_run(setup, "dp2_c5", 2, chunk_tokens=5), *reference)
-    _assert_same_step(setup, *_run(setup, "t1_ga2_c8", 1, chunk_tokens=8, grad_accum=2), *reference)
+    # two data-parallel ranks: ZeRO-3 really gathers the (non-persistent) head weight and reduce-scatters its
+    # gradient; with accumulation every micro-batch is one row of 16 tokens (5 does not divide them) and the
+    # first micro-batch of both ranks holds no number token
+    _assert_same_step(setup, *_run(setup, "dp2_ga2_c5", 2, chunk_tokens=5, grad_accum=2), *reference)
     _assert_same_step(setup, *_run(setup, "t2_c7", 2, tp=2, chunk_tokens=7), *reference)
 
 
