@@ -205,6 +205,12 @@ def test_resumed_run_matches_the_uninterrupted_one_bitwise(interrupted, referenc
     for name in resumed:
         assert all(torch.equal(a, b) for a, b in zip(resumed[name], uninterrupted[name])), name
     # TensorBoard: every step once (the killed run's points after its checkpoint are purged), same values
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    written = [e.step for f in sorted((out / "tensorboard").glob("events.*")) for e in EventFileLoader(str(f)).Load()
+               if any(v.tag == "train/loss" for v in e.summary.value)]
+    stopped = interrupted["stopped_at"]
+    assert written.count(stopped + 1) == 2  # on disk twice: by the run killed mid-save, and by the resume
     got, want = _scalars(out / "tensorboard"), _scalars(reference / "tensorboard")
     for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/lr"):
         assert [s for s, _ in got[tag]] == list(range(1, 7)), tag
