@@ -363,7 +363,8 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
         raise TypeError(f"head must be the model's LM head module (nn.Linear or DeepSpeed's VocabParallelLinear), "
                         f"got {type(head).__name__}")
     if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
-        raise TypeError(f"labels must be a non-empty integer tensor, got {labels.dtype} with shape {tuple(labels.shape)}")
+        raise TypeError(f"labels must be a non-empty integer tensor, got {labels.dtype} with shape "
+                        f"{tuple(labels.shape)}")
     if loss_weights is not None:
         if loss_weights.shape != labels.shape:
             raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
