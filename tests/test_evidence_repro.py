@@ -74,19 +74,24 @@ def test_run_repro_tiny_runs_write_table_json_and_png(tmp_path):
             assert run["scores"][split]["parseable"] == pytest.approx(
                 sum(r["extracted"] is not None for r in mine) / 4)
         assert run["steps"] == 2 and run["wall_s"] > 0
+    def distance(record):
+        return float("inf") if record["extracted"] is None else abs(record["extracted"] - record["gold"])
+
     for split in ("interpolation", "extrapolation"):
-        base = {r["prompt"]: r["correct"] for r in records["ce"] if r["split"] == split}
+        base = {r["prompt"]: r for r in records["ce"] if r["split"] == split}
         ntl = [r for r in records["ntl_was"] if r["split"] == split]
         versus = report["runs"][1]["vs_ce"][split]
-        assert versus["wins"] == sum(r["correct"] and not base[r["prompt"]] for r in ntl)
-        assert versus["losses"] == sum(base[r["prompt"]] and not r["correct"] for r in ntl)
+        assert versus["wins"] == sum(r["correct"] and not base[r["prompt"]]["correct"] for r in ntl)
+        assert versus["losses"] == sum(base[r["prompt"]]["correct"] and not r["correct"] for r in ntl)
+        assert versus["closer"] == sum(distance(r) < distance(base[r["prompt"]]) for r in ntl)
+        assert versus["farther"] == sum(distance(r) > distance(base[r["prompt"]]) for r in ntl)
     assert report["means"]["ce"]["seeds"] == 1
     assert (tmp_path / "repro.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     text = results_md.read_text()
     assert text.startswith("# Results\n\nText the script keeps.\n")
     assert text.count(run_repro.BEGIN_MARK) == 1 and "| ntl_was | 1234 |" in text
-    assert "NTL_CPU_PROCS=1 bash launch/pretrain.sh --config configs/repro/ce.yaml" in text
+    assert "NTL_CPU_PROCS=1 OMP_NUM_THREADS=1 bash launch/pretrain.sh --config configs/repro/ce.yaml" in text
 
     # restart: finished runs are not trained again, the block is replaced, not appended
     results_md.write_text(text + "\nA closing paragraph.\n")

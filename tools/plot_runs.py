@@ -35,7 +35,7 @@ DEFAULT_TAGS = (
     "eval/arith/interpolation/accuracy", "eval/arith/interpolation/mae", "eval/arith/interpolation/smape",
     "eval/arith/extrapolation/accuracy", "eval/arith/extrapolation/mae", "eval/arith/extrapolation/smape",
 )
-# Tags whose values span decades across a run or across runs: drawn on a log scale.
+# Tags whose values may span decades across a run or across runs: drawn on a log scale when they do.
 LOG_SCALE_SUFFIXES = ("/mae",)
 EVENT_FILE_MARK = "tfevents"
 
@@ -128,8 +128,9 @@ def plot_runs(runs: Sequence[str], out: str, labels: Sequence[str] | None = None
                     label=None if label in labelled else label)
             labelled.add(label)
             drawn[tag].append(label)
-        if tag.endswith(LOG_SCALE_SUFFIXES) and drawn[tag]:
-            ax.set_yscale("log")
+        drawn_values = [v for line in ax.get_lines() for v in line.get_ydata() if v > 0]
+        if tag.endswith(LOG_SCALE_SUFFIXES) and drawn_values and max(drawn_values) > 10 * min(drawn_values):
+            ax.set_yscale("log")  # only when the values span more than a decade
         ax.set_title(tag, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -218,6 +219,7 @@ def _save(figure, out: str) -> None:
     os.close(fd)
     try:
         figure.savefig(tmp, format="png", bbox_inches="tight")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a figure is meant to be shared
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -69,8 +70,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _stop(process: subprocess.Popen) -> None:
+    """Terminate a run's process group, then kill it if it has not exited within 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_one(config: str, output_dir: str, seed: int, overrides: Sequence[str], procs: int, nice: int,
-            timeout: float) -> dict[str, Any]:
+            threads: int, timeout: float) -> dict[str, Any]:
     """Train one run (its own log file), refusing to reuse a folder a cut-off run left behind."""
     command = train_command(config, output_dir, seed, overrides)
     if os.path.exists(output_dir):
@@ -80,21 +95,29 @@ def run_one(config: str, output_dir: str, seed: int, overrides: Sequence[str], p
         print(f"moved the unfinished run {output_dir} to {stale}", flush=True)
     os.makedirs(os.path.dirname(output_dir), exist_ok=True)
     log_path = f"{output_dir}.log"
-    env = {**os.environ, "NTL_CPU_PROCS": str(procs)}
+    # One thread per process unless told otherwise: on a busy machine a descheduled OpenMP thread stalls
+    # the others at every parallel region, which made steps several times slower here.
+    env = {**os.environ, "NTL_CPU_PROCS": str(procs), "OMP_NUM_THREADS": str(threads)}
     # A free port of our own, so a run never collides with another DeepSpeed job on this machine.
     env.setdefault("NTL_DEEPSPEED_ARGS", f"--master_port {free_port()}")
     launched = ["nice", "-n", str(nice), *command] if nice else command
-    shown = f"NTL_CPU_PROCS={procs} " + shlex.join(launched)
+    shown = f"NTL_CPU_PROCS={procs} OMP_NUM_THREADS={threads} " + shlex.join(launched)
     print(f"[{time.strftime('%H:%M:%S')}] {shown}  > {log_path}", flush=True)
     started, load_before = time.time(), os.getloadavg()[0]
     with open(log_path, "w", encoding="utf-8") as log:
+        # Its own process group, so that stopping this script (Ctrl-C, SIGTERM, timeout) stops the whole run.
+        process = subprocess.Popen(launched, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         try:
-            completed = subprocess.run(launched, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       timeout=timeout)
+            returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _stop(process)
             raise SystemExit(f"error: {shown} ran longer than --timeout {timeout:.0f} s; see {log_path}") from None
-    if completed.returncode != 0:
-        raise SystemExit(f"error: {shown} failed with exit code {completed.returncode}; see {log_path}")
+        except BaseException:
+            _stop(process)
+            raise
+    if returncode != 0:
+        raise SystemExit(f"error: {shown} failed with exit code {returncode}; see {log_path}")
     return {"command": shown, "wall_s": time.time() - started, "load_before": load_before,
             "load_after": os.getloadavg()[0]}
 
@@ -129,16 +152,27 @@ def sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def _distance(record: dict[str, Any]) -> float:
+    """How far an answer is from the gold one (an unparseable answer is farther than any number)."""
+    return math.inf if record["extracted"] is None else abs(record["extracted"] - record["gold"])
+
+
 def paired(records: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], split: str) -> dict[str, float]:
-    """Problems this run solves that the baseline does not (wins) and the reverse (losses), same problems."""
-    base = {r["prompt"]: r["correct"] for r in baseline if r.get("benchmark") == "arith" and r["split"] == split}
-    wins = losses = 0
+    """This run against the baseline on the same problems: problems only it solves (wins) or only the
+    baseline solves (losses), and problems where its answer is numerically closer to the gold one (closer)
+    or farther (farther) than the baseline's; each pair of counts with its sign-test p."""
+    base = {r["prompt"]: r for r in baseline if r.get("benchmark") == "arith" and r["split"] == split}
+    wins = losses = closer = farther = 0
     for record in records:
         if record.get("benchmark") != "arith" or record["split"] != split or record["prompt"] not in base:
             continue
-        wins += record["correct"] and not base[record["prompt"]]
-        losses += base[record["prompt"]] and not record["correct"]
-    return {"wins": wins, "losses": losses, "sign_test_p": sign_test_p(wins, losses)}
+        other = base[record["prompt"]]
+        wins += record["correct"] and not other["correct"]
+        losses += other["correct"] and not record["correct"]
+        closer += _distance(record) < _distance(other)
+        farther += _distance(record) > _distance(other)
+    return {"wins": wins, "losses": losses, "sign_test_p": sign_test_p(wins, losses),
+            "closer": closer, "farther": farther, "closer_sign_test_p": sign_test_p(closer, farther)}
 
 
 def build_report(out_dir: str, seeds: Sequence[int], names: Sequence[str], max_steps: dict[str, int],
@@ -194,10 +228,13 @@ def markdown(report: dict[str, Any], machine: dict[str, Any], commands: Sequence
     for name, mean in report["means"].items():
         cells = [_fmt(mean.get(split, {}).get(m, float("nan")), m) for split in SPLITS for m in metrics]
         lines.append(f"| {name} | {mean['seeds']} | " + " | ".join(cells) + " |")
-    lines += ["", "Every run (accuracy per operation; paired with the CE run of the same seed on the same problems: "
-              "problems only this run solves / only CE solves, exact sign-test p):", "",
-              "| run | seed | interp. acc. | per op | extrap. acc. | per op | interp. vs CE | extrap. vs CE | "
-              "steps | wall time | load avg before/after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Every run, with accuracy per operation, and paired with the CE run of the same seed on the same "
+              "problems: *solved* = problems only this run solves / only CE solves; *closer* = problems where "
+              "this run's answer is nearer the true one / farther than CE's (ties left out); each with an exact "
+              "two-sided sign-test p:", "",
+              "| run | seed | interp. acc. | per op | extrap. acc. | per op | interp. solved vs CE | "
+              "interp. closer vs CE | extrap. solved vs CE | extrap. closer vs CE | steps | wall time | "
+              "load avg before/after |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         cells = []
         for split in SPLITS:
@@ -208,6 +245,8 @@ def markdown(report: dict[str, Any], machine: dict[str, Any], commands: Sequence
         for split in SPLITS:
             versus = run.get("vs_ce", {}).get(split)
             cells.append(f"+{versus['wins']} / -{versus['losses']} (p={versus['sign_test_p']:.2g})" if versus else "-")
+            cells.append(f"{versus['closer']} / {versus['farther']} (p={versus['closer_sign_test_p']:.2g})"
+                         if versus else "-")
         wall = f"{run['wall_s'] / 60:.1f} min" if "wall_s" in run else "-"
         load = f"{run['load_before']:.1f} / {run['load_after']:.1f}" if "load_before" in run else "-"
         lines.append(f"| {run['config']} | {run['seed']} | " + " | ".join(cells)
@@ -224,6 +263,7 @@ def write_atomic(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; these are shared documents
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -270,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-dir", default="runs/repro", help="runs go to OUT/seedS/NAME")
     parser.add_argument("--procs", type=int, default=1, help="CPU processes per run (NTL_CPU_PROCS)")
     parser.add_argument("--nice", type=int, default=10, help="nice level of the runs (0: none)")
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds one run may take before it is failed")
     parser.add_argument("--report-only", action="store_true", help="train nothing; report the finished runs")
     parser.add_argument("--results-json", default=None, help="default: OUT/results.json")
@@ -278,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--figure", default="docs/figures/repro.png", help="PNG of the runs' curves ('' to skip)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the run in progress is stopped with this script.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     configs = {name: os.path.join(args.config_dir, f"{name}.yaml") for name in args.configs}
     missing = [path for path in configs.values() if not os.path.exists(os.path.join(REPO, path))]
     if missing:
@@ -294,10 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             output_dir = run_dir(args.out_dir, seed, name)
             command = train_command(config, output_dir, seed, args.overrides)
             nice = ["nice", "-n", str(args.nice)] if args.nice else []
-            commands.append(f"NTL_CPU_PROCS={args.procs} " + shlex.join(nice + command))
+            commands.append(f"NTL_CPU_PROCS={args.procs} OMP_NUM_THREADS={args.threads} " + shlex.join(nice + command))
             if args.report_only or os.path.exists(final_predictions(output_dir, max_steps[name])):
                 continue
-            meta = run_one(config, output_dir, seed, args.overrides, args.procs, args.nice, args.timeout)
+            meta = run_one(config, output_dir, seed, args.overrides, args.procs, args.nice, args.threads,
+                           args.timeout)
             runs_meta[output_dir] = {**meta, "steps": max_steps[name]}
             write_atomic(meta_path, json.dumps(runs_meta, indent=1))
 
