@@ -1,5 +1,6 @@
 """Cross-entropy + Number Token Loss, on one device or on vocabulary-parallel logit shards."""
 
+from .chunked import chunked_ce_ntl_sums, chunked_model_ce_ntl_sums
 from .compat import NTLoss, NTLossDotProduct, NumberLevelLoss
 from .normalize import StepCounts, count_step, scaled_micro_batch_loss
 from .ntl import VARIANTS, NTLSettings
@@ -8,5 +9,5 @@ from .parallel import shard_reductions
 
 __all__ = [
     "VARIANTS", "NTLSettings", "NTLoss", "NTLossDotProduct", "NumberLevelLoss", "ObjectiveSums", "StepCounts",
-    "ce_ntl_loss", "ce_ntl_sums", "count_step", "number_token_loss", "scaled_micro_batch_loss", "shard_reductions",
+    "ce_ntl_loss", "ce_ntl_sums", "chunked_ce_ntl_sums", "chunked_model_ce_ntl_sums", "count_step", "number_token_loss", "scaled_micro_batch_loss", "shard_reductions",
 ]

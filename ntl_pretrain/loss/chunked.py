@@ -42,8 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..numbers import NumberVocab
-from .ntl import NTLSettings, ntl_terms
-from .objective import ObjectiveSums
+from .ntl import NTLSettings
+from .objective import ObjectiveSums, sums_from_stats
 from .parallel import ShardLayout, ShardStats, compute_dtype, group_size
 
 # Layout of the packed objective tensor the head returns in place of its logits.
@@ -230,39 +230,25 @@ def _check_layout(packed: torch.Tensor, max_buf: torch.Tensor, flat_labels: torc
 
 
 def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
-    """CE and NTL sums (the same maths as `objective.ce_ntl_sums`) from the reduced statistics, packed;
-    and, when gradients are wanted, the gradient of `ntl_sum` w.r.t. the statistics."""
-    settings, number_vocab = plan.settings, plan.number_vocab
-    flat_labels = plan.labels.reshape(-1).long()
-    dtype = stats.number_logits.dtype
-    valid = (flat_labels != settings.ignore_index).to(dtype)
-    packed = torch.zeros(PACKED_WIDTH, dtype=dtype, device=flat_labels.device)
-    packed[CE_SUM] = ((stats.lse - stats.target_logit) * valid).sum()
-    packed[TOKEN_COUNT] = valid.sum()
-
-    slot = number_vocab.index_of(flat_labels, settings.ignore_index)
-    rows = torch.nonzero(slot >= 0).flatten()
-    values = number_vocab.values_tensor(flat_labels.device, dtype)
-    expected = torch.softmax(stats.number_logits[rows], dim=-1) @ values
-    packed[ABS_ERROR_SUM] = (expected - values[slot[rows]]).abs().sum()
-    packed[NUMBER_TOKENS] = float(rows.numel())
-    if not plan.with_ntl:
-        return packed, None
-
+    """CE and NTL sums (`objective.sums_from_stats`) from the reduced statistics, packed; and, when
+    gradients are wanted, the gradient of `ntl_sum` w.r.t. the statistics."""
+    settings = plan.settings
+    want_ntl_grads = need_grads and plan.with_ntl
     with torch.enable_grad():
-        number_logits = stats.number_logits.detach().requires_grad_(need_grads)
-        sum_exp = stats.sum_exp.detach().requires_grad_(need_grads and settings.reweigh)
-        leaf_stats = ShardStats(stats.shift, sum_exp, None, number_logits, stats.vocab_size)
-        terms = ntl_terms(number_logits, plan.labels, number_vocab, settings,
-                          number_mass=leaf_stats.number_mass if settings.reweigh else None,
-                          loss_weights=plan.loss_weights)
-        ntl_sum = (terms.loss * terms.weights).sum()
-    packed[NTL_SUM] = ntl_sum.detach()
-    packed[NTL_COUNT] = terms.weights.sum().detach()
-    if not need_grads or not ntl_sum.requires_grad:
+        number_logits = stats.number_logits.detach().requires_grad_(want_ntl_grads)
+        sum_exp = stats.sum_exp.detach().requires_grad_(want_ntl_grads and settings.reweigh)
+        leaf_stats = ShardStats(stats.shift, sum_exp, stats.target_logit, number_logits, stats.vocab_size)
+        sums = sums_from_stats(leaf_stats, plan.labels, plan.number_vocab, settings, loss_weights=plan.loss_weights,
+                               with_ntl=plan.with_ntl)
+    packed = torch.zeros(PACKED_WIDTH, dtype=number_logits.dtype, device=number_logits.device)
+    for index, value in ((CE_SUM, sums.ce_sum), (NTL_SUM, sums.ntl_sum), (TOKEN_COUNT, sums.token_count),
+                         (NTL_COUNT, sums.ntl_count), (NUMBER_TOKENS, sums.number_tokens),
+                         (ABS_ERROR_SUM, sums.abs_error_sum)):
+        packed[index] = value.detach()
+    if not want_ntl_grads or not sums.ntl_sum.requires_grad:
         return packed, None
     inputs = [number_logits, sum_exp] if settings.reweigh else [number_logits]
-    grads = torch.autograd.grad(ntl_sum, inputs, allow_unused=True)
+    grads = torch.autograd.grad(sums.ntl_sum, inputs, allow_unused=True)
     number_grad = grads[0] if grads[0] is not None else torch.zeros_like(number_logits)
     if not settings.reweigh or grads[1] is None:
         return packed, (number_grad, None, None)

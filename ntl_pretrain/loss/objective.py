@@ -106,24 +106,30 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
             monitoring are computed either way.
     """
     _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights)
-    ignore_index = settings.ignore_index
     stats = _reduce_stats(logits, labels, number_vocab, need_lse=True, need_target=True, tp_group=tp_group,
-                          vocab_start_index=vocab_start_index, ignore_index=ignore_index)
+                          vocab_start_index=vocab_start_index, ignore_index=settings.ignore_index)
+    return sums_from_stats(stats, labels, number_vocab, settings, loss_weights=loss_weights, with_ntl=with_ntl)
+
+
+def sums_from_stats(stats: ShardStats, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings, *,
+                    loss_weights: torch.Tensor | None = None, with_ntl: bool = True) -> ObjectiveSums:
+    """CE and NTL sums from the reduced statistics of the logits (`shard_reductions`, or the chunked
+    head's per-chunk reductions), differentiable through them."""
     flat_labels = labels.reshape(-1).long()
-    valid = (flat_labels != ignore_index).to(stats.number_logits.dtype)
+    valid = (flat_labels != settings.ignore_index).to(stats.number_logits.dtype)
     ce_sum = ((stats.lse - stats.target_logit) * valid).sum()
 
     with torch.no_grad():
-        slot = number_vocab.index_of(flat_labels, ignore_index)
+        slot = number_vocab.index_of(flat_labels, settings.ignore_index)
         rows = torch.nonzero(slot >= 0).flatten()
-        values = number_vocab.values_tensor(logits.device, stats.number_logits.dtype)
+        values = number_vocab.values_tensor(flat_labels.device, stats.number_logits.dtype)
         expected = torch.softmax(stats.number_logits[rows], dim=-1) @ values
         abs_error_sum = (expected - values[slot[rows]]).abs().sum()
-        number_tokens = torch.tensor(float(rows.numel()), device=logits.device, dtype=values.dtype)
+        number_tokens = torch.tensor(float(rows.numel()), device=flat_labels.device, dtype=values.dtype)
 
     if with_ntl:
-        terms = ntl_terms(stats.number_logits, labels, number_vocab, settings, number_mass=stats.number_mass,
-                          loss_weights=loss_weights)
+        terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
+                          number_mass=stats.number_mass if settings.reweigh else None, loss_weights=loss_weights)
         ntl_sum = (terms.loss * terms.weights).sum()
         ntl_count = terms.weights.sum().detach()
     else:
