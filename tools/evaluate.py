@@ -12,7 +12,7 @@ processes and the same parallel.tp_size as the training run, as DeepSpeed checkp
 Trailing `key=value` arguments override evaluation settings (ntl_pretrain.eval.EvalConfig keys, with or
 without the `eval.` prefix; values are YAML). The tool runs the "final" evaluation (GSM8K:
 gsm8k_final_limit, 0 = all). Rank 0 prints a table, writes every prediction to
-OUTPUT_DIR/eval/step_XXXXXXX.jsonl and the metrics to --json (default OUTPUT_DIR/eval_results_step_XXXXXXX.json).
+OUTPUT_DIR/eval/step_<step, 7 digits>.jsonl and the metrics to --json (default OUTPUT_DIR/eval_results_step_<step, 7 digits>.json).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="AutoTP size for --model under several ranks (default 1)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                         help="weights' dtype for --model (auto: bf16 on GPUs, fp32 on CPU)")
-    parser.add_argument("--output-dir", help="where eval/step_XXXXXXX.jsonl goes (default: --run, or ./eval_results)")
-    parser.add_argument("--json", help="metrics JSON path (default: OUTPUT_DIR/eval_results_step_XXXXXXX.json)")
+    parser.add_argument("--output-dir", help="where eval/step_<step, 7 digits>.jsonl goes (default: --run, or ./eval_results)")
+    parser.add_argument("--json", help="metrics JSON path (default: OUTPUT_DIR/eval_results_step_<step, 7 digits>.json)")
     parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     parser.add_argument("overrides", nargs="*", help="EvalConfig settings as key=value (e.g. arithmetic_n=500)")

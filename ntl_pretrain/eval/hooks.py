@@ -1,7 +1,7 @@
 """The evaluation hook the training loop (and tools/evaluate.py) calls: run the benchmarks, log, return metrics.
 
 Every rank calls `run_evaluation` (generation runs collectives). Rank 0 of the world writes
-`output_dir/eval/step_XXXXXXX.jsonl` (one line per prediction: benchmark, prompt, output,
+`output_dir/eval/step_<step, 7 digits>.jsonl` (one line per prediction: benchmark, prompt, output,
 extracted answer, gold, correct) and logs to TensorBoard:
 `eval/arith/<split>/<metric>`, `eval/arith/<split>/<op>/accuracy`, `eval/gsm8k/<filter>/accuracy`,
 `eval/generation/tokens_per_s`, `eval/time_s`, and sample generations as text under `eval/samples/...`.
