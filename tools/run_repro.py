@@ -363,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finished = [run for run in report["runs"]]
         plot_runs([run_dir(args.out_dir, run["seed"], run["config"]) for run in finished], args.figure,
                   labels=[run["config"] for run in finished],
-                  title="Arithmetic from scratch: CE vs CE + NTL (same seed, steps and data)")
+                  title=f"Arithmetic from scratch: CE vs CE + NTL, same steps and data; "
+                        f"{len({run['seed'] for run in finished})} seed(s), one line each")
     return 0
 
 
