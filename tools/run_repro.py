@@ -6,8 +6,9 @@
     python tools/run_repro.py --report-only        # rebuild the table and figure from finished runs
 
 Each (seed, config) pair is one training run, started one after the other as
-`NTL_CPU_PROCS=1 nice -n 10 bash launch/pretrain.sh --config configs/repro/NAME.yaml train.output_dir=OUT/seedS/NAME
-model.init_seed=S train.seed=S data.seed=S [overrides]` with its output in `OUT/seedS/NAME.log`. The seed sets the
+`NTL_CPU_PROCS=1 OMP_NUM_THREADS=1 nice -n 10 bash launch/pretrain.sh --config configs/repro/NAME.yaml
+train.output_dir=OUT/seedS/NAME model.init_seed=S train.seed=S data.seed=S [overrides]` with its output in
+`OUT/seedS/NAME.log`. The seed sets the
 weight initialisation, the data order and the validation split; the generated corpus and the evaluation
 problems are the same for every run, so runs are compared on identical problems. A run whose final
 evaluation file exists is not run again (the script can be restarted after an interruption; a run cut
@@ -223,8 +224,9 @@ def markdown(report: dict[str, Any], machine: dict[str, Any], commands: Sequence
     lines = [BEGIN_MARK, ""]
     metrics = ("accuracy", "mae", "smape", "parseable", "digit_accuracy")
     header = "| run | seeds | " + " | ".join(f"{split[:6]}. {m}" for split in SPLITS for m in metrics) + " |"
-    lines += ["Mean over seeds of the final evaluation (n problems per split as configured; MAE and sMAPE over "
-              "parseable answers only):", "", header, "|" + "---|" * (2 + len(SPLITS) * len(metrics))]
+    problems = sorted({int(scores["n"]) for run in report["runs"] for scores in run["scores"].values()})
+    lines += [f"Mean over seeds of the final evaluation ({' / '.join(map(str, problems))} problems per split; "
+              "MAE and sMAPE over parseable answers only):", "", header, "|" + "---|" * (2 + len(SPLITS) * len(metrics))]
     for name, mean in report["means"].items():
         cells = [_fmt(mean.get(split, {}).get(m, float("nan")), m) for split in SPLITS for m in metrics]
         lines.append(f"| {name} | {mean['seeds']} | " + " | ".join(cells) + " |")
@@ -304,7 +306,7 @@ def machine_description() -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
-                        help="names under --config-dir (the first seed's CE run is the paired baseline)")
+                        help="names under --config-dir; each run is paired with the 'ce' run of its seed")
     parser.add_argument("--config-dir", default="configs/repro")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234])
     parser.add_argument("--out-dir", default="runs/repro", help="runs go to OUT/seedS/NAME")
@@ -360,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.figure:
         from plot_runs import plot_runs  # tools/ is this script's folder
 
-        finished = [run for run in report["runs"]]
+        finished = report["runs"]
         plot_runs([run_dir(args.out_dir, run["seed"], run["config"]) for run in finished], args.figure,
                   labels=[run["config"] for run in finished],
                   title=f"Arithmetic from scratch: CE vs CE + NTL, same steps and data; "
