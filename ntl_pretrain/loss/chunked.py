@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..numbers import NumberVocab
 from .ntl import NTLSettings
-from .objective import ObjectiveSums, sums_from_stats
+from .objective import ObjectiveSums, sums_from_stats, validate_loss_weights
 from .parallel import ShardLayout, ShardStats, compute_dtype, group_size
 
 # Layout of the packed objective tensor the head returns in place of its logits.
@@ -351,12 +351,7 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
     if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
         raise TypeError(f"labels must be a non-empty integer tensor, got {labels.dtype} with shape "
                         f"{tuple(labels.shape)}")
-    if loss_weights is not None:
-        if loss_weights.shape != labels.shape:
-            raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
-                             f"{tuple(labels.shape)}")
-        if bool((loss_weights < 0).any()):
-            raise ValueError("loss_weights must be >= 0")
+    validate_loss_weights(labels, loss_weights)
     head_group = getattr(head, "mp_group", None)
     if getattr(head, "is_vocab_parallel_lm_head", False) and group_size(head_group) > 1:
         same_group = group_size(tp_group) > 1 and (

@@ -34,6 +34,17 @@ class ObjectiveSums:
     abs_error_sum: torch.Tensor  # detached: sum over those of |expected number - true value|
 
 
+def validate_loss_weights(labels: torch.Tensor, loss_weights: torch.Tensor | None) -> None:
+    """NTL loss weights must match the labels' shape and be non-negative."""
+    if loss_weights is None:
+        return
+    if loss_weights.shape != labels.shape:
+        raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
+                         f"{tuple(labels.shape)}")
+    if bool((loss_weights < 0).any()):
+        raise ValueError("loss_weights must be >= 0")
+
+
 def _validate(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, tp_group,
               vocab_start_index: int, loss_weights: torch.Tensor | None) -> None:
     if not isinstance(number_vocab, NumberVocab):
@@ -47,12 +58,7 @@ def _validate(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVo
                          f"{tuple(logits.shape[:-1])}; labels must be aligned with the logits (already shifted)")
     if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16):
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if loss_weights is not None:
-        if loss_weights.shape != labels.shape:
-            raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
-                             f"{tuple(labels.shape)}")
-        if bool((loss_weights < 0).any()):
-            raise ValueError("loss_weights must be >= 0")
+    validate_loss_weights(labels, loss_weights)
     if group_size(tp_group) == 1:
         if vocab_start_index != 0:
             raise ValueError(f"vocab_start_index={vocab_start_index} without a tensor-parallel group; pass the "
