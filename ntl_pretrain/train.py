@@ -523,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    distributed.shutdown_distributed()
     return 0
 
 

@@ -70,14 +70,18 @@ def _mapped_files() -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def _remove_stale_deepspeed_shm():
+def _remove_own_deepspeed_shm():
     """DeepSpeed's CPU all-reduce leaves a 66 MiB buffer per rank in /dev/shm (RAM) when its processes
-    exit; a suite of multi-process tests would pile up gigabytes. Remove the ones no process maps."""
+    exit; a suite of multi-process tests would pile up gigabytes. Remove the unmapped buffers of the
+    ports this test session handed out (tests/distributed.free_port), and no one else's."""
+    from distributed import PORTS_USED
+
     yield
     in_use = _mapped_files()
-    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
-        if str(path) not in in_use:
-            path.unlink(missing_ok=True)
+    for port in list(PORTS_USED):
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+            if str(path) not in in_use:
+                path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,20 @@ from pathlib import Path
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+# Ports handed out in this test process: DeepSpeed's CPU all-reduce names its /dev/shm buffers
+# `deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`, so conftest removes only the buffers of these
+# ports, never those of a job that happens to run next to the tests.
+PORTS_USED: set[int] = set()
+
+
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a rendezvous (never DeepSpeed's default 29500), recorded for the
+    shared-memory clean-up."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    PORTS_USED.add(port)
+    return port
 
 
 def run_workers(script: str, world_size: int, args: list[str], timeout: float = 240.0,

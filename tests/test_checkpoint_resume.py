@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,12 @@ import torch
 from ntl_pretrain.checkpoint import MANIFEST_NAME, step_of_tag, verify_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import run_workers  # noqa: E402
+from distributed import free_port, run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(4 * TIMEOUT)]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -54,7 +48,7 @@ def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _launch(procs: int, args: list[str], prefix: str = "") -> list[str]:
-    command = ["deepspeed", "--num_gpus", str(procs), "--master_port", str(_free_port()), "launch/pretrain.sh", *args]
+    command = ["deepspeed", "--num_gpus", str(procs), "--master_port", str(free_port()), "launch/pretrain.sh", *args]
     if prefix:  # e.g. a ulimit for the whole job
         return ["bash", "-c", prefix + ' && exec "$@"', "bash", *command]
     return command

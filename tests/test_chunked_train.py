@@ -5,27 +5,22 @@ as the same run computing the full logits."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+from distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 400  # a hang fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _train(assets: Path, out: Path, *overrides: str) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "launch/pretrain.sh",
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh",
                "--config", "configs/demo.yaml", f"data.sources.0.path={assets / 'arithmetic.jsonl'}",
                "data.sources.0.generate_arithmetic=2000", f"tokenizer.name_or_path={assets / 'tokenizer'}",
                f"data.cache_dir={assets / 'cache'}", "data.validation_documents=120", "train.val_batches=1",

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from distributed import free_port  # noqa: E402
 
 PROMPTS = ["12+3=", "a", "hello world 123*45=", "7-8=", "q: what?", "1", "zz", "the answer is", "9*9="]
 MAX_NEW = [1, 2, 1, 3, 2, 40, 36, 45, 38]
@@ -99,15 +99,10 @@ def reference(tmp_path_factory):
     return {"model_dir": model_dir, "texts": texts, "metrics": _comparable(metrics), "records": records}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _launch(world_size: int, tp_size: int, model_dir: Path, out_dir: Path) -> None:
     """Start one process per rank; fail (and kill them all) if any fails or they outlive the timeout."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),

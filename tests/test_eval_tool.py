@@ -7,10 +7,10 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "evaluate.py"
@@ -25,6 +25,7 @@ def _load_tool():
 
 def test_tool_on_hf_folder_matches_the_hook(tmp_path: Path, capsys):
     from test_eval_generate import char_tokenizer, tiny_llama
+
     from ntl_pretrain.eval.config import EvalConfig
     from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
 
@@ -82,6 +83,7 @@ eval: {every_n_steps: 0, at_end: true, arithmetic_n: 6, arithmetic_max_new_token
 
 def _run(command: list[str], cwd: Path, timeout: int) -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", NTL_CPU_PROCS="2",
+               NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -100,17 +102,10 @@ def test_tool_on_training_checkpoint_reproduces_the_runs_final_evaluation(tmp_pa
     in_training = (run_dir / "eval" / "step_0000003.jsonl").read_text()
     assert len(in_training.splitlines()) == 12  # 6 interpolation + 6 extrapolation problems
 
-    _run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), str(TOOL), "--run", str(run_dir),
+    _run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(TOOL), "--run", str(run_dir),
           "--output-dir", str(tmp_path / "tool")], cwd=tmp_path, timeout=200)
     result = json.loads((tmp_path / "tool" / "eval_results_step_0000003.json").read_text())
     assert result["step"] == 3 and result["eval_config"]["arithmetic_n"] == 6  # the run's own eval settings
     # The checkpoint's weights, not freshly initialised ones: the same predictions as the run made at its end.
     assert (tmp_path / "tool" / "eval" / "step_0000003.jsonl").read_text() == in_training
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,16 +18,12 @@ pytestmark = pytest.mark.multiprocess
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 import bench_train  # noqa: E402
+from distributed import free_port  # noqa: E402
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2}
 SEQ_LEN = 32
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_bench_train_zero_stage_and_tp_arguments_and_json(tmp_path):

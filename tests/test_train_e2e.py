@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from ntl_pretrain.monitor import STEP_TAGS, VAL_TAGS
+from distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 420  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -63,7 +58,7 @@ def assets(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tp2_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2") / "run"
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "launch/pretrain.sh",
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh",
                *_overrides(assets, out, "train.max_steps=16", "train.val_every_n_steps=8",
                            "eval.at_end=true", "eval.arithmetic_n=4", "eval.arithmetic_splits=[interpolation]",
                            "eval.arithmetic_train_digits=[1, 2]", "eval.arithmetic_extrapolation_digits=[3, 3]")]
@@ -117,7 +112,7 @@ def test_tp1_through_a_localhost_hostfile_matches_tp2(tp2_run, assets, tmp_path)
     out1 = tmp_path / "run"
     # the same global batch: T=2 has 1 DP rank x 8 sequences, T=1 has 2 DP ranks x 4
     command = ["deepspeed", "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), "launch/pretrain.sh",
+               "--master_port", str(free_port()), "launch/pretrain.sh",
                *_overrides(assets, out1, "parallel.tp_size=1", "data.micro_batch_size=4", "train.max_steps=4",
                            "train.val_every_n_steps=-1", "checkpoint.save_final=false")]
     result = _run(command)
@@ -135,7 +130,7 @@ def test_zero0_with_gradient_accumulation_matches_zero3(tp2_run, assets, tmp_pat
     """No ZeRO, T=2, the same global batch as 2 micro-batches of 4: the same losses and gradient norms."""
     out2, _ = tp2_run
     out = tmp_path / "run"
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "launch/pretrain.sh",
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh",
                *_overrides(assets, out, "parallel.zero_stage=0", "data.micro_batch_size=4", "train.grad_accum_steps=2",
                            "train.max_steps=4", "train.val_every_n_steps=-1", "checkpoint.save_final=false")]
     result = _run(command)
@@ -152,7 +147,7 @@ def test_zero0_with_gradient_accumulation_matches_zero3(tp2_run, assets, tmp_pat
 def test_bash_form_refuses_a_folder_with_another_runs_checkpoints(tp2_run, assets):
     out, _ = tp2_run
     before = sorted(str(p) for p in out.rglob("*"))
-    env_args = f"--master_port {_free_port()}"
+    env_args = f"--master_port {free_port()}"
     result = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=2")], cwd=REPO,
                             env=dict(_env(), NTL_DEEPSPEED_ARGS=env_args), capture_output=True, text=True,
                             timeout=TIMEOUT)
@@ -170,7 +165,7 @@ def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
     source, _ = tp2_run
     out = tmp_path / "run"
     shutil.copytree(source, out)
-    env_args = f"--master_port {_free_port()}"
+    env_args = f"--master_port {free_port()}"
     result = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=18",
                                                                        "train.resume=auto", "train.val_every_n_steps=-1",
                                                                        "eval.at_end=false")],
@@ -187,7 +182,7 @@ def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
     before = {str(p): p.stat().st_mtime_ns for p in (out / "global_step18").iterdir()}
     again = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=18",
                                                                       "train.resume=auto", "eval.at_end=false")],
-                           cwd=REPO, env=dict(_env(), NTL_DEEPSPEED_ARGS=f"--master_port {_free_port()}"),
+                           cwd=REPO, env=dict(_env(), NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}"),
                            capture_output=True, text=True, timeout=TIMEOUT)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     assert "nothing to do: the run is at step 18" in again.stdout

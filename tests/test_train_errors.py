@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from ntl_pretrain.config import load_config
 from ntl_pretrain.distributed import check_tp_divides, layout
 from ntl_pretrain.model import build_model, padded_vocab_size, train_digit_bpe
 from ntl_pretrain.train import _number_vocab, check_output_dir
+from distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,9 +57,7 @@ def test_tokenizer_without_digits_when_ntl_is_on(tmp_path):
 
 def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     """The real entry point as one process (world size 1), on the demo config with local files."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     return subprocess.run(
