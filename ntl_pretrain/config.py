@@ -517,6 +517,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"loss.ntl_weight must be >= 0, got {config.loss.ntl_weight}")
     if config.loss.chunk_tokens < 0:
         raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
+    if config.loss.enabled and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
+        raise ConfigError("loss.variant=number_level composes numbers from single-digit tokens and needs "
+                          "tokenizer.digit_level=true, not tokenizer.digit_level=false (multi-digit tokens); or "
+                          "choose a token-level loss.variant (was, mse, mae, huber)")
     if config.loss.ntl_schedule == "linear_warmup" and config.loss.ntl_warmup_steps < 1:
         raise ConfigError("loss.ntl_schedule=linear_warmup needs loss.ntl_warmup_steps >= 1")
     if len(config.optim.betas) != 2:

@@ -268,3 +268,52 @@ class _DigitsTokenizer:
 
     def __len__(self):
         return len(self.vocab)
+
+
+# ------------------------------------------------------------ number_level on multi-digit vocabularies
+def _split_number_case(tokenizer):
+    """Label "1|23" and prediction "12|3": the same number 123 in two multi-digit tokenisations."""
+    one, twenty_three, twelve, three = tokenizer.convert_tokens_to_ids(["1", "23", "12", "3"])
+    vocab = NumberVocab.from_tokenizer(tokenizer, digit_level=False)
+    assert {twenty_three, twelve} <= set(vocab.token_ids)  # the vocabulary really holds multi-digit tokens
+    logits = torch.full((1, 2, len(tokenizer)), -50.0)
+    logits[0, 0, twelve] = logits[0, 1, three] = 50.0
+    return logits, torch.tensor([[one, twenty_three]]), vocab
+
+
+def test_number_level_refuses_multi_digit_vocabulary(shared_data):
+    """Number-level NTL composes a number as sum(value x 10^place), valid for single-digit tokens only: on
+    GPT-2's multi-digit vocabulary "1|23" vs "12|3" (both 123) gave 0.577 instead of 0. ntloss's
+    NumberLevelLoss is digit-level only (it ignores "23" and "12"), so the combination is refused."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(shared_data / "tokenizers" / "gpt2")
+    logits, labels, vocab = _split_number_case(tokenizer)
+    with pytest.raises(ValueError, match=r"number_level.*single-digit.*984 other number tokens.*digit_level"):
+        number_token_loss(logits, labels, vocab, variant="number_level")
+    with pytest.raises(ValueError, match=r"number_level.*single-digit"):
+        ce_ntl_sums(logits, labels, vocab, NTLSettings(variant="number_level"))
+    # the token-level variants read each token's own value and stay valid on this vocabulary
+    assert number_token_loss(logits, labels, vocab, variant="mae").item() > 0
+    # a digit-level vocabulary of the same tokenizer is what number_level is for
+    digits = NumberVocab.from_tokenizer(tokenizer)
+    number_token_loss(logits, torch.tensor([[digits.token_ids[1], digits.token_ids[2]]]), digits,
+                      variant="number_level")
+
+
+def test_number_level_refuses_multi_digit_vocabulary_local(bpe_tokenizer):
+    """The same refusal without the shared data: the test BPE merges digits into multi-digit tokens."""
+    vocab = NumberVocab.from_tokenizer(bpe_tokenizer, digit_level=False)
+    labels = torch.tensor([[max(vocab.token_ids)] * 2])
+    with pytest.raises(ValueError, match=r"number_level.*single-digit"):
+        number_token_loss(torch.randn(1, 2, len(bpe_tokenizer)), labels, vocab, variant="number_level")
+
+
+def test_config_refuses_number_level_without_digit_level():
+    from ntl_pretrain.config import ConfigError, load_config
+
+    minimal = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", "data.sources.0.path=c.jsonl"]
+    with pytest.raises(ConfigError, match=r"loss.variant=number_level.*tokenizer.digit_level=false"):
+        load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=number_level"])
+    load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=was"])
+    load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=number_level", "loss.enabled=false"])

@@ -136,12 +136,27 @@ def number_spans(number_slot: torch.Tensor, labels: torch.Tensor, decimal_point_
     return is_start, segment, place
 
 
+def check_number_level_vocab(number_vocab: NumberVocab) -> None:
+    """Number-level NTL composes a number as sum(digit value x 10^place), which holds for single-digit
+    tokens only (ntloss's NumberLevelLoss is digit-level only, too): refuse any other vocabulary.
+    Host-side checks of the vocabulary's Python tuples, no device work."""
+    tokens = number_vocab.tokens or tuple(f"{v:g}" for v in number_vocab.values)
+    bad = [t for t, v in zip(tokens, number_vocab.values) if len(t) != 1 or v not in range(10)]
+    if bad:
+        raise ValueError(f"variant 'number_level' composes numbers from single-digit tokens, but the number "
+                         f"vocabulary holds {len(bad)} other number tokens (e.g. {', '.join(map(repr, bad[:5]))}): "
+                         f"use a digit-level vocabulary (NumberVocab.from_tokenizer(tok, digit_level=True), "
+                         f"tokenizer.digit_level=true; tools/tokenizer.py split-digits for a tokenizer that merges "
+                         f"digits) or a token-level variant (was, mse, mae, huber)")
+
+
 def term_positions(labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings) -> torch.Tensor:
     """`[n]` bool over the flattened labels: where an NTL term sits (each number token, or the first
     digit of each number for "number_level"). Trainers count these to normalise NTL globally."""
     slot = number_vocab.index_of(labels.reshape(-1), settings.ignore_index)
     if settings.variant != "number_level":
         return slot >= 0
+    check_number_level_vocab(number_vocab)
     return number_spans(slot, _as_rows(labels), number_vocab.decimal_point_id, settings.float_level,
                         settings.max_number_digits)[0]
 
@@ -167,6 +182,7 @@ def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: N
     values = number_vocab.values_tensor(device, dtype)
 
     if settings.variant == "number_level":
+        check_number_level_vocab(number_vocab)
         if settings.float_level and number_vocab.decimal_point_id is None:
             raise ValueError("float_level number-level NTL needs the '.' token id: the tokenizer has no '.' token "
                              "(NumberVocab.decimal_point_id is None)")
