@@ -111,7 +111,7 @@ class LossConfig:
     ntl_schedule: str = _doc("constant | linear_warmup (lambda rises from 0 over ntl_warmup_steps)",
                              default="constant")
     ntl_warmup_steps: int = _doc("steps of the linear lambda warm-up", default=0)
-    variant: str = _doc("was | mse | mae | huber | number_level", default="was")
+    variant: str = _doc("was | mse | mae | huber | number_level (needs tokenizer.digit_level=true)", default="was")
     reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
     squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
     smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)
