@@ -156,7 +156,6 @@ def term_positions(labels: torch.Tensor, number_vocab: NumberVocab, settings: NT
     slot = number_vocab.index_of(labels.reshape(-1), settings.ignore_index)
     if settings.variant != "number_level":
         return slot >= 0
-    check_number_level_vocab(number_vocab)
     return number_spans(slot, _as_rows(labels), number_vocab.decimal_point_id, settings.float_level,
                         settings.max_number_digits)[0]
 
