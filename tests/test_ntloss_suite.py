@@ -5,7 +5,8 @@ docstring) and, where the upstream only checked properties, also compares with n
 Upstream runs on the hub's t5-small (and gpt2); here a T5-like tokenizer (SentencePiece-style Unigram
 with the "▁" word marker, digits as pieces of their own and multi-digit pieces such as "12", "07") is
 trained in the session on a small corpus, so nothing is downloaded. The deliberate differences from
-ntloss (docs/loss.md, "Differences from ntloss") are tested as such here.
+ntloss (docs/loss.md, "Differences from ntloss") are tested as such here. Upstream's tests/test_speed.py
+is a benchmark without checks and is not ported (tools/bench_loss.py measures speed against ntloss).
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ def test_missing_digits_are_an_error_not_added():
 
 def _place_value_case(tokenizer, dtype: torch.dtype, tokens: list[str], float_level: bool, reweigh: bool,
                       wrong: dict[int, str]):
-    """Number-level loss `[T]` (reduction "none") when the prediction is `tokens` except `wrong` positions."""
+    """(NumberLevelLoss, one-hot logits predicting `tokens` except at the `wrong` positions, labels `tokens`)."""
     labels = torch.tensor([_ids(tokenizer, tokens)])
     predicted = [wrong.get(position, token) for position, token in enumerate(tokens)]
     logits = _one_hot_prediction(tokenizer, predicted).to(dtype)
