@@ -522,4 +522,6 @@ def test_predict_numbers_matches_ntloss_on_random_logits(t5_like):
     assert expected.dtype == mass.dtype == torch.float32
     with pytest.raises(ValueError, match=r"\[batch, sequence, vocab\]"):
         NTLossDotProduct(t5_like).predict_numbers(logits[0])
+    with pytest.raises(ValueError, match="fewer than vocab_size=.*resize its embeddings"):
+        NTLossDotProduct(t5_like).predict_numbers(logits[..., :-1])
     assert F.mse_loss is NTLossDotProduct(t5_like).loss_function

@@ -106,7 +106,9 @@ class NTLossDotProduct(_NTLossBase):
         full-vocabulary softmax puts on the number tokens, each `[B, T]` float32 and differentiable."""
         self._check_logits(logits)
         if logits.shape[-1] < self.vocab_size:
-            raise ValueError(f"the logits have {logits.shape[-1]} columns, fewer than vocab_size={self.vocab_size}")
+            raise ValueError(f"the logits have {logits.shape[-1]} columns, fewer than vocab_size={self.vocab_size}: "
+                             f"the model's vocabulary is smaller than the tokenizer's; resize its embeddings "
+                             f"(tools/tokenizer.py resize-model)")
         flat = logits.reshape(-1, logits.shape[-1])
         stats = shard_reductions(flat, self.number_vocab, need_lse=True)
         values = self.number_vocab.values_tensor(logits.device, stats.number_logits.dtype)
