@@ -21,6 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+from tokenizers import Encoding
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from ntl_pretrain.numbers import DIGITS
@@ -44,6 +45,29 @@ def has_digit(text: str) -> bool:
     return any(char in ASCII_DIGITS for char in text)
 
 
+def encode_plain(tokenizer: TokenizersBackend, text: str) -> Encoding:
+    """The backend's encoding of the whole text, without special tokens, truncation or padding.
+
+    A `tokenizer.json` may carry its own `truncation`/`padding` (e.g. `max_length: 128`), which the
+    backend applies to every direct `encode`; the transformers wrapper clears them on its first call,
+    so honouring them here would make every check depend on what ran before. They are switched off for
+    this call and restored after it, so the caller's tokenizer is left as it was.
+    """
+    backend = tokenizer.backend_tokenizer
+    truncation, padding = backend.truncation, backend.padding
+    if truncation is None and padding is None:
+        return backend.encode(text, add_special_tokens=False)
+    backend.no_truncation()
+    backend.no_padding()
+    try:
+        return backend.encode(text, add_special_tokens=False)
+    finally:
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
+        if padding is not None:
+            backend.enable_padding(**padding)
+
+
 def normalize(tokenizer: TokenizersBackend, text: str) -> str:
     """The text as the tokenizer's normalizer sees it (e.g. NFKC maps "３" to "3")."""
     normalizer = tokenizer.backend_tokenizer.normalizer
@@ -52,7 +76,7 @@ def normalize(tokenizer: TokenizersBackend, text: str) -> str:
 
 def digit_split_problems(tokenizer: TokenizersBackend, text: str) -> list[str]:
     """Check (a) on one text: an empty list when every digit is its own bare digit token."""
-    encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    encoding = encode_plain(tokenizer, text)
     problems: list[str] = []
     found: list[str] = []
     for token in encoding.tokens:
@@ -70,7 +94,7 @@ def digit_split_problems(tokenizer: TokenizersBackend, text: str) -> list[str]:
 
 def digit_free_tokens(tokenizer: TokenizersBackend, text: str) -> list[tuple[int, int, int]]:
     """(start, end, id) of the tokens that cover text without digits, outside words holding a digit."""
-    encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    encoding = encode_plain(tokenizer, text)
     digit_words = [(m.start(), m.end()) for m in _WORD.finditer(text) if has_digit(normalize(tokenizer, m.group()))]
     result = []
     for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
@@ -203,5 +227,5 @@ def _matches_with_unknowns(original: TokenizersBackend, expected: str, got: str)
 
 
 def _all_tokens(tokenizer: TokenizersBackend, text: str) -> list[tuple[int, int, int]]:
-    encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    encoding = encode_plain(tokenizer, text)
     return [(start, end, token_id) for token_id, (start, end) in zip(encoding.ids, encoding.offsets)]

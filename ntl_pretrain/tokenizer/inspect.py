@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from ntl_pretrain.numbers import DIGITS, NumberVocab
-from ntl_pretrain.tokenizer.analysis import digit_split_problems, token_digits
+from ntl_pretrain.tokenizer.analysis import digit_split_problems, encode_plain, token_digits
 from ntl_pretrain.tokenizer.split_digits import describe_pipeline, tokenizer_family
 
 _LONG_NUMBER = "314159265358"
@@ -122,7 +122,7 @@ def inspect_tokenizer(tokenizer: TokenizersBackend, source: str = "") -> Inspect
     source = source or tokenizer.name_or_path
     probes = []
     for category, text in PROBES:
-        encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+        encoding = encode_plain(tokenizer, text)
         probes.append(Probe(category, text, list(encoding.tokens), list(encoding.ids),
                             not digit_split_problems(tokenizer, text)))
     vocab = tokenizer.get_vocab()

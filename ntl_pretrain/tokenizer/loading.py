@@ -26,6 +26,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
+# tokenizer_config.json classes that mean "tokenizer.json as it is" (transformers 4 name, transformers 5 name)
+GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# Per-call encoding options a tokenizer.json may carry; files this project writes never keep them.
+ENCODING_SETTINGS = ("truncation", "padding")
+# Vocabulary files of slow tokenizers; beside a rewritten tokenizer.json they would describe another tokenization.
+STALE_VOCAB_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "added_tokens.json")
 
 
 class TokenizerLoadError(ValueError):
@@ -122,10 +128,30 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
             tokenizer = _load_sentencepiece_model(model)
             tokenizer.name_or_path = str(path)
             return tokenizer
+    if _declares_generic_class(path):
+        # Saved by this project (or declared generic): load tokenizer.json as it is. AutoTokenizer would
+        # let a config.json beside it (model_type qwen2, phi3, ...) pick the family's class, which
+        # rebuilds its own pipeline from the vocabulary and drops a digit split.
+        try:
+            return TokenizersBackend.from_pretrained(str(path))
+        except Exception as error:
+            raise TokenizerLoadError(f"could not load the tokenizer.json of folder {str(path)!r}: {error}") from None
     try:  # AutoTokenizer also reads config.json, which names the model's tokenizer class and special tokens
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as error:
         raise TokenizerLoadError(f"could not load a tokenizer from folder {str(path)!r}: {error}") from None
+
+
+def _declares_generic_class(path: Path) -> bool:
+    """The folder has a tokenizer.json and its tokenizer_config.json names the generic fast class."""
+    if not (path / TOKENIZER_JSON).is_file() or not (path / TOKENIZER_CONFIG).is_file():
+        return False
+    try:
+        config = json.loads((path / TOKENIZER_CONFIG).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise TokenizerLoadError(f"{str(path / TOKENIZER_CONFIG)!r} is not valid JSON ({error})") from None
+    return (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_FAST_CLASSES
+            and "auto_map" not in config)
 
 
 def _load_hub_id(name: str, trust_remote_code: bool) -> TokenizersBackend:
@@ -137,12 +163,44 @@ def _load_hub_id(name: str, trust_remote_code: bool) -> TokenizersBackend:
             f"{error})") from None
 
 
+def without_encoding_settings(backend_json: dict) -> dict[str, dict]:
+    """Drop the `truncation` and `padding` of a tokenizer.json (in place); returns what was there.
+
+    They are per-call encoding options: transformers sets them on every call from its own arguments,
+    and kept in the file they would make direct `tokenizers` users cut (e.g. at 128 tokens) or pad text.
+    """
+    removed = {key: backend_json[key] for key in ENCODING_SETTINGS if backend_json.get(key) is not None}
+    for key in removed:
+        backend_json[key] = None
+    return removed
+
+
+def save_verbatim(tokenizer: TokenizersBackend, folder: str | os.PathLike, backend_json: dict | None = None) -> None:
+    """Save the tokenizer into `folder` so that it loads back as exactly this pipeline.
+
+    `tokenizer.json` is `backend_json` (default: the tokenizer's own pipeline) without truncation and
+    padding; `tokenizer_config.json` (special tokens, chat template) names the generic fast class
+    (`load_verbatim`); vocabulary files of slow tokenizers are removed.
+    """
+    folder = Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    pipeline = dict(backend_json if backend_json is not None else json.loads(tokenizer.backend_tokenizer.to_str()))
+    without_encoding_settings(pipeline)
+    Tokenizer.from_str(json.dumps(pipeline)).save(str(folder / TOKENIZER_JSON))
+    load_verbatim(folder)
+    for name in STALE_VOCAB_FILES:
+        (folder / name).unlink(missing_ok=True)
+
+
 def load_verbatim(folder: str | os.PathLike) -> None:
     """Make `AutoTokenizer.from_pretrained(folder)` load the folder's `tokenizer.json` as it is.
 
     Model-specific classes (e.g. `GPT2Tokenizer` in transformers 5) rebuild their own pipeline from
     the vocabulary and would drop changes made to `tokenizer.json`; the generic fast class does not.
     "PreTrainedTokenizerFast" is that class's name in transformers 4 and an alias in transformers 5.
+    For some model types (`qwen2`, `phi3`, ...) transformers 5's AutoTokenizer uses the family's class
+    whatever this file says when a config.json of that type is in the folder; `load_tokenizer` (the
+    trainer's and the tools' loader) loads such a folder verbatim all the same.
     """
     path = Path(folder) / TOKENIZER_CONFIG
     config = json.loads(path.read_text(encoding="utf-8"))

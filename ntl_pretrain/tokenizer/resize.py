@@ -46,6 +46,8 @@ class ResizeReport:
     copied_from: dict[str, str] = field(default_factory=dict)
     mean_token_rows: int = 0
     padding_rows: int = 0
+    tokenizer_note: str = ""
+    """`resize-model`: how the saved folder loads when a tool other than ours reads it (empty: as saved)."""
 
     def __str__(self) -> str:
         return self.format()
@@ -60,9 +62,10 @@ class ResizeReport:
         return data
 
     def format(self) -> str:
+        note = [f"  note: {self.tokenizer_note}"] if self.tokenizer_note else []
         if not self.changed:
-            return (f"embeddings unchanged: {self.old_rows} rows already hold the tokenizer's {self.tokenizer_size} "
-                    f"tokens and are a multiple of {self.pad_to_multiple_of}")
+            return "\n".join([f"embeddings unchanged: {self.old_rows} rows already hold the tokenizer's "
+                              f"{self.tokenizer_size} tokens and are a multiple of {self.pad_to_multiple_of}"] + note)
         lines = [f"embeddings resized {self.old_rows} -> {self.new_rows} rows (tokenizer: {self.tokenizer_size} "
                  f"tokens, multiple of {self.pad_to_multiple_of}; {'tied' if self.tied else 'untied'} output head)"]
         if self.copied_from:
@@ -74,7 +77,7 @@ class ResizeReport:
         else:
             lines.append(f"  new rows keep the model's own initialisation ({len(self.new_token_ids)} new tokens, "
                          f"{self.padding_rows} padding rows)")
-        return "\n".join(lines)
+        return "\n".join(lines + note)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -179,6 +182,34 @@ def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int
     return report
 
 
+def _pipeline(tokenizer) -> dict:
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    return {key: data.get(key) for key in ("normalizer", "pre_tokenizer", "model", "decoder", "post_processor")}
+
+
+def _check_saved_tokenizer(tokenizer, folder, trust_remote_code: bool) -> str:
+    """Check that our loader reads the saved folder back as `tokenizer`; say so when AutoTokenizer does not.
+
+    With a config.json of some model types beside it (`qwen2`, `phi3`, ...), transformers 5's
+    AutoTokenizer builds the family's own class whatever tokenizer_config.json names, and that class
+    rebuilds its pipeline from the vocabulary (Qwen2Tokenizer: NFC and Qwen's regex, no digit split).
+    """
+    from transformers import AutoTokenizer
+
+    from ntl_pretrain.tokenizer.loading import load_tokenizer
+
+    expected = _pipeline(tokenizer)
+    if _pipeline(load_tokenizer(folder)) != expected:
+        raise RuntimeError(f"the tokenizer saved into {str(folder)!r} does not load back as the given tokenizer")
+    auto = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    if _pipeline(auto) == expected:
+        return ""
+    return (f"AutoTokenizer.from_pretrained(OUT) builds {type(auto).__name__} here (transformers chooses it from "
+            f"config.json's model_type), which rebuilds its own pipeline and loses this tokenizer's (e.g. its digit "
+            f"split). The trainer and tools/tokenizer.py load OUT as saved; elsewhere load it with "
+            f"PreTrainedTokenizerFast.from_pretrained(OUT)")
+
+
 def resize_model(model_path: str | os.PathLike, tokenizer_path: str | os.PathLike, out_dir: str | os.PathLike,
                  pad_to_multiple_of: int, init: str = "mean", force: bool = False,
                  trust_remote_code: bool = False) -> tuple[ResizeReport, str | None]:
@@ -189,7 +220,7 @@ def resize_model(model_path: str | os.PathLike, tokenizer_path: str | os.PathLik
     """
     from transformers import AutoModelForCausalLM
 
-    from ntl_pretrain.tokenizer.loading import atomic_output_dir, check_output_dir, load_tokenizer
+    from ntl_pretrain.tokenizer.loading import atomic_output_dir, check_output_dir, load_tokenizer, save_verbatim
 
     check_output_dir(out_dir, force, sources=(model_path, tokenizer_path))
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
@@ -204,7 +235,8 @@ def resize_model(model_path: str | os.PathLike, tokenizer_path: str | os.PathLik
                     if all(d in vocab for d in DIGITS) else None)
     with atomic_output_dir(out_dir, force) as staging:
         model.save_pretrained(str(staging))
-        tokenizer.save_pretrained(str(staging))
+        save_verbatim(tokenizer, staging)  # as split-digits saves: tokenizer.json is loaded as it is
+        report.tokenizer_note = _check_saved_tokenizer(tokenizer, staging, trust_remote_code)
         if number_vocab is not None:
             number_vocab.save(staging)
         (staging / REPORT_FILENAME).write_text(json.dumps(report.to_dict(), indent=1) + "\n", encoding="utf-8")

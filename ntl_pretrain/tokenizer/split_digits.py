@@ -18,7 +18,9 @@ character, and after the byte-level mapping bytes such as 0xB2/0xB3/0xB9 are the
 Digits missing from the vocabulary are added to the model vocabulary (BPE, WordPiece, WordLevel,
 and Unigram when its next id is free) or otherwise as non-special added tokens, with new ids after
 all existing ones, so no existing id moves. Special tokens, added tokens, normalizer, decoder,
-post-processor and the chat template are kept. The result is saved with `tokenizer_class`
+post-processor and the chat template are kept; the file's own `truncation` and `padding` are dropped
+(transformers sets them per call; in the file they would cut or pad text for direct `tokenizers`
+users, and they must not cut the verification texts). The result is saved with `tokenizer_class`
 "PreTrainedTokenizerFast" so that transformers loads `tokenizer.json` verbatim instead of rebuilding
 a model-specific pipeline (which would drop the new step).
 """
@@ -28,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from tokenizers import Tokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -36,13 +37,11 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from ntl_pretrain.numbers import DIGITS, NumberVocab
 from ntl_pretrain.tokenizer.analysis import VerificationReport, digit_split_problems, verify_conversion
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS, read_corpus
-from ntl_pretrain.tokenizer.loading import (TOKENIZER_JSON, atomic_output_dir, check_output_dir, load_tokenizer,
-                                            load_verbatim)
+from ntl_pretrain.tokenizer.loading import (atomic_output_dir, check_output_dir, load_tokenizer, save_verbatim,
+                                            without_encoding_settings)
 
 ISOLATE_DIGITS = {"type": "Split", "pattern": {"Regex": "[0-9]"}, "behavior": "Isolated", "invert": False}
 REPORT_FILENAME = "split_digits.json"
-# Vocabulary files of slow tokenizers; after the rewrite they would disagree with tokenizer.json.
-STALE_VOCAB_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "added_tokens.json")
 
 
 class ConversionCheckError(ValueError):
@@ -170,11 +169,14 @@ class DigitSplitPlan:
     step_added: bool
     added_digits: dict[str, int] = field(default_factory=dict)
     added_as: str = ""
+    removed_settings: dict[str, dict] = field(default_factory=dict)
+    """`truncation`/`padding` the original tokenizer.json carried, which the converted one drops."""
 
 
 def plan_digit_split(tokenizer: TokenizersBackend) -> DigitSplitPlan:
     """Rewrite the tokenizer's pipeline in memory (the tokenizer itself is not modified)."""
     backend_json = json.loads(tokenizer.backend_tokenizer.to_str())
+    removed = without_encoding_settings(backend_json)
     before = describe_pipeline(backend_json)
     family = tokenizer_family(backend_json)
     backend_json["pre_tokenizer"], step_added = _with_isolated_digits(backend_json.get("pre_tokenizer"))
@@ -182,17 +184,12 @@ def plan_digit_split(tokenizer: TokenizersBackend) -> DigitSplitPlan:
     Tokenizer.from_str(json.dumps(backend_json))  # fail here, not after writing, if the rewrite is invalid
     return DigitSplitPlan(backend_json=backend_json, family=family, pipeline_before=before,
                           pipeline_after=describe_pipeline(backend_json), step_added=step_added,
-                          added_digits=added, added_as=added_as)
+                          added_digits=added, added_as=added_as, removed_settings=removed)
 
 
 def save_split_tokenizer(tokenizer: TokenizersBackend, plan: DigitSplitPlan, folder: str | os.PathLike) -> None:
     """Write the tokenizer with the planned pipeline into `folder` (a fresh, empty folder)."""
-    folder = Path(folder)
-    tokenizer.save_pretrained(str(folder))
-    Tokenizer.from_str(json.dumps(plan.backend_json)).save(str(folder / TOKENIZER_JSON))
-    load_verbatim(folder)
-    for name in STALE_VOCAB_FILES:
-        (folder / name).unlink(missing_ok=True)
+    save_verbatim(tokenizer, folder, plan.backend_json)
 
 
 # ---------------------------------------------------------------------------------------------- command
@@ -213,6 +210,7 @@ class SplitDigitsReport:
     corpus: str
     verification: VerificationReport
     number_vocab: dict
+    removed_settings: dict[str, dict] = field(default_factory=dict)
 
     @property
     def needs_resize(self) -> bool:
@@ -238,6 +236,8 @@ class SplitDigitsReport:
         else:
             lines.append("  added digit tokens: none (all ten digits were in the vocabulary)")
         lines.append(f"  tokenizer size: {self.tokenizer_size_before} -> {self.tokenizer_size_after}")
+        for key, value in self.removed_settings.items():
+            lines.append(f"  removed from tokenizer.json: {key} {value} (transformers sets it per call)")
         lines.append(f"  corpus: {self.corpus}")
         lines += ["  " + line for line in self.verification.format().splitlines()]
         ids = ", ".join(f"{t}={i}" for t, i in zip(self.number_vocab["tokens"], self.number_vocab["token_ids"]))
@@ -284,7 +284,7 @@ def split_digits(source: str | os.PathLike, out_dir: str | os.PathLike, corpus: 
             tokenizer_size_before=len(original), tokenizer_size_after=len(converted),
             added_digits=plan.added_digits, added_as=plan.added_as,
             corpus=str(corpus) if corpus is not None else f"built-in sample ({len(SAMPLE_CORPUS)} texts)",
-            verification=verification, number_vocab=number_vocab.to_dict())
+            verification=verification, number_vocab=number_vocab.to_dict(), removed_settings=plan.removed_settings)
         (staging / REPORT_FILENAME).write_text(json.dumps(report.to_dict(), indent=1, ensure_ascii=False) + "\n",
                                                encoding="utf-8")
     return report
