@@ -82,19 +82,64 @@ def train_digit_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> str:
     return out_dir
 
 
+def tokenizer_key(tokenizer_cfg: TokenizerConfig) -> str:
+    """The config key the run's tokenizer source comes from (for messages)."""
+    return "tokenizer.name_or_path" if tokenizer_cfg.name_or_path else "model.name_or_path"
+
+
 def load_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> Any:
-    """The run's tokenizer (a `transformers` fast tokenizer) with an EOS token for document packing."""
-    from transformers import AutoTokenizer
+    """The run's tokenizer (a `transformers` fast tokenizer) with an EOS token for document packing.
+
+    Accepts what `tools/tokenizer.py` accepts (a folder, a tokenizer.json, a SentencePiece .model
+    file, a Hub id; folders saved by our tools load verbatim). With a pretrained model, a tokenizer
+    far smaller than the model's vocabulary is refused here, before any weights are loaded.
+    """
+    from .tokenizer.loading import TokenizerLoadError
+    from .tokenizer.loading import load_tokenizer as load_any_tokenizer
 
     source = tokenizer_source(tokenizer_cfg, model_cfg)
+    key = tokenizer_key(tokenizer_cfg)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot load the tokenizer {source!r} (tokenizer.name_or_path): {error}") from None
+        tokenizer = load_any_tokenizer(_local_or_hub(source, key), trust_remote_code=model_cfg.trust_remote_code)
+    except TokenizerLoadError as error:
+        raise ValueError(f"cannot load the tokenizer ({key}={source!r}): {error}") from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {source!r} has no EOS token, which packing puts between documents; "
                          f"add one (tokenizer.eos_token = ...) and save the tokenizer again")
+    if model_cfg.name_or_path is not None:
+        check_tokenizer_matches_model(len(tokenizer), int(_load_config(model_cfg).vocab_size), source, key,
+                                      model_cfg.name_or_path)
     return tokenizer
+
+
+def _local_or_hub(source: str, key: str) -> str:
+    """`source` with `~` expanded, or an error when it is clearly a missing local path.
+
+    "org/name" is a Hub id as far as its spelling goes; a first component that is a local folder
+    ("runs/tok" with ./runs present) says the user meant a path.
+    """
+    expanded = os.path.expanduser(source)
+    if os.path.exists(expanded):
+        return expanded
+    first = expanded.split("/", 1)[0]
+    if "/" in expanded and first and os.path.isdir(first):
+        raise ValueError(f"{key}={source!r}: no such file or folder (working directory {os.getcwd()}); fix the "
+                         f"path, or give a Hugging Face Hub id")
+    return source
+
+
+def check_tokenizer_matches_model(tokenizer_size: int, model_vocab_size: int, source: str, key: str,
+                                  model_source: str) -> None:
+    """Refuse a tokenizer with far fewer tokens than the model has embedding rows (not the model's tokenizer).
+
+    Models pad their vocabulary by at most a few hundred rows (Qwen2.5: 151 665 tokens, 151 936 rows), and
+    a tokenizer that gained tokens is larger, which resizing handles; under half the rows is another tokenizer.
+    """
+    if tokenizer_size * 2 < model_vocab_size:
+        raise ValueError(
+            f"{key}={source!r} has {tokenizer_size} tokens, far fewer than the {model_vocab_size} embedding rows of "
+            f"model.name_or_path={model_source!r}: it is not this model's tokenizer (or a broken file). Use the "
+            f"model's own tokenizer, or its conversion from: python tools/tokenizer.py split-digits MODEL_TOKENIZER OUT")
 
 
 # ---------------------------------------------------------------------------------------------- model

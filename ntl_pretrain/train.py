@@ -31,6 +31,7 @@ from .loss.chunked import chunked_model_ce_ntl_sums
 from .model import build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib
 from .numbers import NumberVocab
+from .tokenizer.coverage import check_training_digits
 
 logger = logging.getLogger("ntl_pretrain")
 T = TypeVar("T")
@@ -260,6 +261,9 @@ class Trainer:
             lambda: PretrainingData.build(cfg.data, self.tokenizer, dp_rank=self.layout.dp_rank,
                                           dp_size=self.layout.dp_size),
             first=self.layout.local_rank == 0)
+        check_training_digits(self.tokenizer, number_vocab, self.data, source=tokenizer_source(cfg.tokenizer, cfg.model),
+                              ntl_on=cfg.loss.enabled and cfg.loss.ntl_weight > 0 and cfg.tokenizer.digit_level,
+                              allow=cfg.tokenizer.allow_non_digit_level)  # a bounded sample, the same on every rank
         if cfg.train.val_every_n_steps >= 0:
             self.data.check_validation(cfg.train.val_batches)
 
