@@ -123,8 +123,8 @@ def _local_or_hub(source: str, key: str) -> str:
         return expanded
     first = expanded.split("/", 1)[0]
     if "/" in expanded and first and os.path.isdir(first):
-        raise ValueError(f"{key}={source!r}: no such file or folder (working directory {os.getcwd()}); fix the "
-                         f"path, or give a Hugging Face Hub id")
+        raise ValueError(f"{key}={source!r} does not exist (no such file or folder; working directory "
+                         f"{os.getcwd()}); fix the path, or give a Hugging Face Hub id")
     return source
 
 
