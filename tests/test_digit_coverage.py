@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +19,13 @@ from ntl_pretrain.numbers import DIGITS, NumberVocab
 from ntl_pretrain.tokenizer import split_digits
 from ntl_pretrain.tokenizer.coverage import DIGIT_LEVEL_SHARE, check_training_digits, first_samples
 
-from test_tokenizer_families import build_gpt2_style, number_corpus
+from test_tokenizer_families import build_gpt2_style, build_llama3_style, number_corpus
+from distributed import free_port
 from test_train_errors import _cli
 
 pytestmark = pytest.mark.timeout(600)
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
 GPT2 = SHARED / "tokenizers" / "gpt2"
 GSM8K_TEST = SHARED / "gsm8k" / "test.jsonl"
 needs_shared = pytest.mark.skipif(not (GPT2 / "tokenizer.json").is_file() or not GSM8K_TEST.is_file(),
@@ -85,12 +90,14 @@ def test_gpt2_is_refused_on_gsm8k_and_its_split_digits_conversion_passes(gsm8k_c
     assert f"100.0% of the {coverage.digits} digits" in caplog.text
 
 
-def test_self_made_tokenizers_without_shared_files(tmp_path):
-    """A GPT-2-style BPE trained here is refused; the demo's digit-level BPE passes; CE-only runs only log."""
+@pytest.mark.parametrize("style", ["gpt2", "llama3"])
+def test_self_made_tokenizers_without_shared_files(style, tmp_path):
+    """GPT-2- and Llama-3-style BPEs trained here are refused; the demo's digit-level BPE passes; CE-only runs
+    only log."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in number_corpus(400)), encoding="utf-8")
-    gpt2_style = build_gpt2_style(tmp_path / "gpt2_style")
-    tokenizer, number_vocab, data = _data(gpt2_style, corpus, tmp_path / "cache")
+    build = build_gpt2_style if style == "gpt2" else build_llama3_style
+    tokenizer, number_vocab, data = _data(build(tmp_path / style), corpus, tmp_path / "cache")
     with pytest.raises(ValueError, match="is not digit-level on the training data"):
         check_training_digits(tokenizer, number_vocab, data, source="x", ntl_on=True, allow=False)
     coverage = check_training_digits(tokenizer, number_vocab, data, source="x", ntl_on=False, allow=False)
@@ -120,3 +127,31 @@ def test_trainer_refuses_before_building_the_model_and_trains_with_the_override(
     log = allowed.stdout + allowed.stderr
     assert "is not digit-level on the training data" in log and "training anyway" in log
     assert "% of the" in log and "digits in the first" in log
+
+
+def test_every_rank_refuses_and_none_hangs(tmp_path):
+    """Two ranks (dp=2) measure the same samples, so both stop with the same error and exit 2."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in number_corpus(600)), encoding="utf-8")
+    tokenizer = build_gpt2_style(tmp_path / "gpt2_style")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", str(REPO / "configs" / "demo.yaml"),
+             "parallel.tp_size=1", "tokenizer.train_vocab_size=0", f"tokenizer.name_or_path={tokenizer}",
+             f"data.sources.0.path={corpus}", "data.sources.0.generate_arithmetic=0", "data.validation_documents=10",
+             f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        results = [proc.communicate(timeout=400) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError("the ranks did not stop within 400 s (a hang?)") from None
+    for proc, (_out, err) in zip(procs, results):
+        assert proc.returncode == 2, err[-3000:]
+        assert "is not digit-level on the training data" in err and "split-digits" in err
+    assert not (tmp_path / "run").exists()
