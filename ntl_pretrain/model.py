@@ -115,14 +115,15 @@ def load_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> An
 def _local_or_hub(source: str, key: str) -> str:
     """`source` with `~` expanded, or an error when it is clearly a missing local path.
 
-    "org/name" is a Hub id as far as its spelling goes; a first component that is a local folder
-    ("runs/tok" with ./runs present) says the user meant a path.
+    A Hub id is "name" or "org/name"; an absolute or ./ path, one with several "/", or one whose first
+    component is a local folder ("runs/tok" with ./runs present) is a path the user meant.
     """
     expanded = os.path.expanduser(source)
     if os.path.exists(expanded):
         return expanded
     first = expanded.split("/", 1)[0]
-    if "/" in expanded and first and os.path.isdir(first):
+    if (os.path.isabs(expanded) or source.startswith((".", "~")) or expanded.count("/") > 1
+            or ("/" in expanded and os.path.isdir(first))):
         raise ValueError(f"{key}={source!r} does not exist (no such file or folder; working directory "
                          f"{os.getcwd()}); fix the path, or give a Hugging Face Hub id")
     return source
@@ -176,7 +177,8 @@ def _load_config(cfg: ModelConfig) -> Any:
 
     if cfg.name_or_path is not None:
         try:
-            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+            config = AutoConfig.from_pretrained(_local_or_hub(cfg.name_or_path, "model.name_or_path"),
+                                                trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as error:
             raise ValueError(f"cannot load the model config of {cfg.name_or_path!r} (model.name_or_path): {error}") from None
         for key, value in cfg.architecture.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import sentencepiece
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -65,6 +66,16 @@ def test_missing_local_tokenizer_path_says_so(tmp_path, monkeypatch):
         message = str(info.value)
         assert expected in message and "tokenizer.name_or_path" in message and str(source) in message, message
         assert "Repo id must be" not in message and "\n" not in message
+    missing_model = f"model.name_or_path={tmp_path / 'nowhere' / 'model'}"
+    for tokenizer in ("null", _three_token_tokenizer(tmp_path / "tiny")):  # the model's path, or its config's
+        cfg = _cfg(tokenizer, missing_model)
+        with pytest.raises(ValueError, match=r"model.name_or_path='.*nowhere/model' does not exist"):
+            load_tokenizer(cfg.tokenizer, cfg.model)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast instead of retrying the Hub
+    cfg = _cfg("not_a_local_folder_or_hub_id")  # a hub-id spelling: tried on the Hub, the answer on one line
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(cfg.tokenizer, cfg.model)
+    assert "neither a local path" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_tokenizer_far_smaller_than_the_model_vocabulary(tmp_path):
