@@ -160,8 +160,8 @@ def _load_hub_id(name: str, trust_remote_code: bool) -> TokenizersBackend:
     except Exception as error:
         reason = " ".join(str(error).split())  # one line: hub errors span several
         raise TokenizerLoadError(
-            f"{name!r} is neither a local path (working directory {os.getcwd()}) nor a loadable Hugging Face Hub "
-            f"tokenizer ({type(error).__name__}: {reason})") from None
+            f"{name!r} is neither a local path nor a loadable Hugging Face Hub tokenizer ({type(error).__name__}: "
+            f"{reason}; working directory {os.getcwd()})") from None
 
 
 def without_encoding_settings(backend_json: dict) -> dict[str, dict]:
