@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 import yaml
 
-from .eval.config import EvalConfig
+from .eval.arithmetic import check_corpus_options
+from .eval.config import EvalConfig, check_corpus_digits
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -511,6 +512,14 @@ def validate(config: Config) -> None:
             raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight}")
         if source.generate_arithmetic < 0:
             raise ConfigError(f"data.sources.{i}.generate_arithmetic must be >= 0")
+    try:  # the generated corpus's options, and the arithmetic benchmark's digits against them
+        corpora = [(f"data.sources.{i}.generate_options", source.generate_options)
+                   for i, source in enumerate(config.data.sources) if source.generate_arithmetic > 0]
+        for where, options in corpora:
+            check_corpus_options(options, where)
+        check_corpus_digits(config.eval, corpora)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if config.data.validation_documents < 0:
         raise ConfigError("data.validation_documents must be >= 0")
     if config.train.val_every_n_steps >= 0 and config.data.validation_documents == 0:

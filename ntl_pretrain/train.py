@@ -26,6 +26,7 @@ from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, 
                          purge_tensorboard_after, resolve_resume, run_on_main, write_hf_assets)
 from .config import Config, ConfigError, help_text, load_config, to_yaml, write_resolved
 from .data import DataError, PretrainingData, generate_missing_corpus, load_documents
+from .eval.config import save_eval_settings, validate_eval_inputs
 from .loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
 from .loss.chunked import chunked_model_ce_ntl_sums
 from .model import build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
@@ -158,6 +159,15 @@ def ntl_settings(cfg: Config) -> NTLSettings:
                        smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
 
 
+def check_eval_inputs(cfg: Config, read_hub: bool) -> list[str]:
+    """Read what the evaluation will read (GSM8K files, exemplars) and check its length budget now, so a bad
+    input fails at start-up and not after training (see `eval.config.validate_eval_inputs`)."""
+    if not (cfg.eval.at_end or cfg.eval.every_n_steps > 0):
+        return []  # no evaluation will run
+    return validate_eval_inputs(cfg.eval, max_position_embeddings=cfg.model.architecture.get("max_position_embeddings"),
+                                read_hub=read_hub)
+
+
 def check_output_dir(cfg: Config) -> str | None:
     """The checkpoint tag to resume from, or None; refuses a folder holding another run's checkpoints
     (see `checkpoint.resolve_resume`)."""
@@ -256,6 +266,7 @@ class Trainer:
 
         collective_call(lambda: _prepare_assets(cfg), first=self.layout.is_main)
         self.tokenizer = collective_call(lambda: load_tokenizer(cfg.tokenizer, cfg.model), first=self.layout.is_main)
+        collective_call(lambda: check_eval_inputs(cfg, read_hub=True), first=self.layout.is_main)  # not after training
         number_vocab = _number_vocab(cfg, self.tokenizer)
         self.data = collective_call(
             lambda: PretrainingData.build(cfg.data, self.tokenizer, dp_rank=self.layout.dp_rank,
@@ -403,7 +414,8 @@ class Trainer:
                         "ntl_lambda": ntl_lambda(self.cfg, max(self.step, 1)), "config": to_yaml(self.cfg)}
         tag = self.checkpoints.save(
             self.engine, self.step, client_state,
-            lambda folder: write_hf_assets(folder, self.engine.module.config, self.tokenizer, self.number_vocab))
+            lambda folder: (write_hf_assets(folder, self.engine.module.config, self.tokenizer, self.number_vocab),
+                            save_eval_settings(folder, self.cfg.eval)))  # the export evaluates as the run
         seconds = self.checkpoints.last_save.get("save_s", 0.0)
         self.monitor.message(f"saved checkpoint {os.path.join(self.cfg.train.output_dir, tag)} ({seconds:.1f} s)")
         return tag
@@ -499,11 +511,14 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
     ds = deepspeed_config(cfg, on_cpu=get_accelerator().device_name() == "cpu")
     world = world_size or int(os.environ.get("WORLD_SIZE", "0")) or cfg.parallel.tp_size
     distributed.check_tp_divides(world, cfg.parallel.tp_size)
+    eval_inputs = check_eval_inputs(cfg, read_hub=False)
     dp = world // cfg.parallel.tp_size
     global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum_steps * dp
     print(to_yaml(cfg))
     print("# DeepSpeed config")
     print(json.dumps(ds, indent=1))
+    for line in eval_inputs:
+        print(f"# evaluation input OK: {line}")
     print(f"# dry run OK: world {world} = dp {dp} x tp {cfg.parallel.tp_size}; global batch {global_batch} "
           f"sequences = {global_batch * cfg.data.seq_len} tokens per step")
 

@@ -94,7 +94,7 @@ def test_prompts_follow_lm_eval_format_and_do_not_depend_on_limit(tmp_path: Path
 
 def test_missing_train_split_is_reported(tmp_path: Path):
     _write_rows(tmp_path, "test", 2)
-    with pytest.raises(FileNotFoundError, match="train split not found"):
+    with pytest.raises(ValueError, match="train split not found"):
         load_gsm8k(str(tmp_path), "train")
     with pytest.raises(ValueError, match="gsm8k_path"):
         load_gsm8k("", "test")

@@ -1,7 +1,7 @@
 """Evaluate a model on the project's benchmarks (arithmetic, GSM8K): an exported HF folder or a training checkpoint.
 
-One process (plain PyTorch):
-    python tools/evaluate.py --model runs/demo/export gsm8k_path=../shared/data/gsm8k
+One process (plain PyTorch), on the export a training run writes at its end (train.output_dir/hf_export):
+    python tools/evaluate.py --model runs/demo/hf_export gsm8k_path=../shared/data/gsm8k
 Several ranks (DeepSpeed ZeRO-3, optionally AutoTP with a vocabulary-parallel head; on CPU add
 DS_ACCELERATOR=cpu):
     deepspeed --num_gpus 2 tools/evaluate.py --model DIR --tp 2 arithmetic_n=500
@@ -9,17 +9,21 @@ A training run's checkpoint (its config.yaml rebuilds tokenizer and model; launc
 processes and the same parallel.tp_size as the training run, as DeepSpeed checkpoints require):
     deepspeed --num_gpus 2 tools/evaluate.py --run runs/demo [--tag global_step150]
 
-Trailing `key=value` arguments override evaluation settings (ntl_pretrain.eval.EvalConfig keys, with or
-without the `eval.` prefix; values are YAML). The tool runs the "final" evaluation (GSM8K:
-gsm8k_final_limit, 0 = all). Rank 0 prints a table, writes every prediction to
-OUTPUT_DIR/eval/step_<step, 7 digits>.jsonl and the metrics to --json (default OUTPUT_DIR/eval_results_step_<step, 7 digits>.json).
+Settings: with --run, the run's `eval` section (its config.yaml); with --model, the training run's settings
+saved beside the weights (ntl_eval.json, written into every checkpoint and so into its export) when the
+folder has them (--default-settings ignores them), else the defaults. Trailing `key=value` arguments
+override them (ntl_pretrain.eval.EvalConfig keys, with or without the `eval.` prefix; values are YAML).
+The tool prints which settings it used. It runs the "final" evaluation (GSM8K: gsm8k_final_limit,
+0 = all). Rank 0 prints a table, writes every prediction to OUTPUT_DIR/eval/step_<step, 7 digits>.jsonl
+and the metrics to --json (default OUTPUT_DIR/eval_results_step_<step, 7 digits>.json). OUTPUT_DIR:
+--output-dir; else the run folder (--run); else MODEL_eval beside a local model folder (runs/demo/hf_export
+-> runs/demo/hf_export_eval), or runs/eval/<org>--<name> for a hub id.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import glob
 import json
 import os
@@ -31,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import yaml  # noqa: E402
 
-from ntl_pretrain.eval.config import EvalConfig  # noqa: E402
+from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, eval_config_from_dict,  # noqa: E402
+                                      load_eval_settings, validate_eval_inputs)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -44,7 +49,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="AutoTP size for --model under several ranks (default 1)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                         help="weights' dtype for --model (auto: bf16 on GPUs, fp32 on CPU)")
-    parser.add_argument("--output-dir", help="where eval/step_<step, 7 digits>.jsonl goes (default: --run, or ./eval_results)")
+    parser.add_argument("--output-dir", help="where eval/step_<step, 7 digits>.jsonl goes (default: --run; for --model "
+                        "MODEL_eval beside a local folder, runs/eval/<org>--<name> for a hub id)")
+    parser.add_argument("--default-settings", action="store_true",
+                        help="--model: start from the default evaluation settings, not the run's ntl_eval.json")
     parser.add_argument("--json", help="metrics JSON path (default: OUTPUT_DIR/eval_results_step_<step, 7 digits>.json)")
     parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
@@ -54,19 +62,32 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def eval_config(base: EvalConfig, overrides: Sequence[str]) -> EvalConfig:
     """`base` with `key=value` overrides (YAML values); unknown keys are named with the nearest valid one."""
-    names = [f.name for f in dataclasses.fields(EvalConfig)]
     values = dataclasses.asdict(base)
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip().removeprefix("eval.")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value (e.g. arithmetic_n=500)")
-        if key not in names:
-            nearest = difflib.get_close_matches(key, names, n=1, cutoff=0.0)
-            raise ValueError(f"unknown evaluation setting {key!r}; did you mean {nearest[0]!r}? "
-                             f"Valid keys: {', '.join(names)}")
         values[key] = yaml.safe_load(text) if text.strip() else ""
-    return EvalConfig(**values)
+    return eval_config_from_dict(values, where="the command line")
+
+
+def model_eval_settings(args: argparse.Namespace) -> tuple[EvalConfig, str]:
+    """(settings before overrides, where they come from) for --model."""
+    if args.default_settings:
+        return EvalConfig(), "the defaults (--default-settings)"
+    saved = load_eval_settings(args.model) if os.path.isdir(args.model) else None
+    if saved is None:
+        return EvalConfig(), f"the defaults ({args.model} has no {EVAL_SETTINGS_FILE} from a training run)"
+    return saved, f"the training run's, from {os.path.join(args.model, EVAL_SETTINGS_FILE)}"
+
+
+def default_output_dir(model: str) -> str:
+    """Where --model results go without --output-dir: beside a local folder, or under runs/eval for a hub id."""
+    if os.path.isdir(model):
+        folder = os.path.abspath(model).rstrip(os.sep)
+        return folder + "_eval"
+    return os.path.join("runs", "eval", model.replace("/", "--"))
 
 
 def _world_size() -> int:
@@ -180,16 +201,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.model:
-            cfg = eval_config(EvalConfig(), args.overrides)
+            base, settings_source = model_eval_settings(args)
+            cfg = eval_config(base, args.overrides)
+            validate_eval_inputs(cfg, read_hub=True)  # a broken GSM8K line fails before the model loads
             model, tokenizer, description = load_hf_model(args)
             step = args.step if args.step is not None else 0
-            output_dir = args.output_dir or "eval_results"
+            output_dir = args.output_dir or default_output_dir(args.model)
         else:
             model, tokenizer, description, run_eval_cfg, tag = load_run_checkpoint(args)
+            settings_source = f"the training run's, from {os.path.join(args.run, 'config.yaml')}"
             cfg = eval_config(run_eval_cfg, args.overrides)
+            validate_eval_inputs(cfg, read_hub=True)
             match = re.search(r"(\d+)$", tag)
             step = args.step if args.step is not None else (int(match.group(1)) if match else 0)
             output_dir = args.output_dir or args.run
+        if args.overrides:
+            settings_source += f", overridden by {' '.join(args.overrides)}"
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"evaluation settings: {settings_source}", flush=True)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -200,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # NaN (e.g. MAE with no parseable answer) is not JSON: write null.
         finite = {k: (None if v != v else v) for k, v in metrics.items()}
         _write_json(json_path, {"model": description, "step": step, "metrics": finite,
-                                "eval_config": dataclasses.asdict(cfg),
+                                "eval_config": dataclasses.asdict(cfg), "eval_settings": settings_source,
                                 "predictions": os.path.join(output_dir, "eval", f"step_{step:07d}.jsonl")})
         print(f"evaluated {description}")
         print(format_table(metrics))

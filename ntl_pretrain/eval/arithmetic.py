@@ -6,7 +6,9 @@ completion is the integer result ("357"); a training document is the two concate
 
 Splits:
 - "train" and "interpolation" draw operands with lengths in `train_digits`; a problem belongs to
-  one or the other by a hash of its text, so the two never share a problem, whatever the seed or n.
+  one or the other by a hash of its canonical form (operands of a commutative product or sum in
+  sorted order: 3+12 and 12+3 are one problem, so are 5+2*7 and 5+7*2), so the two never share a
+  problem or its commuted twin, whatever the seed or n.
 - "extrapolation" draws operands with lengths in `extrapolation_digits`, longer than any in
   training, so it is disjoint from both by construction.
 
@@ -93,9 +95,25 @@ def make_problem(a: int, b: int, op: str, c: int | None = None) -> ArithmeticPro
     return ArithmeticProblem(a=a, b=b, op=op, answer=evaluate_expression(a, b, op, c), c=c)
 
 
+def canonical_form(problem: ArithmeticProblem) -> str:
+    """One string for a problem and the problems that differ from it only by commuting operands.
+
+    "+" and "*" sort their two operands; in a+b*c and a-b*c the product b*c sorts b and c (a stays:
+    the format always writes the lone operand first, and "-" does not commute).
+    """
+    if problem.op in ("+", "*"):
+        low, high = sorted((problem.a, problem.b))
+        return f"{low}{problem.op}{high}"
+    if problem.op in MIXED_OPS:
+        low, high = sorted((problem.b, _require_c(problem.c, problem.op)))
+        return f"{problem.a}{problem.op[0]}{low}{problem.op[1]}{high}"
+    return problem.expression
+
+
 def is_interpolation_problem(problem: ArithmeticProblem) -> bool:
-    """Whether a problem with in-range operands is held out for the interpolation split (by hash)."""
-    digest = hashlib.sha256(problem.expression.encode("utf-8")).digest()
+    """Whether a problem with in-range operands is held out for the interpolation split (by a hash of its
+    canonical form, so a commuted twin is held out with it)."""
+    digest = hashlib.sha256(canonical_form(problem).encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") % INTERPOLATION_SHARE == 0
 
 
@@ -193,6 +211,38 @@ def template_sentence(rng: random.Random) -> str:
         year=year, year_minus_a=year - a)
 
 
+CORPUS_OPTIONS = ("text_share", "ops", "train_digits", "extrapolation_digits")
+
+
+def check_corpus_options(options: dict[str, Any], where: str = "generate_options") -> None:
+    """Raise ValueError for an unknown key (naming the nearest valid one) or a bad value of the options
+    `write_training_corpus` takes; `where` is the config key they come from."""
+    import difflib
+
+    for key in options:
+        if key not in CORPUS_OPTIONS:
+            nearest = difflib.get_close_matches(str(key), CORPUS_OPTIONS, n=1, cutoff=0.0)
+            raise ValueError(f"{where}.{key} is not a corpus option; did you mean {where}.{nearest[0]}? "
+                             f"Valid keys: {', '.join(CORPUS_OPTIONS)}")
+    share = options.get("text_share", 0.2)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise ValueError(f"{where}.text_share={share!r} must be a number in [0, 1] (share of plain-text documents)")
+    for key in ("ops", "train_digits", "extrapolation_digits"):
+        value = options.get(key)
+        if value is not None and not (isinstance(value, (list, tuple))
+                                      and all(isinstance(v, str if key == "ops" else int) for v in value)):
+            kind = "operation strings, e.g. ['+', '-']" if key == "ops" else "integers [min, max]"
+            raise ValueError(f"{where}.{key}={value!r} must be a list of {kind}")
+    for key in ("train_digits", "extrapolation_digits"):
+        if key in options and len(options[key]) != 2:
+            raise ValueError(f"{where}.{key}={list(options[key])} must be [min, max]")
+    try:
+        _validate("train", 0, tuple(options.get("ops", BINARY_OPS)), tuple(options.get("train_digits", (1, 4))),
+                  tuple(options.get("extrapolation_digits", (5, 6))))
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
 def write_training_corpus(path: str, n: int, seed: int, text_share: float = 0.2,
                           **problem_kwargs: Any) -> str:
     """Write `n` training documents as jsonl (`{"text": ...}` per line) to `path`; return the path.
@@ -204,10 +254,7 @@ def write_training_corpus(path: str, n: int, seed: int, text_share: float = 0.2,
     """
     if not 0.0 <= text_share <= 1.0:
         raise ValueError(f"text_share={text_share} must be in [0, 1] (share of plain-text documents)")
-    unknown = set(problem_kwargs) - {"ops", "train_digits", "extrapolation_digits"}
-    if unknown:
-        raise TypeError(f"write_training_corpus got unknown arguments {sorted(unknown)}; "
-                        f"accepted: ops, train_digits, extrapolation_digits, text_share")
+    check_corpus_options({"text_share": text_share, **problem_kwargs})
     rng = random.Random(f"ntl-corpus:{seed}")
     n_text = round(n * text_share)
     problems = generate_problems("train", n - n_text, seed, **problem_kwargs)

@@ -19,6 +19,7 @@ Three constraints shape the loop:
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -26,6 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -52,6 +54,7 @@ class GenerationOutput:
     new_tokens: int
     forward_passes: int
     seconds: float
+    truncated_prompts: int = 0  # prompts (all ranks) that kept only their last tokens to fit max_length
 
     @property
     def tokens_per_second(self) -> float:
@@ -167,7 +170,7 @@ class _Batch:
 
 def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequence[str], *,
                     max_new_tokens: int | Sequence[int], stop: Sequence[str] | Sequence[Sequence[str]] = (),
-                    batch_size: int = 16, max_length: int = 0, add_special_tokens: bool = True,
+                    batch_size: int = 16, max_length: int = 0, add_special_tokens: bool | None = None,
                     dp_group: Any = None, tp_group: Any = None) -> GenerationOutput:
     """Greedy continuations of `prompts`, returned in order and identically on every rank.
 
@@ -175,7 +178,9 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     `max_new_tokens` and `stop` may be given per prompt. A row ends at the tokenizer's EOS, at a
     stop string (the text is cut before it, as lm-evaluation-harness does), or after its
     `max_new_tokens`. Prompts longer than `max_length - max_new_tokens` tokens (`max_length` 0:
-    the model's `max_position_embeddings`) keep their last tokens.
+    the model's `max_position_embeddings`) keep their last tokens, with a warning giving the numbers
+    (as lm-evaluation-harness does); a `max_new_tokens` that leaves no room for a prompt is an error.
+    `add_special_tokens` None: the tokenizer's own default (BOS for Llama-style tokenizers).
     """
     n = len(prompts)
     if batch_size < 1:
@@ -196,8 +201,14 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     device = _model_device(model_engine_or_module)
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id if eos_id is not None else 0)
+    limit_source = "max_length"
     if max_length <= 0:
         max_length = int(getattr(module.config, "max_position_embeddings", 0) or 0)
+        limit_source = "the model's max_position_embeddings"
+    if max_length > 0 and max(max_new, default=0) >= max_length:
+        raise ValueError(f"max_new_tokens={max(max_new)} leaves no room for the prompt within {max_length} tokens "
+                         f"({limit_source}); lower max_new_tokens or raise max_length")
+    special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
     # transformers 5 renamed `past_key_values` to `cache`; `logits_to_keep` spares the [batch, length, V] logits.
     forward_parameters = inspect.signature(module.forward).parameters
     cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
@@ -206,16 +217,25 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     # This rank's contiguous chunk of prompts; longest first so batches hold similar lengths.
     chunk = -(-n // layout.dp_size)
     mine = list(range(layout.dp_rank * chunk, min(n, (layout.dp_rank + 1) * chunk)))
-    encoded = {i: tokenizer(prompts[i], add_special_tokens=add_special_tokens)["input_ids"] for i in mine}
+    encoded = {i: tokenizer(prompts[i], **special)["input_ids"] for i in mine}
     empty = [i for i in mine if not encoded[i]]
     # Only this rank tokenized its chunk: agree on the error first, so every rank raises and none waits.
     if _any_rank_flag(bool(empty), device):
         detail = f"prompt {empty[0]} ({prompts[empty[0]]!r})" if empty else "a prompt on another rank"
         raise ValueError(f"{detail} encodes to no tokens; give non-empty prompts")
+    truncated: dict[int, int] = {}  # prompt index -> its length before truncation
     for i in mine:
-        if max_length > 0:
-            keep = max(1, max_length - max_new[i])
+        keep = max_length - max_new[i]
+        if max_length > 0 and len(encoded[i]) > keep:
+            truncated[i] = len(encoded[i])
             encoded[i] = encoded[i][-keep:]
+    if truncated:
+        longest = max(truncated, key=lambda i: truncated[i])
+        logger.warning("%d of this rank's %d prompts are longer than max_length (%d, %s) - max_new_tokens allows and keep only "
+                       "their last tokens, so their start is lost (longest: prompt %d, %d tokens, kept %d). Raise "
+                       "max_length (eval.max_length) or lower max_new_tokens, or use a model with more positions",
+                       len(truncated), len(mine), max_length, limit_source, longest, truncated[longest],
+                       max_length - max_new[longest])
     mine.sort(key=lambda i: (-len(encoded[i]), i))
     queue = [mine[start:start + batch_size] for start in range(0, len(mine), batch_size)]
 
@@ -250,8 +270,9 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
         module.train(was_training)
     seconds = time.perf_counter() - started
 
-    texts, new_tokens, seconds = _gather_results(results, n, seconds, layout, device)
-    return GenerationOutput(texts=texts, new_tokens=new_tokens, forward_passes=forward_passes, seconds=seconds)
+    texts, new_tokens, seconds, truncated_count = _gather_results(results, len(truncated), n, seconds, layout, device)
+    return GenerationOutput(texts=texts, new_tokens=new_tokens, forward_passes=forward_passes, seconds=seconds,
+                            truncated_prompts=truncated_count)
 
 
 def _advance(batch: _Batch, next_ids: torch.Tensor, tokenizer: Any, eos_id: int | None,
@@ -293,15 +314,16 @@ def _advance(batch: _Batch, next_ids: torch.Tensor, tokenizer: Any, eos_id: int 
     return False
 
 
-def _gather_results(results: dict[int, tuple[str, int]], n: int, seconds: float,
-                    layout: ParallelLayout, device: torch.device) -> tuple[list[str], int, float]:
-    """Every prompt's text on every rank (all-gather over DP), total new tokens, slowest rank's time."""
+def _gather_results(results: dict[int, tuple[str, int]], truncated: int, n: int, seconds: float,
+                    layout: ParallelLayout, device: torch.device) -> tuple[list[str], int, float, int]:
+    """Every prompt's text on every rank (all-gather over DP), total new tokens, slowest rank's time, and
+    the number of truncated prompts over all data-parallel ranks."""
     if not (dist.is_available() and dist.is_initialized()):
-        return [results[i][0] for i in range(n)], sum(count for _, count in results.values()), seconds
+        return [results[i][0] for i in range(n)], sum(count for _, count in results.values()), seconds, truncated
     gathered: list[Any] = [None] * layout.dp_size
-    dist.all_gather_object(gathered, results, group=layout.dp_group)
+    dist.all_gather_object(gathered, (results, truncated), group=layout.dp_group)
     merged: dict[int, tuple[str, int]] = {}
-    for part in gathered:
+    for part, _ in gathered:
         merged.update(part)
     missing = [i for i in range(n) if i not in merged]
     if missing:
@@ -309,4 +331,5 @@ def _gather_results(results: dict[int, tuple[str, int]], n: int, seconds: float,
                            f"cover every chunk; pass the model's data-parallel group as dp_group")
     slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return [merged[i][0] for i in range(n)], sum(count for _, count in merged.values()), float(slowest.item())
+    return ([merged[i][0] for i in range(n)], sum(count for _, count in merged.values()), float(slowest.item()),
+            sum(count for _, count in gathered))

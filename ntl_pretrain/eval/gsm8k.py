@@ -1,12 +1,21 @@
-"""GSM8K as lm-evaluation-harness runs it: n-shot prompts, greedy answers, two answer filters.
+"""GSM8K as lm-evaluation-harness (0.4.x) runs it: n-shot prompts, greedy answers, two answer filters.
 
 Variants:
-- "gsm8k" (lm-evaluation-harness `gsm8k`, v3): each exemplar is "Question: {q}\\nAnswer: {solution}"
+- "gsm8k" (lm-evaluation-harness `gsm8k`, v3, 5-shot): each exemplar is "Question: {q}\\nAnswer: {solution}"
   with the full train-split solution (its "#### N" line included), exemplars joined by a blank line,
   then "Question: {q}\\nAnswer:". Generation stops at "Question:", "</s>" or "<|im_end|>".
-- "gsm8k_cot": "Q: {q}\\nA: {reasoning} The answer is N." with 8 fixed exemplars written for this
-  project (lm-evaluation-harness's `gsm8k_cot` uses the exemplars of Wei et al., so scores are
-  close in spirit but not identical). Stops at "Q:", "</s>" or "<|im_end|>".
+  Exemplars are drawn as lm-evaluation-harness's default `ContextSampler` draws them: ONE
+  `random.Random(fewshot_seed)` (the harness's `fewshot_random_seed`, 1234), and for each test question
+  in file order `rnd.sample(train_rows, num_fewshot)`. The harness passes no eval doc to exclude when
+  the few-shot split (train) is not the test split, so nothing is removed. The result is the prompt
+  list of a one-process harness run, whatever our number of ranks (every rank builds every prompt).
+  `fewshot_sampler="per_question"` keeps this project's earlier form: `Random(f"{seed}:{index}")` per question.
+- "gsm8k_cot" (lm-evaluation-harness `gsm8k_cot`, v3, 8-shot): "Q: {q}\\nA: {target}" with the harness's
+  8 chain-of-thought exemplars (Wei et al.), taken in order (its `first_n` sampler), then "Q: {q}\\nA:".
+  The exemplars are read from an installed lm-eval (`gsm8k_cot_exemplars="lm_eval"`, the optional
+  extra `pip install -e .[lmeval]`) or from a user's YAML/JSON file; they are not copied into this
+  project. `gsm8k_cot_exemplars="project"` selects 8 exemplars written for this project (not comparable
+  to published numbers). Stops at "Q:", "</s>" or "<|im_end|>".
 
 Answers are extracted with lm-evaluation-harness's filters: "strict-match" (first
 `#### (-?[0-9.,]+)`; "The answer is (...)." for gsm8k_cot) and "flexible-extract" (last
@@ -18,6 +27,8 @@ normalised the same way.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import os
 import random
 import re
@@ -31,7 +42,8 @@ _FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 _IGNORED = (re.compile(","), re.compile(r"\$"), re.compile(r"(?s).*#### "), re.compile(r"\.$"))
 STOP_STRINGS = {"gsm8k": ("Question:", "</s>", "<|im_end|>"), "gsm8k_cot": ("Q:", "</s>", "<|im_end|>")}
 
-# The project's own chain-of-thought exemplars (question, reasoning ending in "The answer is N.").
+# The project's own chain-of-thought exemplars (question, reasoning ending in "The answer is N."), selected by
+# eval.gsm8k_cot_exemplars=project; the default is lm-evaluation-harness's (read from an installed lm-eval).
 COT_EXEMPLARS = (
     ("A baker makes 24 rolls in the morning and 18 in the afternoon. She sells 30 of them. How many rolls are left?",
      "The baker makes 24 + 18 = 42 rolls. After selling 30, she has 42 - 30 = 12 rolls. The answer is 12."),
@@ -85,24 +97,63 @@ def gold_answer(solution: str) -> str:
     return normalize(solution)
 
 
+FEWSHOT_SAMPLERS = ("lm_eval", "per_question")
+# The task defaults of lm-evaluation-harness (its gsm8k.yaml and gsm8k-cot.yaml).
+DEFAULT_NUM_FEWSHOT = {"gsm8k": 5, "gsm8k_cot": 8}
+LM_EVAL_COT_TASK = ("tasks", "gsm8k", "gsm8k-cot.yaml")
+
+
+def default_num_fewshot(variant: str, num_fewshot: int | None) -> int:
+    """`num_fewshot`, or the harness's default for the variant when it is None (gsm8k 5, gsm8k_cot 8)."""
+    return DEFAULT_NUM_FEWSHOT[variant] if num_fewshot is None else num_fewshot
+
+
+def _read_jsonl(data_file: str) -> list[dict[str, Any]]:
+    """Rows of a local .jsonl file; a line that is not a JSON object is an error naming the file and line."""
+    rows = []
+    try:
+        with open(data_file, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"GSM8K file {data_file} line {number} is not valid JSON ({error.msg}, column "
+                                     f"{error.colno}): fix or remove that line") from None
+                if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
+                    raise ValueError(f"GSM8K file {data_file} line {number} is not an object with string 'question' "
+                                     f"and 'answer' fields: fix or remove that line")
+                rows.append(row)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"GSM8K file {data_file} is not UTF-8 text (byte {error.start}): convert it to UTF-8") from None
+    if not rows:
+        raise ValueError(f"GSM8K file {data_file} holds no rows; give a .jsonl file with one "
+                         f'{{"question": ..., "answer": ...}} object per line')
+    return rows
+
+
+def local_split_file(path: str, split: str) -> str | None:
+    """The local .jsonl file of `split` for eval.gsm8k_path (None: the path is a datasets hub id)."""
+    if os.path.isdir(path):
+        return os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(path):
+        return path if split == "test" else os.path.join(os.path.dirname(path), f"{split}.jsonl")
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def _load_split(path: str, split: str, dataset_config: str) -> tuple[dict[str, str], ...]:
-    import datasets
-
-    if os.path.isdir(path):
-        data_file = os.path.join(path, f"{split}.jsonl")
-    elif os.path.isfile(path):
-        data_file = path if split == "test" else os.path.join(os.path.dirname(path), f"{split}.jsonl")
-    else:
-        data_file = ""
-    if data_file:
+    data_file = local_split_file(path, split)
+    if data_file is not None:
         if not os.path.isfile(data_file):
-            raise FileNotFoundError(
+            raise ValueError(
                 f"GSM8K {split} split not found at {data_file}: eval.gsm8k_path={path!r} must be a folder with "
                 f"test.jsonl and train.jsonl (the train split gives the few-shot exemplars), or a datasets id")
-        dataset = datasets.load_dataset("json", data_files=data_file, split="train")
-    else:
-        dataset = datasets.load_dataset(path, dataset_config, split=split)
+        return tuple({"question": row["question"], "answer": row["answer"]} for row in _read_jsonl(data_file))
+    import datasets
+
+    dataset = datasets.load_dataset(path, dataset_config, split=split)
     missing = {"question", "answer"} - set(dataset.column_names)
     if missing:
         raise ValueError(f"GSM8K data at {path!r} ({split}) lacks columns {sorted(missing)}; each row needs "
@@ -115,6 +166,48 @@ def load_gsm8k(path: str, split: str = "test", dataset_config: str = "main") -> 
     if not path:
         raise ValueError("GSM8K path is empty: set eval.gsm8k_path to a folder with test.jsonl or to openai/gsm8k")
     return list(_load_split(path, split, dataset_config))
+
+
+def _lm_eval_cot_task_file() -> str:
+    """Path of the installed lm-evaluation-harness's gsm8k-cot.yaml (found without importing lm_eval)."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("eval.gsm8k_variant=gsm8k_cot reads lm-evaluation-harness's 8 chain-of-thought exemplars "
+                         "from an installed lm-eval, which is missing: pip install -e '.[lmeval]' (or lm-eval), or "
+                         "set eval.gsm8k_cot_exemplars to a YAML/JSON file of {question, target} exemplars")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), *LM_EVAL_COT_TASK)
+    if not os.path.isfile(path):
+        raise ValueError(f"the installed lm-eval has no {'/'.join(LM_EVAL_COT_TASK)} ({path}); install lm-eval 0.4.x "
+                         f"or set eval.gsm8k_cot_exemplars to a YAML/JSON file of {{question, target}} exemplars")
+    return path
+
+
+@functools.lru_cache(maxsize=4)
+def load_cot_exemplars(source: str = "lm_eval") -> tuple[tuple[str, str], ...]:
+    """(question, target) chain-of-thought exemplars, in order.
+
+    source: "lm_eval" (the installed harness's gsm8k-cot.yaml), "project" (this project's own 8), or a
+    YAML/JSON file holding either a list of {question, target} or an lm-eval task (fewshot_config.samples).
+    """
+    if source == "project":
+        return COT_EXEMPLARS
+    path = _lm_eval_cot_task_file() if source == "lm_eval" else source
+    if not os.path.isfile(path):
+        raise ValueError(f"eval.gsm8k_cot_exemplars={source!r} is neither 'lm_eval', 'project' nor an existing file")
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = yaml.safe_load(handle)
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"chain-of-thought exemplars file {path} is not valid YAML/JSON: {error}") from None
+    samples = document.get("fewshot_config", {}).get("samples") if isinstance(document, dict) else document
+    if (not isinstance(samples, list) or not samples
+            or not all(isinstance(s, dict) and isinstance(s.get("question"), str) and isinstance(s.get("target"), str)
+                       for s in samples)):
+        raise ValueError(f"chain-of-thought exemplars file {path} must hold a non-empty list of {{question, target}} "
+                         f"strings (or an lm-eval task with fewshot_config.samples)")
+    return tuple((s["question"], s["target"]) for s in samples)
 
 
 @dataclass(frozen=True)
@@ -133,28 +226,43 @@ class Gsm8kItem:
 
 
 def build_prompts(test_rows: Sequence[dict[str, str]], train_rows: Sequence[dict[str, str]], *, variant: str = "gsm8k",
-                  num_fewshot: int = 5, fewshot_seed: int = 1234, limit: int = 0) -> list[Gsm8kItem]:
-    """n-shot prompts for the first `limit` test rows (0: all).
+                  num_fewshot: int | None = None, fewshot_seed: int = 1234, limit: int = 0,
+                  fewshot_sampler: str = "lm_eval", cot_exemplars: str = "lm_eval") -> list[Gsm8kItem]:
+    """n-shot prompts for the first `limit` test rows (0: all); `num_fewshot` None: the harness's default.
 
-    gsm8k: each question gets its own `num_fewshot` train exemplars, drawn with a generator seeded by
-    (fewshot_seed, question index), so a question's prompt does not depend on `limit` or on ranks.
+    gsm8k, fewshot_sampler "lm_eval": one generator seeded with `fewshot_seed` draws each question's
+    exemplars in test-file order, as lm-evaluation-harness does in one process; the first k prompts
+    do not depend on `limit`. "per_question": each question draws from `Random(f"{fewshot_seed}:{index}")`.
+    gsm8k_cot: the first `num_fewshot` exemplars of `cot_exemplars` (see `load_cot_exemplars`).
     """
+    if variant not in DEFAULT_NUM_FEWSHOT:
+        raise ValueError(f"variant={variant!r} must be 'gsm8k' or 'gsm8k_cot'")
+    if fewshot_sampler not in FEWSHOT_SAMPLERS:
+        raise ValueError(f"fewshot_sampler={fewshot_sampler!r} must be one of {FEWSHOT_SAMPLERS}")
+    shots_wanted = default_num_fewshot(variant, num_fewshot)
     rows = list(test_rows)[:limit] if limit > 0 else list(test_rows)
+    pool = list(train_rows)
+    if variant == "gsm8k" and shots_wanted > len(pool):
+        raise ValueError(f"num_fewshot={shots_wanted} but the train split has only {len(pool)} rows")
+    exemplars = load_cot_exemplars(cot_exemplars) if variant == "gsm8k_cot" and shots_wanted > 0 else ()
+    if variant == "gsm8k_cot" and shots_wanted > len(exemplars):
+        raise ValueError(f"num_fewshot={shots_wanted} but the gsm8k_cot exemplars ({cot_exemplars}) number "
+                         f"{len(exemplars)}; set eval.num_fewshot to at most {len(exemplars)}")
+    shared_rng = random.Random(fewshot_seed)
     items = []
     for index, row in enumerate(rows):
         if variant == "gsm8k":
-            if num_fewshot > len(train_rows):
-                raise ValueError(f"num_fewshot={num_fewshot} but the train split has only {len(train_rows)} rows")
-            rng = random.Random(f"{fewshot_seed}:{index}")
-            shots = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rng.sample(list(train_rows), num_fewshot)]
+            if shots_wanted == 0:
+                drawn: list[dict[str, str]] = []
+            elif fewshot_sampler == "lm_eval":
+                drawn = shared_rng.sample(pool, shots_wanted)
+            else:
+                drawn = random.Random(f"{fewshot_seed}:{index}").sample(pool, shots_wanted)
+            shots = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in drawn]
             query = f"Question: {row['question']}\nAnswer:"
-        elif variant == "gsm8k_cot":
-            if num_fewshot > len(COT_EXEMPLARS):
-                raise ValueError(f"num_fewshot={num_fewshot} but gsm8k_cot has {len(COT_EXEMPLARS)} exemplars")
-            shots = [f"Q: {q}\nA: {a}" for q, a in COT_EXEMPLARS[:num_fewshot]]
-            query = f"Q: {row['question']}\nA:"
         else:
-            raise ValueError(f"variant={variant!r} must be 'gsm8k' or 'gsm8k_cot'")
+            shots = [f"Q: {q}\nA: {a}" for q, a in exemplars[:shots_wanted]]
+            query = f"Q: {row['question']}\nA:"
         items.append(Gsm8kItem(index=index, question=row["question"], solution=row["answer"],
                                prompt="\n\n".join(shots + [query])))
     return items

@@ -4,7 +4,8 @@ Every rank calls `run_evaluation` (generation runs collectives). Rank 0 of the w
 `output_dir/eval/step_<step, 7 digits>.jsonl` (one line per prediction: benchmark, prompt, output,
 extracted answer, gold, correct) and logs to TensorBoard:
 `eval/arith/<split>/<metric>`, `eval/arith/<split>/<op>/accuracy`, `eval/gsm8k/<filter>/accuracy`,
-`eval/generation/tokens_per_s`, `eval/time_s`, and sample generations as text under `eval/samples/...`.
+`eval/generation/tokens_per_s`, `eval/generation/truncated_prompts` (prompts cut to fit the length limit),
+`eval/time_s`, and sample generations as text under `eval/samples/...`.
 The returned dict (tag -> value) is the same on every rank.
 """
 
@@ -67,8 +68,9 @@ def _samples_markdown(records: list[dict[str, Any]], count: int) -> str:
 
 
 def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group: Any = None,
-                        tp_group: Any = None) -> tuple[dict[str, float], list[dict[str, Any]], int, float]:
-    """Arithmetic metrics per split (and accuracy per op), prediction records, tokens generated, seconds."""
+                        tp_group: Any = None) -> tuple[dict[str, float], list[dict[str, Any]], int, float, int]:
+    """Arithmetic metrics per split (and accuracy per op), prediction records, tokens generated, seconds,
+    truncated prompts."""
     problems = []
     for split in cfg.arithmetic_splits:
         for problem in generate_problems(split, cfg.arithmetic_n, cfg.arithmetic_seed, ops=tuple(cfg.arithmetic_ops),
@@ -76,7 +78,7 @@ def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group
                                          extrapolation_digits=tuple(cfg.arithmetic_extrapolation_digits)):
             problems.append((split, problem))
     if not problems:
-        return {}, [], 0, 0.0
+        return {}, [], 0, 0.0, 0
     generation = greedy_generate(model, tokenizer, [p.prompt for _, p in problems],
                                  max_new_tokens=cfg.arithmetic_max_new_tokens, stop=ARITHMETIC_STOP,
                                  batch_size=cfg.batch_size, max_length=cfg.max_length,
@@ -97,17 +99,19 @@ def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group
             op_records = [r for r in split_records if r["op"] == op]
             metrics[f"eval/arith/{split}/{OP_NAMES[op]}/accuracy"] = (
                 sum(r["correct"] for r in op_records) / len(op_records) if op_records else 0.0)
-    return metrics, records, generation.new_tokens, generation.seconds
+    return metrics, records, generation.new_tokens, generation.seconds, generation.truncated_prompts
 
 
 def evaluate_gsm8k(model: Any, tokenizer: Any, cfg: EvalConfig, *, final: bool = False, dp_group: Any = None,
-                   tp_group: Any = None) -> tuple[dict[str, float], list[dict[str, Any]], int, float]:
-    """GSM8K accuracy per filter, prediction records, tokens generated, seconds."""
+                   tp_group: Any = None) -> tuple[dict[str, float], list[dict[str, Any]], int, float, int]:
+    """GSM8K accuracy per filter, prediction records, tokens generated, seconds, truncated prompts."""
+    shots = gsm8k.default_num_fewshot(cfg.gsm8k_variant, cfg.num_fewshot)
     test_rows = gsm8k.load_gsm8k(cfg.gsm8k_path, "test", cfg.gsm8k_dataset_config)
     train_rows = (gsm8k.load_gsm8k(cfg.gsm8k_path, "train", cfg.gsm8k_dataset_config)
-                  if cfg.gsm8k_variant == "gsm8k" and cfg.num_fewshot > 0 else [])
-    items = gsm8k.build_prompts(test_rows, train_rows, variant=cfg.gsm8k_variant, num_fewshot=cfg.num_fewshot,
-                                fewshot_seed=cfg.fewshot_seed,
+                  if cfg.gsm8k_variant == "gsm8k" and shots > 0 else [])
+    items = gsm8k.build_prompts(test_rows, train_rows, variant=cfg.gsm8k_variant, num_fewshot=shots,
+                                fewshot_seed=cfg.fewshot_seed, fewshot_sampler=cfg.fewshot_sampler,
+                                cot_exemplars=cfg.gsm8k_cot_exemplars,
                                 limit=cfg.gsm8k_final_limit if final else cfg.gsm8k_limit)
     generation = greedy_generate(model, tokenizer, [item.prompt for item in items],
                                  max_new_tokens=cfg.gsm8k_max_new_tokens, stop=gsm8k.STOP_STRINGS[cfg.gsm8k_variant],
@@ -120,7 +124,7 @@ def evaluate_gsm8k(model: Any, tokenizer: Any, cfg: EvalConfig, *, final: bool =
                for item, output, detail in zip(items, generation.texts, details)]
     metrics = {f"eval/gsm8k/{name}/accuracy": value for name, value in accuracy.items()}
     metrics["eval/gsm8k/n"] = float(len(items))
-    return metrics, records, generation.new_tokens, generation.seconds
+    return metrics, records, generation.new_tokens, generation.seconds, generation.truncated_prompts
 
 
 def run_evaluation(model_engine_or_module: Any, tokenizer: Any, cfg: EvalConfig, *, step: int, output_dir: str,
@@ -134,21 +138,23 @@ def run_evaluation(model_engine_or_module: Any, tokenizer: Any, cfg: EvalConfig,
     started = time.perf_counter()
     metrics: dict[str, float] = {}
     records: list[dict[str, Any]] = []
-    tokens, generation_seconds = 0, 0.0
+    tokens, generation_seconds, truncated = 0, 0.0, 0
+    benchmarks = []
     if cfg.arithmetic_n > 0 and cfg.arithmetic_splits:
-        arith_metrics, arith_records, arith_tokens, arith_seconds = evaluate_arithmetic(
-            model_engine_or_module, tokenizer, cfg, dp_group=dp_group, tp_group=tp_group)
-        metrics.update(arith_metrics)
-        records += arith_records
-        tokens, generation_seconds = tokens + arith_tokens, generation_seconds + arith_seconds
+        benchmarks.append(lambda: evaluate_arithmetic(model_engine_or_module, tokenizer, cfg, dp_group=dp_group,
+                                                      tp_group=tp_group))
     if cfg.gsm8k_path:
-        gsm_metrics, gsm_records, gsm_tokens, gsm_seconds = evaluate_gsm8k(
-            model_engine_or_module, tokenizer, cfg, final=final, dp_group=dp_group, tp_group=tp_group)
-        metrics.update(gsm_metrics)
-        records += gsm_records
-        tokens, generation_seconds = tokens + gsm_tokens, generation_seconds + gsm_seconds
+        benchmarks.append(lambda: evaluate_gsm8k(model_engine_or_module, tokenizer, cfg, final=final,
+                                                 dp_group=dp_group, tp_group=tp_group))
+    for benchmark in benchmarks:
+        bench_metrics, bench_records, bench_tokens, bench_seconds, bench_truncated = benchmark()
+        metrics.update(bench_metrics)
+        records += bench_records
+        tokens, generation_seconds = tokens + bench_tokens, generation_seconds + bench_seconds
+        truncated += bench_truncated
     metrics["eval/generation/tokens_per_s"] = tokens / generation_seconds if generation_seconds > 0 else 0.0
     metrics["eval/generation/tokens"] = float(tokens)
+    metrics["eval/generation/truncated_prompts"] = float(truncated)
     if _is_writer_rank():
         _write_jsonl(predictions_path(output_dir, step), records)
     metrics["eval/time_s"] = time.perf_counter() - started
