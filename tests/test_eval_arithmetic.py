@@ -121,3 +121,20 @@ def test_arithmetic_scores_by_hand():
     assert symmetric_ape(0, 0) == 0.0 and symmetric_ape(1, -1) == 2.0
     with pytest.raises(ValueError, match="3 predictions for 2 gold"):
         arithmetic_scores([1, 2, 3], [1, 2])
+
+
+@pytest.mark.parametrize("ops,digits", [(("+", "-"), (1, 2)), (("+", "*", "+*", "-*"), (1, 3))])
+def test_commuted_twin_of_an_interpolation_problem_is_never_trained_on(ops, digits):
+    from ntl_pretrain.eval.arithmetic import canonical_form
+
+    held_out = generate_problems("interpolation", 200, seed=3, ops=ops, train_digits=digits,
+                                 extrapolation_digits=(digits[1] + 1, digits[1] + 1))
+    trained = {p.expression for p in generate_problems("train", 20000, seed=3, ops=ops, train_digits=digits,
+                                                       extrapolation_digits=(digits[1] + 1, digits[1] + 1))}
+    pairs = [(make_problem(p.b, p.a, p.op), p) for p in held_out if p.op in ("+", "*")]
+    pairs += [(make_problem(p.a, p.c, p.op, p.b), p) for p in held_out if p.op in ("+*", "-*")]
+    assert pairs and all(canonical_form(twin) == canonical_form(p) for twin, p in pairs)
+    twins = [twin for twin, _ in pairs]
+    leaked = [t.expression for t in twins if t.expression in trained]
+    assert leaked == []
+    assert all(is_interpolation_problem(t) for t in twins)

@@ -131,6 +131,23 @@ def test_prompts_longer_than_the_model_keep_their_end():
     assert output.texts == [expected]
 
 
+def test_truncation_is_warned_with_the_numbers_and_no_room_is_refused(caplog):
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=2, initializer_range=0.3, max_positions=16)
+    long_prompt = "abcdefghijklmnopqrstuvwxyz" * 2 + "1+2="  # 56 tokens
+    with caplog.at_level("WARNING", logger="ntl_pretrain.eval.generate"):
+        output = greedy_generate(model, tokenizer, [long_prompt, "1+2="], max_new_tokens=4)
+    assert output.truncated_prompts == 1
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "1 of this rank's 2 prompts" in warning and "56 tokens, kept 12" in warning, warning
+    # The demo's case: max_new_tokens equal to max_position_embeddings left 1 prompt token, silently.
+    with pytest.raises(ValueError, match=r"max_new_tokens=16 leaves no room for the prompt within 16 tokens "
+                                         r"\(the model's max_position_embeddings\)"):
+        greedy_generate(model, tokenizer, [long_prompt], max_new_tokens=16)
+    with pytest.raises(ValueError, match=r"within 8 tokens \(max_length\)"):
+        greedy_generate(model, tokenizer, ["1"], max_new_tokens=9, max_length=8)
+
+
 def test_generation_rejects_bad_arguments():
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer))

@@ -139,6 +139,9 @@ def local_split_file(path: str, split: str) -> str | None:
         return os.path.join(path, f"{split}.jsonl")
     if os.path.isfile(path):
         return path if split == "test" else os.path.join(os.path.dirname(path), f"{split}.jsonl")
+    if os.path.isabs(path) or path.startswith((".", "~")) or path.endswith((".jsonl", ".json")):
+        raise ValueError(f"eval.gsm8k_path={path!r} does not exist; give a folder with test.jsonl and train.jsonl, "
+                         f"a test .jsonl file, or a datasets hub id such as openai/gsm8k")
     return None
 
 
