@@ -3,10 +3,12 @@ on 2 CPU ranks under DeepSpeed's launcher, which must reproduce the training run
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,39 @@ def test_tool_on_hf_folder_matches_the_hook(tmp_path: Path, capsys):
     assert tool_lines == Path(predictions_path(str(tmp_path / "direct"), 5)).read_text()
 
 
+def test_tool_on_an_export_uses_the_runs_saved_settings_and_writes_beside_it(tmp_path: Path, capsys, monkeypatch):
+    from test_eval_generate import char_tokenizer, tiny_llama
+
+    from ntl_pretrain.eval.config import EvalConfig, save_eval_settings
+
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=4, initializer_range=0.3)
+    export = tmp_path / "run" / "hf_export"
+    model.save_pretrained(export)
+    tokenizer.save_pretrained(export)
+    run_settings = EvalConfig(arithmetic_n=5, batch_size=4, arithmetic_ops=["+", "*"], arithmetic_max_new_tokens=4)
+    save_eval_settings(str(export), run_settings)  # what every checkpoint's hf/ folder (and so its export) holds
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    tool = _load_tool()
+    assert tool.main(["--model", str(export)]) == 0
+    printed = capsys.readouterr().out
+    assert f"evaluation settings: the training run's, from {export / 'ntl_eval.json'}" in printed
+    result = json.loads((tmp_path / "run" / "hf_export_eval" / "eval_results_step_0000000.json").read_text())
+    assert result["eval_config"] == dataclasses.asdict(run_settings)
+    assert result["metrics"]["eval/arith/interpolation/n"] == 5
+    assert list(elsewhere.iterdir()) == []  # nothing written into the current folder
+    assert tool.main(["--model", str(export), "--default-settings", "arithmetic_n=2",
+                      "--output-dir", str(tmp_path / "defaults")]) == 0
+    assert "evaluation settings: the defaults (--default-settings), overridden by arithmetic_n=2" in capsys.readouterr().out
+    result = json.loads((tmp_path / "defaults" / "eval_results_step_0000000.json").read_text())
+    assert result["eval_config"] == dataclasses.asdict(EvalConfig(arithmetic_n=2))
+    (export / "ntl_eval.json").write_text('{"arithmetic_count": 5}')
+    assert tool.main(["--model", str(export)]) == 2
+    assert "unknown evaluation setting 'arithmetic_count'" in capsys.readouterr().err
+
+
 def test_tool_rejects_unknown_settings(tmp_path: Path):
     tool = _load_tool()
     with pytest.raises(ValueError, match="did you mean 'arithmetic_n'"):
@@ -93,7 +128,7 @@ def _run(command: list[str], cwd: Path, timeout: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(800)
 def test_tool_on_training_checkpoint_reproduces_the_runs_final_evaluation(tmp_path: Path):
     run_dir, assets = tmp_path / "run", tmp_path / "assets"
     config = tmp_path / "tiny.yaml"
@@ -108,4 +143,14 @@ def test_tool_on_training_checkpoint_reproduces_the_runs_final_evaluation(tmp_pa
     assert result["step"] == 3 and result["eval_config"]["arithmetic_n"] == 6  # the run's own eval settings
     # The checkpoint's weights, not freshly initialised ones: the same predictions as the run made at its end.
     assert (tmp_path / "tool" / "eval" / "step_0000003.jsonl").read_text() == in_training
+
+    # The export of that checkpoint carries the run's eval settings: with no overrides, the tool evaluates it
+    # as the run did (before, it used the defaults: other problems and sizes).
+    assert json.loads((run_dir / "global_step3" / "hf" / "ntl_eval.json").read_text())["arithmetic_n"] == 6
+    _run([sys.executable, str(REPO / "tools" / "export_hf.py"), str(run_dir), str(run_dir / "hf_export")],
+         cwd=tmp_path, timeout=200)
+    _run([sys.executable, str(TOOL), "--model", str(run_dir / "hf_export"), "--step", "3"], cwd=tmp_path, timeout=200)
+    result = json.loads((run_dir / "hf_export_eval" / "eval_results_step_0000003.json").read_text())
+    assert result["eval_settings"].startswith("the training run's") and result["eval_config"]["arithmetic_n"] == 6
+    assert (run_dir / "hf_export_eval" / "eval" / "step_0000003.jsonl").read_text() == in_training
 
