@@ -14,7 +14,7 @@ import pytest
 from distributed import free_port
 
 from ntl_pretrain.config import ConfigError, load_config
-from ntl_pretrain.eval.config import EvalConfig, validate_eval_inputs
+from ntl_pretrain.eval.config import EvalConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL = ["model.architecture={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
@@ -35,6 +35,8 @@ def _gsm8k_folder(folder: Path, broken_line: int | None = None, split: str = "te
 
 @pytest.mark.parametrize("split", ["test", "train"])
 def test_broken_gsm8k_line_is_named_with_file_and_line(tmp_path, split):
+    from ntl_pretrain.eval.config import validate_eval_inputs
+
     folder = _gsm8k_folder(tmp_path / "gsm8k", broken_line=5, split=split)
     cfg = EvalConfig(gsm8k_path=str(folder))
     with pytest.raises(ValueError, match=rf"GSM8K file {folder / (split + '.jsonl')} line 5 is not valid JSON"):
@@ -50,6 +52,8 @@ def test_broken_gsm8k_line_is_named_with_file_and_line(tmp_path, split):
 
 
 def test_length_budget_without_room_for_the_prompt_is_refused_by_key():
+    from ntl_pretrain.eval.config import validate_eval_inputs
+
     with pytest.raises(ValueError, match=r"eval.gsm8k_max_new_tokens=256 leaves no room for the prompt within 256 "
                                          r"tokens \(the model's max_position_embeddings\)"):
         validate_eval_inputs(EvalConfig(gsm8k_path="openai/gsm8k"), max_position_embeddings=256)
@@ -59,6 +63,8 @@ def test_length_budget_without_room_for_the_prompt_is_refused_by_key():
 
 
 def test_cot_exemplars_from_a_users_file(tmp_path):
+    from ntl_pretrain.eval.config import validate_eval_inputs
+
     exemplars = tmp_path / "cot.yaml"
     exemplars.write_text("- {question: 'Two plus two?', target: 'Two plus two is 4. The answer is 4.'}\n")
     cfg = EvalConfig(gsm8k_path=str(_gsm8k_folder(tmp_path / "gsm8k")), gsm8k_variant="gsm8k_cot",
