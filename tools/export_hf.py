@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Export a training checkpoint as a Hugging Face model folder (CPU only, one process).
 
-    python tools/export_hf.py runs/demo/global_step700 runs/demo/hf [--dtype bf16] [--max-shard-size 5GB]
-    python tools/export_hf.py runs/demo runs/demo/hf          # a run folder: its newest complete checkpoint
+    python tools/export_hf.py runs/demo/global_step700 runs/demo/hf_export [--dtype bf16] [--max-shard-size 5GB]
+    python tools/export_hf.py runs/demo runs/demo/hf_export          # a run folder: its newest complete checkpoint
 
 Works for checkpoints of any ZeRO stage 1-3 and any tensor-parallel size (ZeRO 0 with tp_size 1): the
 shards are joined through DeepSpeed's universal checkpoint conversion into a scratch folder. Writes
