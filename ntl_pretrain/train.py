@@ -164,8 +164,10 @@ def check_eval_inputs(cfg: Config, read_hub: bool) -> list[str]:
     input fails at start-up and not after training (see `eval.config.validate_eval_inputs`)."""
     if not (cfg.eval.at_end or cfg.eval.every_n_steps > 0):
         return []  # no evaluation will run
+    corpora = [(f"data.sources.{i}.path", s.path) for i, s in enumerate(cfg.data.sources)
+               if s.generate_arithmetic > 0 and os.path.isfile(s.path)]
     return validate_eval_inputs(cfg.eval, max_position_embeddings=cfg.model.architecture.get("max_position_embeddings"),
-                                read_hub=read_hub)
+                                read_hub=read_hub, generated_corpora=corpora)
 
 
 def check_output_dir(cfg: Config) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,23 @@ def test_trainer_refuses_a_broken_gsm8k_file_before_training(tmp_path):
     assert f"GSM8K file {folder / 'train.jsonl'} line 2 is not valid JSON" in done.stderr, done.stderr[-3000:]
     assert "ArrowInvalid" not in done.stderr and "Traceback" not in done.stderr
     assert not list(run_dir.glob("global_step*")) and not (run_dir / "tensorboard").exists()  # before training
+
+
+def test_a_generated_corpus_holding_interpolation_problems_is_refused(tmp_path):
+    from ntl_pretrain.eval.arithmetic import generate_problems, write_training_corpus
+    from ntl_pretrain.eval.config import validate_eval_inputs
+
+    corpus = tmp_path / "arithmetic.jsonl"
+    write_training_corpus(str(corpus), n=2000, seed=5, train_digits=(1, 2), ops=("+", "-"))
+    cfg = EvalConfig(arithmetic_train_digits=[1, 2], arithmetic_extrapolation_digits=[3, 3], arithmetic_ops=["+", "-"])
+    where = [("data.sources.0.path", str(corpus))]
+    assert validate_eval_inputs(cfg, generated_corpora=where) == [f"generated corpus {corpus}: no interpolation problem"]
+    # a corpus written before the canonical split (or by hand) that holds a held-out problem, e.g. a commuted twin
+    held_out = generate_problems("interpolation", 1, seed=5, ops=("+",), train_digits=(1, 2),
+                                 extrapolation_digits=(3, 3))[0]
+    with open(corpus, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": held_out.text}) + "\n")
+    with pytest.raises(ValueError, match=rf"holds 1 problems of the interpolation split \(e.g. '{re.escape(held_out.text)}'\)"
+                                         r".*delete it and it is generated again"):
+        validate_eval_inputs(cfg, generated_corpora=where)
+    assert validate_eval_inputs(EvalConfig(arithmetic_n=0), generated_corpora=where) == []

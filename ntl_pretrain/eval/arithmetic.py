@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -209,6 +210,32 @@ def template_sentence(rng: random.Random) -> str:
     return rng.choice(_TEMPLATES).format(
         name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b, sum=a + b, diff=a - b, prod=a * b,
         year=year, year_minus_a=year - a)
+
+
+_PROBLEM_TEXT = re.compile(r"(\d+)([+\-*])(\d+)(?:\*(\d+))?=-?\d+")
+
+
+def held_out_problems_in(path: str) -> tuple[int, str | None]:
+    """(how many documents of a .jsonl corpus are interpolation problems, the first one): 0 for any corpus
+    `write_training_corpus` writes now; more for one written before the split used canonical forms."""
+    count, first = 0, None
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                text = json.loads(line).get("text", "")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            match = _PROBLEM_TEXT.fullmatch(text) if isinstance(text, str) else None
+            if match is None:
+                continue
+            a, op, b, c = match.groups()
+            if c is not None and op == "*":
+                continue  # a*b*c is not a problem this module writes
+            problem = make_problem(int(a), int(b), op + "*" if c is not None else op, int(c) if c is not None else None)
+            if is_interpolation_problem(problem):
+                count += 1
+                first = first or text
+    return count, first
 
 
 CORPUS_OPTIONS = ("text_share", "ops", "train_digits", "extrapolation_digits")

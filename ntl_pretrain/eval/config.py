@@ -176,18 +176,30 @@ def check_corpus_digits(cfg: EvalConfig, corpora: Iterable[tuple[str, dict[str, 
                 f"{corpus_digits} and eval.arithmetic_extrapolation_digits to start above {corpus_digits[1]}")
 
 
-def validate_eval_inputs(cfg: EvalConfig, *, max_position_embeddings: int | None = None,
-                         read_hub: bool = False) -> list[str]:
+def validate_eval_inputs(cfg: EvalConfig, *, max_position_embeddings: int | None = None, read_hub: bool = False,
+                         generated_corpora: Iterable[tuple[str, str]] = ()) -> list[str]:
     """Check, before any training, what the evaluation will read: GSM8K files (every line), the
-    chain-of-thought exemplars, and that prompts have room under the length limit.
+    chain-of-thought exemplars, that prompts have room under the length limit, and that existing
+    generated corpora hold no interpolation problem.
 
     `max_position_embeddings`: the model's, when known (used when eval.max_length is 0). `read_hub`:
-    also load a GSM8K given as a datasets hub id (else only local files are read). Raises ValueError
-    naming the file/line or key and the fix; returns one line per input checked.
+    also load a GSM8K given as a datasets hub id (else only local files are read). `generated_corpora`:
+    (config key, path) of corpora the config generates, when they exist. Raises ValueError naming the
+    file/line or key and the fix; returns one line per input checked.
     """
     from ntl_pretrain.eval import gsm8k
+    from ntl_pretrain.eval.arithmetic import held_out_problems_in
 
     checked: list[str] = []
+    if cfg.arithmetic_n > 0 and "interpolation" in cfg.arithmetic_splits:
+        for where, path in generated_corpora:
+            count, example = held_out_problems_in(path)
+            if count:
+                raise ValueError(
+                    f"{path} ({where}) holds {count} problems of the interpolation split (e.g. {example!r}), so they "
+                    f"would be trained on: it was generated before the split used canonical forms (or by hand); "
+                    f"delete it and it is generated again")
+            checked.append(f"generated corpus {path}: no interpolation problem")
     limit = cfg.max_length or max_position_embeddings or 0
     budgets = []
     if cfg.arithmetic_n > 0 and cfg.arithmetic_splits:
