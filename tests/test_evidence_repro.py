@@ -39,7 +39,7 @@ def test_repro_configs_differ_only_in_the_loss_and_output_dir():
 
 
 def test_sign_test_matches_scipy():
-    scipy_stats = pytest.importorskip("scipy.stats")
+    import scipy.stats as scipy_stats  # a dev dependency: missing, the test fails (never skips)
     for wins, losses in ((0, 0), (0, 5), (3, 9), (12, 10), (40, 22)):
         expected = scipy_stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
         assert run_repro.sign_test_p(wins, losses) == pytest.approx(expected, rel=1e-12)
@@ -47,7 +47,7 @@ def test_sign_test_matches_scipy():
 
 @pytest.mark.multiprocess
 def test_run_repro_tiny_runs_write_table_json_and_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (a dev dependency: missing, the test fails)
     results_md = tmp_path / "results.md"
     results_md.write_text("# Results\n\nText the script keeps.\n")
     tiny = [f"data.sources.0.path={tmp_path / 'arith.jsonl'}", "data.sources.0.generate_arithmetic=400",
