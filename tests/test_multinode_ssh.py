@@ -156,7 +156,10 @@ def test_sigkill_on_one_node_ends_both_nodes_and_resume_continues(killed_and_res
     assert info["rc"] != 0, info["killed_output"][-3000:]
     assert info["left"] == [], info["left"]  # nothing outlived the runner's exit and the wait
     assert info["ended_s"] < DIST_TIMEOUT_MINUTES * 60, info["killed_output"][-3000:]
-    print(f"SIGKILL of node2's rank: every process of the run ended {info['ended_s']:.1f} s later")
+    node1_error = next((line for line in info["killed_output"].splitlines() if line.startswith("node1:") and "Error" in line),
+                       "(no error line from node1)")
+    print(f"SIGKILL of node2's rank: every process of the run ended {info['ended_s']:.1f} s later; node1: "
+          f"{node1_error[:300]}")
     latest = info["latest"]
     assert info["latest_manifest"]["step"] == int(latest[len("global_step"):]) >= 1
     assert f"resumed from {out / latest} at step {latest[len('global_step'):]}" in info["resume_output"]
