@@ -32,6 +32,7 @@ SSH_PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen":
 SLURM_PACKAGES = {"munged": "munge", "mungekey": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd",
                   "sbatch": "slurm-client", "scontrol": "slurm-client", "scancel": "slurm-client"}
 SBIN_DIRS = ("/usr/sbin", "/sbin", "/usr/local/sbin")
+_APT_UPDATED: list[bool] = []
 
 
 def find_binary(name: str) -> str | None:
@@ -51,7 +52,11 @@ def require(binaries: dict[str, str]) -> dict[str, str]:
                                f"run `apt-get install -y {' '.join(missing)}`")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         log = []
-        for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *missing]):
+        commands = [["apt-get", "install", "-y", "--no-install-recommends", *missing]]
+        if not _APT_UPDATED:  # once per process
+            commands.insert(0, ["apt-get", "update"])
+            _APT_UPDATED.append(True)
+        for command in commands:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
             log.append(done.stdout[-2000:] + done.stderr[-2000:])
         still = sorted({package for name, package in binaries.items() if find_binary(name) is None})
