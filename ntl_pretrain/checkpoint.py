@@ -1247,6 +1247,8 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
             tied = set(reference._tied_weights_keys)
         if getattr(config, "tie_word_embeddings", False):
             tied |= {"lm_head.weight"}
+            for name in tied:  # the tied copy holds the input embedding's values; DeepSpeed's conversion
+                weights.pop(name, None)  # may give it one TP shard only (ZeRO 1/2 without its own fragments)
         missing = sorted(set(expected) - set(weights) - tied)
         if missing:
             raise CheckpointError(f"checkpoint {checkpoint_path!r} lacks weights the model needs: {missing[:5]}")

@@ -280,9 +280,6 @@ class Trainer:
                                              lr_schedule=lr_schedule_description(self.ds_config))
         load_tag = None
         if self.resume_tag is not None:
-            load_tag = self.checkpoints.plan_resume(self.resume_tag)  # checks; universal form if the layout changed
-            if load_tag != self.resume_tag:
-                self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
             kept = self.checkpoints.resume_lr_schedule(self.resume_tag)  # checkpoint.resume_lr_schedule=keep
             if kept is not None:
                 if kept["scheduler"] is None:
@@ -290,6 +287,9 @@ class Trainer:
                 else:
                     self.ds_config["scheduler"] = kept["scheduler"]
                 self.ds_config["optimizer"].setdefault("params", {})["lr"] = kept["lr"]
+            load_tag = self.checkpoints.plan_resume(self.resume_tag)  # checks; universal form if the layout changed
+            if load_tag != self.resume_tag:
+                self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=self.ds_config)
         del model
