@@ -192,6 +192,13 @@ class CheckpointConfig:
     export_hf_at_end: bool = _doc("after the final checkpoint, export it as a Hugging Face folder", default=False)
     export_dir: str | None = _doc("folder of that export; null uses train.output_dir/hf_export", default=None)
     export_max_shard_size: str = _doc("largest safetensors shard of an export (e.g. 5GB, 500MB)", default="5GB")
+    resume_lr_schedule: str = _doc(
+        "a resume whose learning-rate schedule differs from the checkpoint's (e.g. another train.max_steps): "
+        "error | keep (continue the saved schedule; its final lr past its end) | replan (this run's schedule "
+        "at the resumed step; the lr jumps)", default="error")
+    allow_data_change: bool = _doc(
+        "resume although the data configuration (sources, weights, files, validation_documents, ...) differs "
+        "from the checkpoint's: samples may repeat or be skipped (logged)", default=False)
 
 
 @dataclass
@@ -471,6 +478,7 @@ _CHOICES = {
     "parallel.offload_param": ("none", "cpu", "nvme"),
     "optim.lr_schedule": ("cosine", "linear", "constant"),
     "monitor.progress_bar": ("auto", "always", "never"),
+    "checkpoint.resume_lr_schedule": ("error", "keep", "replan"),
 }
 
 

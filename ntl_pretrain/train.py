@@ -22,8 +22,9 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from . import distributed
-from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, export_hf, fingerprint,
-                         purge_tensorboard_after, resolve_resume, run_on_main, write_hf_assets)
+from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, data_description, export_hf,
+                         fingerprint, lr_schedule_description, purge_tensorboard_after, resolve_resume, run_on_main,
+                         write_hf_assets)
 from .config import Config, ConfigError, help_text, load_config, to_yaml, write_resolved
 from .data import DataError, PretrainingData, generate_missing_corpus, load_documents
 from .eval.config import save_eval_settings, validate_eval_inputs
@@ -288,9 +289,17 @@ class Trainer:
 
         self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.train.output_dir, self.layout, cfg.parallel.zero_stage,
                                              fingerprint(model.config, self.tokenizer, self.number_vocab),
-                                             seed=cfg.train.seed)
+                                             seed=cfg.train.seed, data=data_description(cfg.data),
+                                             lr_schedule=lr_schedule_description(self.ds_config))
         load_tag = None
         if self.resume_tag is not None:
+            kept = self.checkpoints.resume_lr_schedule(self.resume_tag)  # checkpoint.resume_lr_schedule=keep
+            if kept is not None:
+                if kept["scheduler"] is None:
+                    self.ds_config.pop("scheduler", None)
+                else:
+                    self.ds_config["scheduler"] = kept["scheduler"]
+                self.ds_config["optimizer"].setdefault("params", {})["lr"] = kept["lr"]
             load_tag = self.checkpoints.plan_resume(self.resume_tag)  # checks; universal form if the layout changed
             if load_tag != self.resume_tag:
                 self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
@@ -418,8 +427,9 @@ class Trainer:
             self.engine, self.step, client_state,
             lambda folder: (write_hf_assets(folder, self.engine.module.config, self.tokenizer, self.number_vocab),
                             save_eval_settings(folder, self.cfg.eval)))  # the export evaluates as the run
-        seconds = self.checkpoints.last_save.get("save_s", 0.0)
-        self.monitor.message(f"saved checkpoint {os.path.join(self.cfg.train.output_dir, tag)} ({seconds:.1f} s)")
+        timing = self.checkpoints.last_save
+        self.monitor.message(f"saved checkpoint {os.path.join(self.cfg.train.output_dir, tag)} "
+                             f"({timing.get('save_s', 0.0):.1f} s, of which hashing {timing.get('hash_s', 0.0):.2f} s)")
         return tag
 
     def _resume(self, load_tag: str) -> None:

@@ -158,3 +158,59 @@ def test_preemption_grace_time_exceeded_ends_the_process():
     assert result.returncode == 1
     assert time.monotonic() - started < 20
     assert "no checkpoint within checkpoint.preempt_grace_s=0.5 s of SIGTERM" in result.stderr
+
+
+def _sha256_manifest(folder, step: int, files: dict[str, bytes]) -> None:
+    """A complete checkpoint of manifest format 2: sizes and sha256 (computed here with hashlib)."""
+    import hashlib
+
+    tag = folder / f"global_step{step}"
+    tag.mkdir(parents=True)
+    for name, data in files.items():
+        (tag / name).write_bytes(data)
+    (tag / MANIFEST_NAME).write_text(json.dumps({
+        "format": 2, "step": step, "files": {n: len(d) for n, d in files.items()},
+        "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}))
+
+
+def test_content_hash_mismatch_skips_for_auto_and_is_an_error_for_the_tag(tmp_path, caplog):
+    out = tmp_path / "run"
+    _sha256_manifest(out, 1, {"shard.bin": b"a" * 5000})
+    _sha256_manifest(out, 2, {"shard.bin": b"b" * 5000})
+    (out / "global_step2" / "shard.bin").write_bytes(b"b" * 4000 + b"\x00" * 1000)  # same size, other bytes
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        assert resolve_resume(str(out), "auto") == "global_step1"
+    assert "the content of shard.bin differs from what was written" in caplog.text
+    with pytest.raises(CheckpointError, match=r"global_step2' is damaged: the content of shard.bin differs"):
+        resolve_resume(str(out), "global_step2")
+    (out / "global_step1" / "shard.bin").write_bytes(b"c" * 5000)
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* is intact"):
+        resolve_resume(str(out), "auto")
+
+
+def test_a_manifest_without_hashes_is_checked_by_size_with_a_warning(tmp_path, caplog):
+    out = tmp_path / "run"
+    _fake_complete(out, 4)  # format 1: sizes only
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        assert resolve_resume(str(out), "auto") == "global_step4"
+    assert "without content hashes" in caplog.text and "only file sizes are checked" in caplog.text
+
+
+def test_cleanup_and_staging_touch_only_folders_marked_as_ours(tmp_path):
+    from ntl_pretrain.checkpoint import make_staging, remove_interrupted_saves, remove_staging
+
+    out = tmp_path / "run"
+    (out / "mydata.partial").mkdir(parents=True)
+    (out / "global_step3.partial").mkdir()  # our naming pattern, but no marker: not ours
+    (out / "old.replaced").write_text("x")
+    make_staging(str(out / "global_step4.partial"))
+    make_staging(str(out / "global_step2.replaced"))
+    make_staging(str(out / "global_step2_universal.partial"))
+    make_staging(str(out / "notes.partial"))  # marked, but not our naming pattern
+    assert remove_interrupted_saves(str(out)) == ["global_step2.replaced", "global_step2_universal.partial",
+                                                  "global_step4.partial"]
+    assert sorted(p.name for p in out.iterdir()) == ["global_step3.partial", "mydata.partial", "notes.partial",
+                                                     "old.replaced"]
+    with pytest.raises(CheckpointError, match=r"mydata.partial' exists but was not made by ntl_pretrain"):
+        remove_staging(str(out / "mydata.partial"))
+    assert (out / "mydata.partial").is_dir()

@@ -168,7 +168,8 @@ def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
     env_args = f"--master_port {free_port()}"
     result = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=18",
                                                                        "train.resume=auto", "train.val_every_n_steps=-1",
-                                                                       "eval.at_end=false")],
+                                                                       "eval.at_end=false",
+                                                                       "checkpoint.resume_lr_schedule=replan")],
                             cwd=REPO, env=dict(_env(), NTL_DEEPSPEED_ARGS=env_args), capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -1,0 +1,261 @@
+"""Trust and integrity of checkpoints (issue 13 items 1, 2, 7, 8), on a real 2-process run (T=1, ZeRO-1).
+
+- item 1: a crafted pickle (os.system creating a marker file) in rng_state_0.pt under train.resume=auto,
+  and in the model states under tools/export_hf.py, never runs, with a clear error; the manifest is
+  updated with the file's size and hash, as an attacker would;
+- item 2: the manifest records each file's sha256 (checked here with hashlib); a shard corrupted in
+  place (same size) is skipped by resume=auto with a warning naming it, and is an error for its tag;
+- item 7: the start-up cleanup removes our own interrupted saves and nothing else of the run folder;
+- item 8: a resume with another train.max_steps stops unless checkpoint.resume_lr_schedule says keep
+  or replan (checked against DeepSpeed's own scheduler), and another data configuration is refused
+  unless checkpoint.allow_data_change=true.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ntl_pretrain.checkpoint import MANIFEST_NAME, CheckpointError, resolve_resume
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 400
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
+LR, MIN_RATIO = 3.0e-3, 0.1
+
+
+def _env() -> dict:
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _args(assets: Path, out: Path, *extra: str) -> list[str]:
+    return ["--config", "configs/demo.yaml", f"data.sources.0.path={assets / 'arithmetic.jsonl'}",
+            "data.sources.0.generate_arithmetic=3000", f"tokenizer.name_or_path={assets / 'tokenizer'}",
+            f"data.cache_dir={assets / 'cache'}", "data.validation_documents=100", f"train.output_dir={out}",
+            "train.log_every_n_steps=1", "monitor.progress_bar=never", "train.val_every_n_steps=-1",
+            "eval.at_end=false", "parallel.tp_size=1", "parallel.zero_stage=1", "data.micro_batch_size=4",
+            "optim.warmup_steps=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0", *extra]
+
+
+def _launch(args: list[str]) -> subprocess.CompletedProcess:
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh", *args]
+    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _lr_scalars(tensorboard_dir: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {e.step: e.value for e in accumulator.Scalars("train/lr")}
+
+
+def _deepspeed_lr(total_steps: int, step: int) -> float:
+    """The lr DeepSpeed's WarmupCosineLR gives optimizer step `step` (from 1) of the demo's schedule."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    scheduler = WarmupCosineLR(optimizer, total_num_steps=max(total_steps, 2), warmup_num_steps=1,
+                               warmup_min_ratio=0.0, cos_min_ratio=MIN_RATIO, warmup_type="linear",
+                               last_batch_iteration=step - 1)
+    return scheduler.get_lr()[0]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trust_assets")
+
+
+@pytest.fixture(scope="module")
+def run(assets, tmp_path_factory) -> Path:
+    """3 steps, a checkpoint after each; the folder already holds a user's `*.partial` / `*.replaced`
+    entries and an interrupted save of ours."""
+    out = tmp_path_factory.mktemp("trust") / "run"
+    (out / "mydata.partial").mkdir(parents=True)
+    (out / "mydata.partial" / "keep.txt").write_text("user data")
+    (out / "global_step7.replaced").mkdir()  # our pattern, but not made by us (no marker)
+    (out / "notes.replaced").write_text("user notes")
+    (out / "global_step9.partial").mkdir()  # an interrupted save of ours (checkpoint.make_staging's marker)
+    (out / "global_step9.partial" / ".ntl_staging").write_text("made by ntl_pretrain.checkpoint")
+    result = _launch(_args(assets, out, "train.max_steps=3"))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return out
+
+
+def _copy(run: Path, tmp_path: Path, tags=("global_step2", "global_step3")) -> Path:
+    out = tmp_path / "run"
+    out.mkdir()
+    for tag in tags:
+        shutil.copytree(run / tag, out / tag)
+    (out / "latest").write_text(tags[-1])
+    return out
+
+
+def _rewrite_manifest(folder: Path, name: str) -> None:
+    """What an attacker would do after replacing a file: record its new size and hash."""
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["files"][name] = (folder / name).stat().st_size
+    if "sha256" in manifest:
+        manifest["sha256"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+def test_cleanup_removes_only_our_own_interrupted_saves(run):
+    assert (run / "mydata.partial" / "keep.txt").read_text() == "user data"
+    assert (run / "notes.replaced").read_text() == "user notes"
+    assert (run / "global_step7.replaced").is_dir()
+    assert not (run / "global_step9.partial").exists()
+    assert sorted(p.name for p in run.glob("global_step*")) == ["global_step1", "global_step2", "global_step3",
+                                                                "global_step7.replaced"]
+
+
+# ---------------------------------------------------------------------------------------------- item 2
+def test_manifest_records_the_sha256_of_every_file(run):
+    manifest = json.loads((run / "global_step3" / MANIFEST_NAME).read_text())
+    assert manifest["format"] == 2 and set(manifest["sha256"]) == set(manifest["files"])
+    files = sorted(str(p.relative_to(run / "global_step3")) for p in (run / "global_step3").rglob("*")
+                   if p.is_file() and p.name != MANIFEST_NAME)
+    assert sorted(manifest["files"]) == files
+    for name in files:
+        assert manifest["sha256"][name] == hashlib.sha256((run / "global_step3" / name).read_bytes()).hexdigest(), name
+
+
+def test_a_shard_corrupted_in_place_is_skipped_by_auto_and_an_error_for_its_tag(run, tmp_path, caplog):
+    out = _copy(run, tmp_path)
+    shard = out / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as handle:  # 4 KB of random bytes in the middle, same size
+        handle.seek(size // 2)
+        handle.write(os.urandom(4096))
+    assert shard.stat().st_size == size
+    with caplog.at_level(logging.WARNING, logger="ntl_pretrain"):
+        assert resolve_resume(str(out), "auto") == "global_step2"
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt differs from what was written" in caplog.text
+    with pytest.raises(CheckpointError, match=r"global_step3' is damaged: the content of "
+                                              r"zero_pp_rank_1_mp_rank_00_optim_states.pt differs"):
+        resolve_resume(str(out), "global_step3")
+    result = subprocess.run([sys.executable, "tools/export_hf.py", str(out / "global_step3"), str(tmp_path / "hf")],
+                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 2 and "differs from what was written" in result.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------------------------------------- item 1
+def test_code_in_the_rng_state_does_not_run_on_resume(run, assets, tmp_path):
+    out = _copy(run, tmp_path)
+    marker = tmp_path / "PWNED"
+    torch.save({"python": _Payload(marker)}, out / "global_step3" / "rng_state_0.pt")
+    _rewrite_manifest(out / "global_step3", "rng_state_0.pt")
+    result = _launch(_args(assets, out, "train.max_steps=4", "train.resume=auto"))
+    output = result.stdout + result.stderr
+    assert not marker.exists()
+    assert result.returncode != 0
+    assert "error: checkpoint" in output and "rng_state_0.pt holds pickled Python objects that a weights-only load " \
+                                              "refuses (posix.system)" in output, output[-4000:]
+    assert not (out / "global_step4").exists()
+
+
+def test_code_in_the_model_states_does_not_run_on_export(run, tmp_path):
+    out = _copy(run, tmp_path, tags=("global_step3",))
+    marker = tmp_path / "PWNED"
+    states = out / "global_step3" / "mp_rank_00_model_states.pt"
+    state = torch.load(states, weights_only=False)
+    state["payload"] = _Payload(marker)
+    torch.save(state, states)
+    _rewrite_manifest(out / "global_step3", "mp_rank_00_model_states.pt")
+    result = subprocess.run([sys.executable, "tools/export_hf.py", str(out / "global_step3"), str(tmp_path / "hf")],
+                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert not marker.exists()
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "mp_rank_00_model_states.pt holds pickled Python objects that a weights-only load refuses" in result.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_weights_only_loads_override_deepspeeds_own_unsafe_calls(tmp_path):
+    """The guard itself, without the static pre-check: torch.load(weights_only=False), as DeepSpeed's
+    engine and ds_to_universal call it, refuses the payload inside `weights_only_loads`."""
+    from ntl_pretrain.checkpoint import UnsafeCheckpointError, weights_only_loads
+
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "payload.pt"
+    torch.save({"x": _Payload(marker)}, path)
+    with weights_only_loads(), pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=False)
+    assert not marker.exists()
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored on exit
+    assert issubclass(UnsafeCheckpointError, CheckpointError)
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+def test_another_max_steps_stops_unless_the_schedule_choice_is_given(run, assets, tmp_path):
+    from ntl_pretrain.checkpoint import CheckpointManager, data_description, lr_schedule_description
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.distributed import ParallelLayout
+    from ntl_pretrain.train import deepspeed_config
+
+    out = _copy(run, tmp_path)
+    saved = json.loads((out / "global_step3" / MANIFEST_NAME).read_text())
+    layout = ParallelLayout(world_size=2, rank=0, local_rank=0, tp_size=1, tp_rank=0, dp_size=2, dp_rank=0)
+
+    def manager(*overrides: str) -> CheckpointManager:
+        cfg = load_config(str(REPO / "configs" / "demo.yaml"), _args(assets, out, *overrides)[2:])
+        return CheckpointManager(cfg.checkpoint, str(out), layout, 1, saved["fingerprint"], seed=cfg.train.seed,
+                                 data=data_description(cfg.data),
+                                 lr_schedule=lr_schedule_description(deepspeed_config(cfg, on_cpu=True)))
+
+    assert manager("train.max_steps=3").resume_lr_schedule("global_step3") is None  # unchanged
+    with pytest.raises(CheckpointError, match=r"another learning-rate schedule than this run's \(deepspeed.scheduler."
+                                              r"params.total_num_steps: 3 -> 6\): lr of step 4 is .* Choose: "
+                                              r"checkpoint.resume_lr_schedule=keep .* or =replan"):
+        manager("train.max_steps=6").resume_lr_schedule("global_step3")
+    assert manager("train.max_steps=6", "checkpoint.resume_lr_schedule=replan").resume_lr_schedule("global_step3") is None
+    kept = manager("train.max_steps=6", "checkpoint.resume_lr_schedule=keep").resume_lr_schedule("global_step3")
+    assert kept == saved["lr_schedule"]
+    # the data configuration: another held-out count or weight is refused, unless allowed
+    assert manager().plan_resume("global_step3") == "global_step3"
+    with pytest.raises(CheckpointError, match=r"another data configuration than this run's \(data.validation_documents"
+                                              r": 100 -> 90\).*checkpoint.allow_data_change=true"):
+        manager("data.validation_documents=90").plan_resume("global_step3")
+    with pytest.raises(CheckpointError, match=r"data.sources.0.weight: 1.0 -> 2.0"):
+        manager("data.sources.0.weight=2.0").plan_resume("global_step3")
+    assert manager("data.validation_documents=90", "checkpoint.allow_data_change=true").plan_resume(
+        "global_step3") == "global_step3"
+
+
+@pytest.mark.parametrize("choice", ["keep", "replan"])
+def test_resume_with_more_steps_follows_the_chosen_schedule(choice, run, assets, tmp_path):
+    reference = _lr_scalars(run / "tensorboard")
+    assert [reference[s] for s in (1, 2, 3)] == pytest.approx([_deepspeed_lr(3, s) for s in (1, 2, 3)], rel=1e-6)
+    out = _copy(run, tmp_path)
+    shutil.copytree(run / "tensorboard", out / "tensorboard")
+    result = _launch(_args(assets, out, "train.max_steps=5", "train.resume=auto",
+                           f"checkpoint.resume_lr_schedule={choice}"))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert f"checkpoint.resume_lr_schedule={choice}" in result.stdout + result.stderr
+    got = _lr_scalars(out / "tensorboard")
+    total = 3 if choice == "keep" else 5  # keep: the saved 3-step cosine, then its final lr
+    assert [got[s] for s in (4, 5)] == pytest.approx([_deepspeed_lr(total, s) for s in (4, 5)], rel=1e-6)
+    if choice == "keep":
+        assert got[5] == pytest.approx(LR * MIN_RATIO, rel=1e-6)
