@@ -12,6 +12,8 @@ multiple of the TP size). Model FLOP/s are estimated per token as 6 x (parameter
 + 12 x layers x hidden x seq_len (attention scores and values), forward and backward, as in the
 PaLM MFU convention (no activation recomputation counted); on a GPU MFU divides them by the devices'
 peak dense bf16/fp16 FLOP/s (a built-in table of common GPUs, or `--peak-tflops` per device).
+`peak_memory_gib` is rank 0's peak over the whole run: `torch.cuda.max_memory_allocated` on a GPU, the
+process's peak resident set size (VmHWM) on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ntl_pretrain.config import load_config  # noqa: E402
+from ntl_pretrain.monitor import memory_gib  # noqa: E402
 from ntl_pretrain.train import Trainer  # noqa: E402
 
 # Peak dense bf16/fp16 tensor-core TFLOP/s per device (vendor data sheets, without sparsity), by a
@@ -117,6 +120,9 @@ def main() -> int:
         }
         flops_per_token = model_flops_per_token(trainer)
         peak = peak_tflops_per_device(args.peak_tflops)
+        result["peak_memory_gib"] = memory_gib(trainer.device)
+        result["peak_memory_measure"] = ("cuda max_memory_allocated" if trainer.device.type == "cuda"
+                                         else "host peak RSS (VmHWM)")
         result["model_parameters"] = trainer.model_report.parameters
         result["vocab_size"] = trainer.model_report.vocab_size
         result["model_flops_per_token"] = flops_per_token
