@@ -126,6 +126,9 @@ TINY = Sizes(TINY_ARCHITECTURE, 64, 300, 1000, seq_len=32, micro_batch_size=2, l
 LOSS_METHODS = ("ce", "ours_ce_only", "ours_was", "ntloss_was", "head_ce_only", "head_was", "chunked_ce_only",
                 "chunked_was", "ds_fused_ce")
 LIGER_METHOD = "liger_fused_ce"
+# Each method's loss is compared with the method computing the same quantity the plain way.
+SAME_LOSS_AS = {"ours_ce_only": "ce", "ntloss_was": "ours_was", "chunked_ce_only": "head_ce_only",
+                "ds_fused_ce": "head_ce_only", LIGER_METHOD: "head_ce_only", "chunked_was": "head_was"}
 
 
 # ================================================================================== the parent
@@ -731,6 +734,9 @@ def loss_bench(spec: dict) -> dict:
     for name, row in results.items():
         if row["status"] != "ok":
             continue
+        same = SAME_LOSS_AS.get(name)
+        if results.get(same, {}).get("status") == "ok":
+            row[f"loss_rel_diff_vs_{same}"] = abs(row["loss"] - results[same]["loss"]) / abs(results[same]["loss"])
         reference = "ds_fused_ce" if _is_head(name) else "ce"
         if results.get(reference, {}).get("status") == "ok" and name != reference:
             row[f"time_vs_{reference}"] = row["median_s"] / results[reference]["median_s"]
