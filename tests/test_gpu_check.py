@@ -57,8 +57,11 @@ def test_every_part_runs_on_cpu_tiny(tmp_path):
     expected_skips = {"sync_debug", "train_flash_attention_2"}  # need CUDA
     for name in set(parts) - expected_skips:
         assert parts[name]["status"] == "ok", (name, parts[name])
-    assert parts["sync_debug"] == {"status": "skipped", "detail": parts["sync_debug"]["detail"]}
-    assert parts["sync_debug"]["detail"].startswith("CPU")
+    sync = parts["sync_debug"]
+    assert sync["status"] == "skipped" and sync["detail"].startswith("CPU")
+    # what runs on CPU of it: the hooks that bracket each micro-batch's forward and backward saw both, in order
+    assert sync["micro_batch_windows"] == sync["grad_accum_steps"] == gpu_check.TINY.grad_accum_steps == 2
+    assert sync["micro_batch_windows_well_formed"] is True
     assert parts["train_flash_attention_2"]["status"] == "skipped"
 
     environment = parts["environment"]
@@ -67,7 +70,7 @@ def test_every_part_runs_on_cpu_tiny(tmp_path):
     sizes = gpu_check.TINY
     assert (training["zero_stage"], training["world_size"], training["attention"]) == (3, 1, "sdpa")
     assert training["steps"] == len(training["loss_curve"]) == sizes.curve_steps
-    assert training["tokens_per_step"] == sizes.seq_len * sizes.micro_batch_size
+    assert training["tokens_per_step"] == sizes.seq_len * sizes.micro_batch_size * sizes.grad_accum_steps
     assert training["vocab_size"] % sizes.pad_vocab_to_multiple_of == 0
     assert training["vocab_size"] >= training["tokenizer_size"]
     assert training["model_tflops_per_s"] == pytest.approx(

@@ -24,13 +24,14 @@ recorded so, and the next one still runs. Results go to one JSON (written after 
                      counted (torch.cuda.set_sync_debug_mode("warn")), then one step with mode "error" around
                      each micro-batch's forward and backward; the error text, if any, is the finding
   -- then, each in its own process:
-  train_flash_attention_2   the training figures again with flash-attention 2 (when flash_attn imports)
   ntl_on_off         tools/bench_train.py under DeepSpeed's launcher: NTL on/off step-time ratio (ABBA, one
                      process), with its model FLOPs, TFLOP/s, MFU and peak memory
   loss_bench         tools/bench_loss.py's methods (torch CE, ours CE / CE + NTL-WAS, ntloss, our full and
                      chunked head, DeepSpeed's fused linear_cross_entropy where bench_loss has it, Liger's fused
                      linear CE if it imports) on device tensors in bf16 at n=16384, V=128256, H=896:
                      median time, peak memory, the loss each computes
+  train_flash_attention_2   the training figures again with flash-attention 2 (when flash_attn imports; last,
+                     as it is optional: it gets what the overall budget, --budget-s, has left)
 
 The optimizer is torch's fused AdamW through DeepSpeed (`torch_adam`), so nothing is JIT-compiled; with
 `--optimizer deepspeed` it is DeepSpeed's FusedAdam (built on first use: needs nvcc and ninja).
@@ -72,19 +73,20 @@ TINY_ARCHITECTURE = {"model_type": "qwen2", "hidden_size": 32, "intermediate_siz
 
 STATUSES = ("ok", "partial", "skipped", "failed", "timeout")
 # What each process measures (its parts, in order); "ntl_on_off" is tools/bench_train.py itself.
+# Flash-attention comes last: optional, it gets what the overall budget has left.
 PROCESSES = (("environment", ("environment",)),
              ("train_sdpa", ("train_sdpa", "chunked_head", "generation", "sync_debug")),
-             ("train_flash_attention_2", ("train_flash_attention_2",)),
              ("ntl_on_off", ("ntl_on_off",)),
-             ("loss_bench", ("loss_bench",)))
+             ("loss_bench", ("loss_bench",)),
+             ("train_flash_attention_2", ("train_flash_attention_2",)))
 PARTS = tuple(part for _, parts in PROCESSES for part in parts)
 # Seconds a process may take before its first part starts (imports, data, model build, deepspeed.initialize).
-STARTUP_S = {"environment": 0, "train_sdpa": 70, "train_flash_attention_2": 70, "ntl_on_off": 0, "loss_bench": 20}
+STARTUP_S = {"environment": 0, "train_sdpa": 100, "train_flash_attention_2": 100, "ntl_on_off": 0, "loss_bench": 20}
 STARTUP_S_CPU = {"environment": 0, "train_sdpa": 150, "train_flash_attention_2": 150, "ntl_on_off": 0,
                  "loss_bench": 60}
 # Seconds per part (ntl_on_off: its whole process, start-up included).
-BUDGET_S = {"environment": 30, "train_sdpa": 90, "chunked_head": 30, "generation": 25, "sync_debug": 15,
-            "train_flash_attention_2": 30, "ntl_on_off": 90, "loss_bench": 50}
+BUDGET_S = {"environment": 30, "train_sdpa": 80, "chunked_head": 30, "generation": 25, "sync_debug": 15,
+            "train_flash_attention_2": 30, "ntl_on_off": 100, "loss_bench": 50}
 BUDGET_S_CPU = {"environment": 60, "train_sdpa": 60, "chunked_head": 40, "generation": 40, "sync_debug": 10,
                 "train_flash_attention_2": 60, "ntl_on_off": 200, "loss_bench": 60}
 
@@ -99,6 +101,7 @@ class Sizes:
     corpus_documents: int  # generated arithmetic documents
     seq_len: int
     micro_batch_size: int
+    grad_accum_steps: int  # train.grad_accum_steps
     lr: float
     warmup_steps: int
     curve_steps: int  # train_sdpa (at most; its budget may stop it earlier)
@@ -115,11 +118,11 @@ class Sizes:
     loss_reps: int  # loss_bench warm repetitions per method
 
 
-FULL = Sizes(QWEN25_05B, QWEN25_05B_VOCAB, 512, 20000, seq_len=1024, micro_batch_size=8, lr=6e-4, warmup_steps=20,
+FULL = Sizes(QWEN25_05B, QWEN25_05B_VOCAB, 512, 20000, seq_len=1024, micro_batch_size=8, grad_accum_steps=1, lr=6e-4, warmup_steps=20,
              curve_steps=300, flash_steps=40, chunk_tokens=4096, chunked_steps=8, ntl_steps=40, ntl_warmup=5,
              eval_prompts=64, loss_tokens=16384, loss_vocab=128256, loss_hidden=896, loss_chunk_tokens=4096,
              loss_reps=5)
-TINY = Sizes(TINY_ARCHITECTURE, 64, 300, 1000, seq_len=32, micro_batch_size=2, lr=3e-3, warmup_steps=1,
+TINY = Sizes(TINY_ARCHITECTURE, 64, 300, 1000, seq_len=32, micro_batch_size=2, grad_accum_steps=2, lr=3e-3, warmup_steps=1,
              curve_steps=6, flash_steps=4, chunk_tokens=16, chunked_steps=4, ntl_steps=4, ntl_warmup=1,
              eval_prompts=4, loss_tokens=256, loss_vocab=1024, loss_hidden=32, loss_chunk_tokens=64, loss_reps=2)
 # bench_loss methods this check runs, where tools/bench_loss.py has them (it is extended in parallel).
@@ -177,11 +180,13 @@ def training_overrides(sizes: Sizes, workdir: Path, cpu: bool, optimizer: str) -
         f"data.sources.0.path={workdir / 'assets' / 'arithmetic.jsonl'}",
         f"data.sources.0.generate_arithmetic={sizes.corpus_documents}", "data.validation_documents=20",
         f"data.seq_len={sizes.seq_len}", f"data.micro_batch_size={sizes.micro_batch_size}",
+        f"train.grad_accum_steps={sizes.grad_accum_steps}",
         "parallel.tp_size=1", "parallel.zero_stage=3", f"optim.lr={sizes.lr}", f"optim.warmup_steps={sizes.warmup_steps}",
         "train.max_steps=100000", "train.val_every_n_steps=-1", "monitor.progress_bar=never",
         "checkpoint.save_final=false", "eval.at_end=false"]
-    if not cpu and optimizer == "torch":
-        # torch.optim.AdamW(fused=True) through DeepSpeed's torch_adam switch: no FusedAdam JIT build
+    if optimizer == "torch":
+        # torch.optim.AdamW(fused=True) through DeepSpeed's torch_adam switch: no FusedAdam JIT build (on CPU
+        # too, where the trainer sets torch_adam anyway: the test then runs this file as the GPU check does)
         path = workdir / "ds_torch_fused_adamw.json"
         bench_loss._write_json(str(path), {"optimizer": {"params": {"torch_adam": True, "fused": True}}})
         overrides.append(f"deepspeed.config={path}")
@@ -285,6 +290,8 @@ def skip_reason(process_name: str, cpu: bool, environment: dict) -> str | None:
     if process_name == "train_flash_attention_2":
         if cpu:
             return "CPU (flash-attention 2 needs CUDA)"
+        if not environment:
+            return "not checked whether flash_attn imports (add the environment part)"
         if not environment.get("flash_attn"):
             return f"flash_attn does not import ({environment.get('flash_attn_error', 'not checked')})"
     return None
@@ -483,7 +490,9 @@ def training_process(spec: dict, records: Records) -> int:
     }
     for part in spec["parts"]:
         if part == "sync_debug" and spec["cpu"]:
-            records.set(part, {"status": "skipped", "detail": "CPU (torch.cuda.set_sync_debug_mode needs CUDA)"})
+            # what CPU can check of this part: the hooks see each micro-batch's forward and backward
+            records.set(part, {"status": "skipped", "detail": "CPU (torch.cuda.set_sync_debug_mode needs CUDA)",
+                               **micro_batch_windows(trainer)})
             continue
         run_recorded(records, part, measures[part])
     trainer.monitor.close()
@@ -594,6 +603,18 @@ def around_micro_batches(trainer: Any, enter: Callable[[], None], leave: Callabl
         del trainer._forward_sums, trainer.engine.backward  # back to the class's methods
 
 
+def micro_batch_windows(trainer: Any) -> dict:
+    """One step inside `around_micro_batches` with hooks that only note the calls: how many micro-batch
+    windows opened, and whether each closed before the next opened."""
+    events: list[str] = []
+    with around_micro_batches(trainer, lambda: events.append("enter"), lambda: events.append("leave")):
+        trainer.train_step()
+    events.pop()  # the block's own closing call
+    windows = events.count("enter")
+    return {"micro_batch_windows": windows, "micro_batch_windows_well_formed": events == ["enter", "leave"] * windows,
+            "grad_accum_steps": trainer.cfg.train.grad_accum_steps}
+
+
 def measure_sync_debug(trainer: Any) -> dict:
     """Host syncs of one training step, then one step with syncs made errors inside the micro-batches."""
     import warnings
@@ -629,6 +650,7 @@ def measure_sync_debug(trainer: Any) -> dict:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     return {"micro_batch_error_mode": "no sync" if error is None else "raised", "error": error,
+            "micro_batch_windows": len(marks) // 2, "grad_accum_steps": trainer.cfg.train.grad_accum_steps,
             "syncs_per_step": sum(is_sync), "syncs_in_micro_batches": inside,
             "sync_sites": dict(sorted(sites.items(), key=lambda item: -item[1])[:15])}
 
@@ -726,6 +748,8 @@ def loss_bench(spec: dict) -> dict:
         if time.monotonic() - started > spec["budgets"]["loss_bench"] / 2:
             break
     for name, fn in closures.items():
+        for leaf in leaves:  # the previous run's gradients are not this method's memory
+            leaf.grad = None
         reset_peak_memory(device)
         base = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else bench_loss._rss_kib() / 2**20
         _, loss = run_once(fn)
