@@ -6,6 +6,8 @@ machine has no index to install it from, from a carried wheel: `pip install deep
     bash tools/gpu_check.sh --out gpu_check.json
 The same recipe on CPU with a tiny model and a few steps (what tests/test_gpu_check.py runs):
     bash tools/gpu_check.sh --cpu --tiny --out /tmp/gpu_check.json
+(`--tiny` without `--cpu`: a one-minute smoke test of the recipe on the GPU.) The exit status is 1 when a
+part failed (timeouts and skips are recorded, not failures).
 
 The parts, in this order. Each process below runs with its own time budget (seconds; change one with
 `--part-budget NAME=SECONDS`, choose parts with `--parts`); a part that fails or runs out of time is
@@ -283,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     print(format_table(report))
     print(f"\nwritten: {out}")
-    return 0
+    failed = [part for part, record in report["parts"].items() if record["status"] == "failed"]
+    if failed:
+        print(f"failed: {', '.join(failed)} (their records say why; logs in {workdir / 'logs'})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def skip_reason(process_name: str, cpu: bool, environment: dict) -> str | None:
@@ -472,6 +477,7 @@ def _mean(values: list[float]) -> float:
 # ------------------------------------------------------------------------------------------- training parts
 def training_process(spec: dict, records: Records) -> int:
     """Build the run's engine once (DeepSpeed ZeRO-3, 1 rank) and measure this process's parts on it."""
+    from ntl_pretrain import distributed
     from ntl_pretrain.config import load_config
     from ntl_pretrain.train import Trainer
 
@@ -496,6 +502,7 @@ def training_process(spec: dict, records: Records) -> int:
             continue
         run_recorded(records, part, measures[part])
     trainer.monitor.close()
+    distributed.shutdown_distributed()
     return 0
 
 
