@@ -121,7 +121,7 @@ class Sizes:
 
 
 FULL = Sizes(QWEN25_05B, QWEN25_05B_VOCAB, 512, 20000, seq_len=1024, micro_batch_size=8, grad_accum_steps=1, lr=6e-4, warmup_steps=20,
-             curve_steps=300, flash_steps=40, chunk_tokens=4096, chunked_steps=8, ntl_steps=40, ntl_warmup=5,
+             curve_steps=250, flash_steps=40, chunk_tokens=4096, chunked_steps=8, ntl_steps=40, ntl_warmup=5,
              eval_prompts=64, loss_tokens=16384, loss_vocab=128256, loss_hidden=896, loss_chunk_tokens=4096,
              loss_reps=5)
 TINY = Sizes(TINY_ARCHITECTURE, 64, 300, 1000, seq_len=32, micro_batch_size=2, grad_accum_steps=2, lr=3e-3, warmup_steps=1,
