@@ -33,6 +33,7 @@ model's output.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -94,8 +95,11 @@ class _ChunkedHeadObjective(torch.autograd.Function):
         sum_exp = torch.empty(n, dtype=dtype, device=device)
         target_logit = torch.empty(n, dtype=dtype, device=device)
         number_logits = torch.empty(n, num_numbers, dtype=dtype, device=device)
-        hidden_grad_ce = torch.empty_like(hidden) if need_hidden_grad else None
-        weight_grad = torch.zeros_like(weight) if need_weight_grad else None
+        # Gradient accumulators in the compute dtype (float32 for bf16/fp16 heads): summing one partial
+        # product per chunk into a bf16 buffer would round after every chunk (error growing with the
+        # chunk count); each is cast to its parameter's dtype once, at the end of backward.
+        hidden_grad_ce = torch.empty(hidden.shape, dtype=dtype, device=device) if need_hidden_grad else None
+        weight_grad = torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight_grad else None
         bias_grad = torch.zeros(width, dtype=dtype, device=device) if need_bias_grad else None
         total_width = width
 
@@ -169,9 +173,9 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                 grad_cols = number_grad.index_select(1, layout.owned_number_slots) * grad_ntl
                 cols = layout.local_number_cols
                 if hidden_grad is not None:
-                    hidden_grad.add_(grad_cols.to(weight.dtype) @ weight.index_select(0, cols))
+                    hidden_grad.add_(_matmul(grad_cols, weight.index_select(0, cols), hidden_grad.dtype))
                 if weight_grad is not None:
-                    weight_grad.index_add_(0, cols, (grad_cols.t().to(hidden.dtype) @ hidden).to(weight_grad.dtype))
+                    weight_grad.index_add_(0, cols, _matmul(grad_cols.t(), hidden, weight_grad.dtype))
                 if bias_grad is not None:
                     bias_grad.index_add_(0, cols, grad_cols.sum(0))
             if reweigh_rows is not None:
@@ -189,24 +193,53 @@ class _ChunkedHeadObjective(torch.autograd.Function):
             dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.tp_group)
         if bias_grad is not None:
             bias_grad = bias_grad.to(bias.dtype)
+        if weight_grad is not None:
+            weight_grad = weight_grad.to(weight.dtype)
+        if hidden_grad is not None:
+            hidden_grad = hidden_grad.to(hidden.dtype)
         return hidden_grad, weight_grad, bias_grad, None, None
 
 
 def _accumulate_grads(logit_grad: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor, rows: slice | torch.Tensor,
                       hidden_grad: torch.Tensor | None, weight_grad: torch.Tensor | None,
                       bias_grad: torch.Tensor | None) -> None:
-    """Add the contributions of one chunk's `[c, V_local]` logit gradient (float32) to the parameter
-    and hidden gradients. The matmuls run in the head's dtype, as the unchunked head's backward does."""
+    """Add the contributions of one chunk's `[c, V_local]` logit gradient (float32) to the hidden, weight
+    and bias gradients (float32 accumulators for bf16/fp16 heads). The hidden rows of a chunk are one
+    product over the vocabulary, run in the head's dtype as the unchunked head's backward does; the weight
+    gradient sums a product per chunk, so each is added in float32."""
     if bias_grad is not None:
         bias_grad.add_(logit_grad.sum(0))
     grad = logit_grad.to(weight.dtype)
     if hidden_grad is not None:
-        if isinstance(rows, slice):
+        if isinstance(rows, slice) and hidden_grad.dtype == weight.dtype:
             torch.mm(grad, weight, out=hidden_grad[rows])
+        elif isinstance(rows, slice):
+            hidden_grad[rows] = grad @ weight
         else:
-            hidden_grad.index_add_(0, rows, grad @ weight)
+            hidden_grad.index_add_(0, rows, (grad @ weight).to(hidden_grad.dtype))
     if weight_grad is not None:
-        weight_grad.addmm_(grad.t(), chunk.to(weight.dtype))
+        if weight_grad.dtype == weight.dtype:
+            weight_grad.addmm_(grad.t(), chunk.to(weight.dtype))
+        elif _has_low_precision_gemm_into_float32(weight_grad.device):
+            torch.addmm(weight_grad, grad.t(), chunk.to(weight.dtype), out_dtype=weight_grad.dtype, out=weight_grad)
+        else:  # e.g. CPU: no bf16 x bf16 -> float32 GEMM; the float32 logit gradient is at hand
+            weight_grad.addmm_(logit_grad.t(), chunk.to(weight_grad.dtype))
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` in `b`'s dtype, returned as `out_dtype`."""
+    return (a.to(b.dtype) @ b).to(out_dtype)
+
+
+@functools.cache
+def _has_low_precision_gemm_into_float32(device: torch.device) -> bool:
+    """Whether bf16/fp16 GEMMs can write float32 outputs on this device (`torch.addmm(..., out_dtype=)`,
+    PyTorch >= 2.8 on CUDA), asked of the dispatcher rather than found by trying one."""
+    try:
+        key = torch._C._dispatch_key_for_device(device.type)
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", key)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _check_layout(packed: torch.Tensor, max_buf: torch.Tensor, flat_labels: torch.Tensor, number_vocab: NumberVocab,
