@@ -184,9 +184,12 @@ class ShardStats:
         """`[n]` full-vocabulary log-sum-exp."""
         return self.shift + self.sum_exp.log()
 
-    def number_mass(self) -> torch.Tensor:
-        """`[n]` probability mass (full-vocabulary softmax) on the number tokens, at every row."""
-        return torch.exp(self.number_logits - self.shift[:, None]).sum(-1) / self.sum_exp
+    def number_mass(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Probability mass (full-vocabulary softmax) on the number tokens at the given rows (default:
+        every row, `[n]`)."""
+        if rows is None:
+            return torch.exp(self.number_logits - self.shift[:, None]).sum(-1) / self.sum_exp
+        return torch.exp(self.number_logits[rows] - self.shift[rows, None]).sum(-1) / self.sum_exp[rows]
 
 
 def shard_reductions(logits: torch.Tensor, number_vocab: NumberVocab, *, targets: torch.Tensor | None = None,
