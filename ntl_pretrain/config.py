@@ -122,6 +122,8 @@ class LossConfig:
     float_level: bool = _doc("number_level: a '.' between digits joins them into one number", default=False)
     chunk_tokens: int = _doc("compute LM head + loss over chunks of this many tokens, never the full logits "
                              "(docs/chunked.md; 0 = off)", default=0)
+    check_every_step: bool = _doc("debug: re-check labels and the vocabulary-shard layout on every micro-batch "
+                                  "(host syncs; normally checked once at start-up)", default=False)
 
 
 @dataclass
@@ -168,6 +170,9 @@ class TrainConfig:
                        "tag in output_dir (global_step300)", default="none")
     dist_timeout_minutes: int = _doc("collectives that wait longer than this fail the job instead of hanging",
                                      default=30)
+    max_nonfinite_steps: int = _doc("stop with an error (saving nothing) once this many optimizer steps in a row "
+                                    "had a non-finite loss or gradient norm; each such step's update is skipped",
+                                    default=3)
 
 
 @dataclass
@@ -497,7 +502,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
     positive = ["data.seq_len", "data.micro_batch_size", "train.max_steps", "train.grad_accum_steps",
                 "parallel.tp_size", "model.pad_vocab_to_multiple_of", "train.log_every_n_steps",
-                "data.num_proc", "train.dist_timeout_minutes", "train.val_batches"]
+                "data.num_proc", "train.dist_timeout_minutes", "train.val_batches", "train.max_nonfinite_steps"]
     for key in positive:
         if get_key(config, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {get_key(config, key)}")

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -30,6 +32,8 @@ from .data import DataError, PretrainingData, generate_missing_corpus, load_docu
 from .eval.config import save_eval_settings, validate_eval_inputs
 from .loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
 from .loss.chunked import chunked_model_ce_ntl_sums
+from .loss.objective import check_vocabulary_covers_numbers
+from .loss.parallel import check_shard_layout
 from .model import build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib
 from .numbers import NumberVocab
@@ -37,6 +41,10 @@ from .tokenizer.coverage import check_training_digits
 
 logger = logging.getLogger("ntl_pretrain")
 T = TypeVar("T")
+
+
+class TrainingDiverged(RuntimeError):
+    """The run produced non-finite losses, gradients or weights and stopped without saving them."""
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -311,11 +319,19 @@ class Trainer:
         cfg.train.grad_accum_steps = self.engine.gradient_accumulation_steps()
         distributed.check_layout_matches_deepspeed(self.layout)
         self.tp_group, self.dp_group = distributed.deepspeed_groups(cfg.parallel.tp_size)
-        self.vocab_start, _ = _vocab_parallel_head(self.engine)
+        self.vocab_start, local_width = _vocab_parallel_head(self.engine)
         self.device = torch.device(self.accelerator.current_device_name())
+        # The layout checks that need the host run here, once; the step then calls the loss with
+        # check_inputs=False (no host sync). Labels come from the tokenizer, whose ids are below the
+        # model's vocabulary (NumberVocab.with_vocab_size above).
+        vocab_width = check_shard_layout(local_width if local_width > 0 else self.model_report.vocab_size,
+                                         self.vocab_start, self.tp_group, self.device)
+        check_vocabulary_covers_numbers(vocab_width, self.number_vocab)
         self.settings = ntl_settings(cfg)
         self.step = 0
         self.tokens_seen = 0
+        self.nonfinite_in_a_row = 0  # optimizer steps with a non-finite loss or gradient norm, consecutive
+        self.nonfinite_steps = 0  # and in all
         if load_tag is not None:
             self._resume(load_tag)
 
@@ -336,70 +352,139 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _forward_sums(self, batch: Any, with_ntl: bool) -> Any:
-        input_ids, labels = batch.input_ids.to(self.device), batch.labels.to(self.device)
+        input_ids = batch.input_ids.to(self.device, non_blocking=True)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        check = self.cfg.loss.check_every_step  # checked once at start-up; per micro-batch only to debug
         if self.cfg.loss.chunk_tokens:
             # the head + loss over chunks of tokens: the full logits never exist (docs/chunked.md)
             return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
                                              {"input_ids": input_ids}, labels, self.number_vocab, self.settings,
                                              chunk_tokens=self.cfg.loss.chunk_tokens, tp_group=self.tp_group,
-                                             vocab_start_index=self.vocab_start, with_ntl=with_ntl)
+                                             vocab_start_index=self.vocab_start, with_ntl=with_ntl,
+                                             check_inputs=check)
         logits = self.engine(input_ids=input_ids).logits
-        return ce_ntl_sums(logits, labels, self.number_vocab, self.settings,
-                           tp_group=self.tp_group, vocab_start_index=self.vocab_start, with_ntl=with_ntl)
+        return ce_ntl_sums(logits, labels, self.number_vocab, self.settings, tp_group=self.tp_group,
+                           vocab_start_index=self.vocab_start, with_ntl=with_ntl, check_inputs=check)
 
     def train_step(self, with_ntl: bool | None = None) -> dict[str, float]:
-        """One optimizer step; returns the step's global figures (identical on every rank)."""
+        """One optimizer step; returns the step's global figures (identical on every rank).
+
+        The micro-batch loop reads nothing from the device: counts, losses and figures stay device
+        tensors, and the step's one device-to-host transfer reads the logged figures at its end (ZeRO 0:
+        just before the update, which it decides). A non-finite loss or gradient norm skips the update
+        (`_guard_nonfinite`).
+        """
         cfg = self.cfg
-        self.accelerator.synchronize()
+        self.accelerator.synchronize()  # the step's clock starts on an idle device
         started = time.perf_counter()
         step = self.step + 1
         lam = ntl_lambda(cfg, step)
         if with_ntl is None:
             with_ntl = lam > 0
         micro_batches = self.data.next_step(cfg.train.grad_accum_steps)
-        labels = [mb.labels.to(self.device) for mb in micro_batches]
+        labels = [mb.labels.to(self.device, non_blocking=True) for mb in micro_batches]
         counts = count_step(labels, self.number_vocab, self.settings, self.dp_group)
         totals = torch.zeros(6, dtype=torch.float64, device=self.device)
-        grad_norm = None
+        skipped_before = self.engine.skipped_steps
+        last = len(micro_batches) - 1
         for index, batch in enumerate(micro_batches):
             sums = self._forward_sums(batch, with_ntl)
             loss = scaled_micro_batch_loss(sums, counts, lam if with_ntl else 0.0, self.layout.dp_size,
                                            cfg.train.grad_accum_steps)
-            self.engine.backward(loss)
-            if index == len(micro_batches) - 1 and cfg.parallel.zero_stage == 0:
-                grad_norm = self._unpartitioned_grad_norm()
-            self.engine.step()
+            self.engine.backward(_nan_gradient_if_nonfinite(loss))
             totals += torch.stack([sums.ce_sum.detach(), sums.ntl_sum.detach(), sums.token_count, sums.ntl_count,
                                    sums.number_tokens, sums.abs_error_sum]).double()
-        ce_sum, ntl_sum, tokens, ntl_count, number_tokens, abs_error = distributed.all_reduce_sum(
-            totals.tolist(), self.dp_group, self.device)
-        self.accelerator.synchronize()
+            if index < last:
+                self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-batch
+        if cfg.parallel.zero_stage == 0:
+            # no ZeRO: DeepSpeed's engine neither keeps a norm nor skips a non-finite update, so the
+            # figures are read before the update and decide it
+            figures = self._step_figures(totals, self._unpartitioned_grad_norm())
+            if _finite_step(figures):
+                self.engine.step()
+            else:
+                with _update_skipped(self.engine):
+                    self.engine.step()
+        else:
+            # ZeRO 1-3: DeepSpeed skips the update itself when the gradient norm is not finite
+            self.engine.step()
+            figures = self._step_figures(totals, self.engine.get_global_grad_norm())
+        ce_sum, ntl_sum, tokens, ntl_count, number_tokens, abs_error, grad_norm = figures
         elapsed = time.perf_counter() - started
         self.step = step
+        self._guard_nonfinite(figures, skipped=self.engine.skipped_steps > skipped_before)
         step_tokens = sum(mb.input_ids.numel() for mb in micro_batches) * self.layout.dp_size
         self.tokens_seen += step_tokens
         ce = ce_sum / max(tokens, 1.0)
         ntl = ntl_sum / ntl_count if ntl_count > 0 else 0.0
-        if grad_norm is None:
-            grad_norm = self.engine.get_global_grad_norm()
         return {
             "train/loss": ce + lam * ntl if with_ntl else ce,
             "train/ce": ce, "train/ntl": ntl, "train/ntl_lambda": lam if with_ntl else 0.0,
             "train/lr": float(self.engine.get_lr()[0]),
-            "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "train/grad_norm": grad_norm if grad_norm is not None else 0.0,
             "train/tokens_per_s": step_tokens / elapsed, "train/step_time_s": elapsed,
             "train/number_token_share": number_tokens / max(tokens, 1.0),
             "train/number_mae": abs_error / number_tokens if number_tokens > 0 else 0.0,
             "train/memory_gib": memory_gib(self.device),
+            "train/nonfinite_steps": float(self.nonfinite_steps),
         }
 
-    def _unpartitioned_grad_norm(self) -> float:
+    def _step_figures(self, totals: torch.Tensor, grad_norm: Any) -> list:
+        """The step's global sums (summed over data-parallel ranks) and the gradient norm, read to the host
+        in ONE transfer: [ce_sum, ntl_sum, tokens, ntl_count, number_tokens, abs_error_sum, grad_norm]."""
+        if self.layout.dp_size > 1:
+            torch.distributed.all_reduce(totals, group=self.dp_group)
+        if torch.is_tensor(grad_norm):
+            return torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]).tolist()
+        return totals.tolist() + [None if grad_norm is None else float(grad_norm)]
+
+    def _guard_nonfinite(self, figures: list, skipped: bool) -> None:
+        """Count a step whose loss or gradient norm is not finite (its update was skipped); stop once
+        `train.max_nonfinite_steps` came in a row."""
+        ce_sum, ntl_sum, grad_norm = figures[0], figures[1], figures[-1]
+        if _finite_step(figures) and not skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_steps += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        what = (f"CE sum {ce_sum:.4g}, NTL sum {ntl_sum:.4g}, gradient norm "
+                f"{'n/a' if grad_norm is None else f'{grad_norm:.4g}'}")
+        if self.nonfinite_in_a_row >= limit:
+            raise TrainingDiverged(
+                f"step {self.step}: {self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
+                f"gradient norm ({what}); stopping without saving (train.max_nonfinite_steps={limit}). The last "
+                f"checkpoint in {self.cfg.train.output_dir} holds the weights before. Lower optim.lr, set "
+                f"optim.grad_clip, or check the data and the resumed checkpoint.")
+        if self.layout.is_main:
+            logger.warning("step %d: non-finite loss or gradient norm (%s): update skipped (%d in a row; the run "
+                           "stops at train.max_nonfinite_steps=%d)", self.step, what, self.nonfinite_in_a_row, limit)
+
+    def _unpartitioned_grad_norm(self) -> torch.Tensor:
         """Global gradient norm without ZeRO (DeepSpeed's engine keeps none then); TP-sharded parameters
-        are summed over the TP group, replicated ones counted once."""
+        are summed over the TP group, replicated ones counted once. A device tensor (no host read)."""
         from deepspeed.runtime.utils import clip_grad_norm_
 
         parameters = [p for p in self.engine.module.parameters() if p.grad is not None]
-        return float(clip_grad_norm_(parameters, max_norm=float("inf"), mpu=self.engine.mpu))
+        return clip_grad_norm_(parameters, max_norm=float("inf"), mpu=self.engine.mpu)
+
+    def _check_weights_finite(self) -> None:
+        """Refuse to save non-finite weights: the model's (this rank's ZeRO-3 partitions) and the
+        optimizer's fp32 master weights. Every rank calls it (one all-reduce)."""
+        tensors = [getattr(p, "ds_tensor", p.data) for p in self.engine.module.parameters()]
+        optimizer = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        if optimizer is not None:
+            tensors += [p for group in optimizer.param_groups for p in group["params"]]
+        bad = torch.zeros((), dtype=torch.float64, device=self.device)
+        for tensor in tensors:
+            if tensor is not None and tensor.numel():
+                bad += (~torch.isfinite(tensor.detach())).sum().to(bad)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad)
+        if bad.item() > 0:
+            raise TrainingDiverged(
+                f"step {self.step}: {int(bad.item())} weights are not finite; refusing to save them as a checkpoint "
+                f"(the last checkpoint in {self.cfg.train.output_dir} stays the newest)")
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -421,6 +506,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints and evaluation
     def save_checkpoint(self) -> str:
         """Save a checkpoint of the current step on every rank (atomic; keeps the last K)."""
+        self._check_weights_finite()
         client_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict(),
                         "ntl_lambda": ntl_lambda(self.cfg, max(self.step, 1)), "config": to_yaml(self.cfg)}
         tag = self.checkpoints.save(
@@ -509,6 +595,32 @@ class Trainer:
         self.preemption.uninstall()
 
 
+def _finite_step(figures: list) -> bool:
+    """Whether the step's CE and NTL sums and its gradient norm (when there is one) are finite."""
+    ce_sum, ntl_sum, grad_norm = figures[0], figures[1], figures[-1]
+    return math.isfinite(ce_sum) and math.isfinite(ntl_sum) and (grad_norm is None or math.isfinite(grad_norm))
+
+
+def _nan_gradient_if_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """`loss`, or, where it is not finite, a loss whose gradient is NaN everywhere: DeepSpeed's overflow
+    check then skips the update (a non-finite loss can have a finite gradient). Decided on the device."""
+    return loss * torch.where(torch.isfinite(loss), 1.0, float("nan")).to(loss.dtype)
+
+
+@contextmanager
+def _update_skipped(engine: Any) -> Iterator[None]:
+    """Let `engine.step()` close the accumulation (DeepSpeed's counters, zeroed gradients) without
+    updating the weights or advancing the LR schedule, as DeepSpeed does for an overflow."""
+    targets = [engine.optimizer] + ([engine.lr_scheduler] if engine.lr_scheduler is not None else [])
+    for target in targets:
+        target.step = lambda *args, **kwargs: None  # instance attribute: shadows the method for this call
+    try:
+        yield
+    finally:
+        for target in targets:
+            del target.step
+
+
 def _write_json(path: str, data: Any) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -551,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         trainer.fit()
-    except CheckpointError as error:
+    except (CheckpointError, TrainingDiverged) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     distributed.shutdown_distributed()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,12 +19,14 @@ def test_bench_loss_runs_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_loss.py"), "--tokens", "64", "--vocab", "512",
                     "--tp", "1", "2", "--reps", "1", "--methods", "ce", "ours_was", "ntloss_was", "--json", str(out)],
-                   check=True, timeout=300, capture_output=True)
+                   check=True, timeout=600, capture_output=True,
+                   env=dict(os.environ, BENCH_THREADS="1"))  # one thread a process: a busy machine stays usable
     rows = json.loads(out.read_text())["rows"]
     assert {(row["tp"], row["method"]) for row in rows} == {(1, "ce"), (1, "ours_was"), (1, "ntloss_was"),
                                                            (2, "ce"), (2, "ours_was")}
     for row in rows:
         assert row["median_s"] > 0 and row["ratio_vs_ce"] > 0 and row["peak_extra_mib"] >= 0
     tp2_ours = next(row for row in rows if row["tp"] == 2 and row["method"] == "ours_was")
-    # one MAX of n + 1 floats and one SUM of n * (K + 2) + 1 floats, K = 10 digits
-    assert tp2_ours["bytes_per_collective"] == [4 * (64 + 1), 4 * (64 * 12 + 1)]
+    # one MAX of n floats and one SUM of n * (K + 2) floats, K = 10 digits (the layout is checked once, not
+    # per call: check_inputs=False, as in the trainer)
+    assert tp2_ours["bytes_per_collective"] == [4 * 64, 4 * 64 * 12]

@@ -8,13 +8,17 @@ measured per method in a fresh process (peak RSS above the inputs), and the byte
 per collective are counted by wrapping `torch.distributed.all_reduce`.
 
 CE alone is `torch.nn.functional.cross_entropy` for TP=1 and DeepSpeed's
-`deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy` on the same shard for TP>1.
+`deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy` on the same shard for TP>1. Our methods
+run as the trainer calls them, with `check_inputs=False` (the shard layout is checked once at start-up).
 
 The LM head + loss methods start from the hidden states `[n, H]` and the head's weight shard
 `[V/T, H]` instead of the logits: `head_*` computes the full logits and the objective on them (for
 TP>1 with DeepSpeed's column-parallel input, whose backward all-reduces the hidden gradient),
 `chunked_*` the same objective with `ntl_pretrain.loss.chunked` (`--chunk-tokens` rows of logits at
-a time). Each `chunked_*` row reports its time and peak memory relative to the matching `head_*`.
+a time; `--chunk-tokens 0`: as many rows as DeepSpeed's fused head takes by default), `ds_fused_ce`
+DeepSpeed 0.19's fused head + CE (`deepspeed.sequence.linear_cross_entropy`, CE alone) on the same
+hidden states and head shard. Each `chunked_*` row reports its time and peak memory relative to the
+matching `head_*`, and every head row relative to `ds_fused_ce` when that was measured.
 
     python tools/bench_loss.py --tokens 4096 16384 --vocab 32000 128256 --tp 1 2 --json bench_loss.json
     python tools/bench_loss.py --tokens 16384 --vocab 128256 --tp 1 --hidden 256 --chunk-tokens 1024 \\
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import socket
@@ -42,7 +47,7 @@ def digit_ids_start(vocab_size: int) -> int:
     return vocab_size // 2 - 5
 
 NUMBER_SHARE = 0.2  # share of label positions that are number tokens
-HEAD_PREFIXES = ("head_", "chunked_")  # methods that start from the hidden states and the head weight
+HEAD_PREFIXES = ("head_", "chunked_", "ds_fused")  # methods that start from the hidden states and the head weight
 
 
 def is_head_method(name: str) -> bool:
@@ -63,7 +68,7 @@ def build_methods(tp: int, names: list[str]):
         weight = 0.0 if variant is None else 0.3
         return lambda logits, labels, ctx: (lambda: ce_ntl_loss(
             logits, labels, ctx["vocab"], ntl_weight=weight, settings=settings, tp_group=ctx["group"],
-            vocab_start_index=ctx["start"]))
+            vocab_start_index=ctx["start"], check_inputs=False))  # as the trainer calls it
 
     def ce(logits, labels, ctx):
         if tp == 1:
@@ -90,12 +95,13 @@ def build_methods(tp: int, names: list[str]):
         def setup(inputs, labels, ctx):
             hidden, module = inputs
             if tp == 1:
-                return lambda: ce_ntl_loss(module(hidden), labels, ctx["vocab"], ntl_weight=weight, settings=settings)
+                return lambda: ce_ntl_loss(module(hidden), labels, ctx["vocab"], ntl_weight=weight, settings=settings,
+                                           check_inputs=False)
             from deepspeed.module_inject.layers import ColumnParallel
 
             return lambda: ce_ntl_loss(module(ColumnParallel.apply(ctx["group"], hidden)), labels, ctx["vocab"],
                                        ntl_weight=weight, settings=settings, tp_group=ctx["group"],
-                                       vocab_start_index=ctx["start"])
+                                       vocab_start_index=ctx["start"], check_inputs=False)
         return setup
 
     def chunked(variant: str | None, reweigh: bool = False):
@@ -106,15 +112,27 @@ def build_methods(tp: int, names: list[str]):
             hidden, module = inputs
 
             def loss():
+                # as the trainer calls it: the shard layout is checked once, not per call (no host sync)
                 sums = chunked_ce_ntl_sums(hidden, module, labels, ctx["vocab"], settings,
                                            chunk_tokens=ctx["chunk_tokens"], tp_group=ctx["group"],
-                                           vocab_start_index=ctx["start"], with_ntl=weight != 0)
+                                           vocab_start_index=ctx["start"], with_ntl=weight != 0, check_inputs=False)
                 total = sums.ce_sum / sums.token_count.clamp_min(1)
                 return total + weight * sums.ntl_sum / sums.ntl_count.clamp_min(1) if weight else total
             return loss
         return setup
 
-    table = {"ce": ce, "ours_ce_only": ours(None), "ours_was": ours("was"), "ours_was_reweigh": ours("was", True),
+    def deepspeed_fused_ce(inputs, labels, ctx):
+        # DeepSpeed 0.19's fused LM head + CE (deepspeed/sequence/linear_cross_entropy.py), CE alone, on the same
+        # hidden states and head shard; its default chunking unless --ds-chunk-tokens is given
+        from deepspeed.sequence.linear_cross_entropy import vocab_parallel_linear_cross_entropy
+
+        hidden, module = inputs
+        options = {"chunk_size": ctx["ds_chunk_tokens"]} if ctx["ds_chunk_tokens"] else {}
+        return lambda: vocab_parallel_linear_cross_entropy(
+            hidden, module.weight, labels, tp_group=ctx["group"], vocab_start_index=ctx["start"],
+            vocab_end_index=ctx["start"] + module.weight.shape[0], **options)
+
+    table = {"ce": ce, "ds_fused_ce": deepspeed_fused_ce, "ours_ce_only": ours(None), "ours_was": ours("was"), "ours_was_reweigh": ours("was", True),
              "ours_mse": ours("mse"), "ours_number_level": ours("number_level")}
     for kind, build in (("head", head), ("chunked", chunked)):
         table.update({f"{kind}_ce_only": build(None), f"{kind}_was": build("was"),
@@ -146,6 +164,13 @@ class _BenchTokenizer:
 
     def __len__(self):
         return len(self.vocab)
+
+
+def deepspeed_default_chunk_rows(tokens: int, vocab_size: int, tp: int, hidden: int) -> int:
+    """The rows per chunk DeepSpeed's fused head picks by default: the chunks' float32 logits are about as large
+    as the hidden states (`ceil(V / T / H)` chunks). `--chunk-tokens 0` gives our chunked head the same."""
+    chunks = max(1, math.ceil(math.ceil(vocab_size / tp) / hidden))
+    return max(1, math.ceil(tokens / chunks))
 
 
 # ------------------------------------------------------------------------------------ child
@@ -196,7 +221,8 @@ def child(args) -> None:
     first_digit = digit_ids_start(vocab_size)
     ctx = {"vocab": NumberVocab(tuple(range(first_digit, first_digit + 10)),
                                 tuple(float(d) for d in range(10)), vocab_size),
-           "group": group, "start": start, "vocab_size": vocab_size, "chunk_tokens": args.chunk_tokens}
+           "group": group, "start": start, "vocab_size": vocab_size, "ds_chunk_tokens": args.ds_chunk_tokens,
+           "chunk_tokens": args.chunk_tokens or deepspeed_default_chunk_rows(n, vocab_size, args.tp, args.hidden)}
     methods = {name: setup(head_inputs if is_head_method(name) else logits, labels, ctx)
                for name, setup in build_methods(args.tp, args.methods).items()}
 
@@ -260,7 +286,7 @@ def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
         port = sock.getsockname()[1]
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--tokens", str(args.tokens), "--vocab", str(vocab),
            "--tp", str(tp), "--reps", str(args.reps), "--hidden", str(args.hidden), "--chunk-tokens",
-           str(args.chunk_tokens), "--methods", *methods]
+           str(args.chunk_tokens), "--ds-chunk-tokens", str(args.ds_chunk_tokens), "--methods", *methods]
     procs = []
     for rank in range(tp):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
@@ -283,7 +309,10 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ce", "ours_ce_only", "ours_was", "ours_was_reweigh",
                                                           "ntloss_was", "ntloss_was_reweigh"])
     parser.add_argument("--hidden", type=int, default=256, help="hidden size H of the head methods")
-    parser.add_argument("--chunk-tokens", type=int, default=1024, help="rows of logits per chunk (chunked_*)")
+    parser.add_argument("--chunk-tokens", type=int, default=1024,
+                        help="rows of logits per chunk (chunked_*); 0: DeepSpeed's default rows for the shape")
+    parser.add_argument("--ds-chunk-tokens", type=int, default=0,
+                        help="rows per chunk of ds_fused_ce (0: DeepSpeed's default)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -315,6 +344,8 @@ def main() -> None:
         for row in group_rows:
             if row["method"].startswith("chunked_"):
                 _add_ratios_vs_unchunked(row, group_rows)
+            if is_head_method(row["method"]) and row["method"] != "ds_fused_ce":
+                _add_ratios_vs_deepspeed_fused(row, group_rows)
             print(_format_row(row), flush=True)
         rows += group_rows
         if args.json:  # after every group: a long sweep stopped midway keeps what it measured
@@ -338,6 +369,16 @@ def _add_ratios_vs_unchunked(row: dict, rows: list[dict]) -> None:
         row["memory_vs_unchunked"] = row["peak_extra_mib"] / twin["peak_extra_mib"]
 
 
+def _add_ratios_vs_deepspeed_fused(row: dict, rows: list[dict]) -> None:
+    """Time and peak memory of a head row relative to DeepSpeed's fused head + CE of the same run."""
+    fused = next((other for other in rows if other["method"] == "ds_fused_ce"), None)
+    if fused is None:
+        return
+    row["time_vs_ds_fused"] = row["median_s"] / fused["median_s"]
+    if "peak_extra_mib" in row and fused.get("peak_extra_mib"):
+        row["memory_vs_ds_fused"] = row["peak_extra_mib"] / fused["peak_extra_mib"]
+
+
 def _format_row(row: dict) -> str:
     ratio = f"{row['ratio_vs_ce']:.3f}x" if row.get("ratio_vs_ce") is not None else "-"
     memory = f"  peak +{row['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in row else ""
@@ -347,6 +388,10 @@ def _format_row(row: dict) -> str:
         versus = f"  vs unchunked: time {row['time_vs_unchunked']:.3f}x"
         if "memory_vs_unchunked" in row:
             versus += f", memory {row['memory_vs_unchunked']:.3f}x"
+    if "time_vs_ds_fused" in row:
+        versus += f"  vs ds_fused_ce: time {row['time_vs_ds_fused']:.3f}x"
+        if "memory_vs_ds_fused" in row:
+            versus += f", memory {row['memory_vs_ds_fused']:.3f}x"
     return (f"n={row['tokens']:<6} V={row['vocab']:<7} tp={row['tp']}  {row['method']:<26} "
             f"warm {row['median_s'] * 1e3:8.1f} ms  cold {row['cold_s'] * 1e3:8.1f} ms  {ratio:>8}{memory}{comm}"
             f"{versus}")

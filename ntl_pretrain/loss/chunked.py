@@ -19,9 +19,11 @@ has the gradient `dL/dce_sum * dce_sum + dL/dntl_sum * dntl_sum`, which backward
 two scalars it receives (loss scale, NTL weight and normalisation included).
 
 Collectives (TP group, every rank, every chunk, whatever the labels): forward one all-reduce MAX of
-`c + 1` floats and one all-reduce SUM of `c * (K + 2) + 1` floats per chunk of `c` rows; backward one
+`c` floats and one all-reduce SUM of `c * (K + 2)` floats per chunk of `c` rows; backward one
 all-reduce SUM of the `[n, H]` hidden gradient (the vocabulary-parallel head's own backward would do
-the same). With T = 1 there is no collective.
+the same). With T = 1 there is no collective. With `check_inputs=True` (the default) the shard layout
+is checked first (`parallel.check_shard_layout`, one small all-reduce and a host read); with False
+nothing reads a tensor on the host, except the row count of the reweigh recompute (reweigh only).
 
 DeepSpeed: the objective runs inside the LM head module's own call (`head(hidden)`), through hooks
 installed for that one call, so ZeRO-3 gathers the head weight for the forward and again for the
@@ -33,6 +35,7 @@ model's output.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -43,8 +46,9 @@ import torch.nn.functional as F
 
 from ..numbers import NumberVocab
 from .ntl import NTLSettings
-from .objective import ObjectiveSums, sums_from_stats, validate_loss_weights
-from .parallel import ShardLayout, ShardStats, compute_dtype, group_size
+from .objective import (ObjectiveSums, check_labels_in_vocabulary, check_vocabulary_covers_numbers, sums_from_stats,
+                        validate_loss_weights)
+from .parallel import ShardLayout, ShardStats, check_shard_layout, compute_dtype, group_size
 
 # Layout of the packed objective tensor the head returns in place of its logits.
 CE_SUM, NTL_SUM, TOKEN_COUNT, NTL_COUNT, NUMBER_TOKENS, ABS_ERROR_SUM = range(6)
@@ -63,13 +67,14 @@ class _Plan:
     chunk_tokens: int
     tp_group: dist.ProcessGroup | None
     vocab_start_index: int
+    check_inputs: bool  # host checks (shard layout, labels in the vocabulary); False: no host sync
 
 
 class _ChunkedHeadObjective(torch.autograd.Function):
     """`(hidden [n, H], weight [V_local, H], bias [V_local] | None) -> packed [6]` (see module docstring).
 
-    Forward: per chunk, one all-reduce MAX (`c + 1` floats) and one all-reduce SUM (`c * (K + 2) + 1`
-    floats) over the TP group. Backward: one all-reduce SUM of the `[n, H]` hidden gradient over the
+    Forward: per chunk, one all-reduce MAX (`c` floats) and one all-reduce SUM (`c * (K + 2)` floats)
+    over the TP group. Backward: one all-reduce SUM of the `[n, H]` hidden gradient over the
     TP group (the hidden states are replicated over it, each rank holds a vocabulary shard).
     """
 
@@ -94,24 +99,29 @@ class _ChunkedHeadObjective(torch.autograd.Function):
         sum_exp = torch.empty(n, dtype=dtype, device=device)
         target_logit = torch.empty(n, dtype=dtype, device=device)
         number_logits = torch.empty(n, num_numbers, dtype=dtype, device=device)
-        hidden_grad_ce = torch.empty_like(hidden) if need_hidden_grad else None
-        weight_grad = torch.zeros_like(weight) if need_weight_grad else None
+        # Gradient accumulators in the compute dtype (float32 for bf16/fp16 heads): summing one partial
+        # product per chunk into a bf16 buffer would round after every chunk (error growing with the
+        # chunk count); each is cast to its parameter's dtype once, at the end of backward.
+        hidden_grad_ce = torch.empty(hidden.shape, dtype=dtype, device=device) if need_hidden_grad else None
+        weight_grad = torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight_grad else None
         bias_grad = torch.zeros(width, dtype=dtype, device=device) if need_bias_grad else None
-        total_width = width
+        total_width = None
+        if plan.check_inputs:  # while ZeRO-3 has the head gathered: its width is known here
+            total_width = check_shard_layout(width, plan.vocab_start_index, tp_group, device)
+            check_vocabulary_covers_numbers(total_width, number_vocab)
+            check_labels_in_vocabulary(flat_labels, total_width, settings.ignore_index)
 
         for first in range(0, n, plan.chunk_tokens):
             last = min(first + plan.chunk_tokens, n)
             rows = slice(first, last)
             chunk = hidden[rows]
             logits = F.linear(chunk, weight, bias)
-            # Row max over the whole vocabulary (exact, so every TP layout shifts alike), plus the
-            # shard's end index to check that the shards tile the vocabulary.
-            max_buf = torch.cat([logits.amax(dim=-1).to(dtype), shift.new_tensor([plan.vocab_start_index + width])])
+            # Row max over the whole vocabulary (exact, so every TP layout shifts alike).
+            row_max = logits.amax(dim=-1).to(dtype)
             if parallel:
-                dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=tp_group)
-            chunk_shift = torch.where(torch.isfinite(max_buf[:-1]), max_buf[:-1], 0.0)
-            packed = torch.zeros((last - first) * (num_numbers + 2) + 1, dtype=dtype, device=device)
-            table = packed[:-1].view(last - first, num_numbers + 2)
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+            chunk_shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+            table = torch.zeros(last - first, num_numbers + 2, dtype=dtype, device=device)
             picked = logits.gather(1, target_local[rows].unsqueeze(1)).squeeze(1)
             table[:, 1] = torch.where(target_owned[rows], picked.to(dtype), 0.0)
             if layout.local_number_cols.numel():
@@ -122,18 +132,14 @@ class _ChunkedHeadObjective(torch.autograd.Function):
             del logits
             probs.exp_()
             table[:, 0] = probs.sum(-1)
-            packed[-1] = width
             if parallel:
-                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-            if first == 0:
-                total_width = _check_layout(packed, max_buf, flat_labels, number_vocab, settings.ignore_index)
+                dist.all_reduce(table, op=dist.ReduceOp.SUM, group=tp_group)
             shift[rows], sum_exp[rows] = chunk_shift, table[:, 0]
             target_logit[rows], number_logits[rows] = table[:, 1], table[:, 2:]
             if need_any_grad:
                 # logit gradient of ce_sum: valid * softmax - onehot(target), written over probs
                 probs.mul_((valid[rows].to(dtype) / table[:, 0]).unsqueeze(1))
-                owned = torch.nonzero(target_owned[rows]).flatten()
-                probs.index_put_((owned, target_local[rows][owned]), probs.new_tensor(-1.0), accumulate=True)
+                probs.scatter_add_(1, target_local[rows].unsqueeze(1), target_owned[rows].to(dtype).neg().unsqueeze(1))
                 _accumulate_grads(probs, chunk, weight, rows, hidden_grad_ce, weight_grad, bias_grad)
             del probs
 
@@ -169,9 +175,9 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                 grad_cols = number_grad.index_select(1, layout.owned_number_slots) * grad_ntl
                 cols = layout.local_number_cols
                 if hidden_grad is not None:
-                    hidden_grad.add_(grad_cols.to(weight.dtype) @ weight.index_select(0, cols))
+                    hidden_grad.add_(_matmul(grad_cols, weight.index_select(0, cols), hidden_grad.dtype))
                 if weight_grad is not None:
-                    weight_grad.index_add_(0, cols, (grad_cols.t().to(hidden.dtype) @ hidden).to(weight_grad.dtype))
+                    weight_grad.index_add_(0, cols, _matmul(grad_cols.t(), hidden, weight_grad.dtype))
                 if bias_grad is not None:
                     bias_grad.index_add_(0, cols, grad_cols.sum(0))
             if reweigh_rows is not None:
@@ -189,44 +195,53 @@ class _ChunkedHeadObjective(torch.autograd.Function):
             dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.tp_group)
         if bias_grad is not None:
             bias_grad = bias_grad.to(bias.dtype)
+        if weight_grad is not None:
+            weight_grad = weight_grad.to(weight.dtype)
+        if hidden_grad is not None:
+            hidden_grad = hidden_grad.to(hidden.dtype)
         return hidden_grad, weight_grad, bias_grad, None, None
 
 
 def _accumulate_grads(logit_grad: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor, rows: slice | torch.Tensor,
                       hidden_grad: torch.Tensor | None, weight_grad: torch.Tensor | None,
                       bias_grad: torch.Tensor | None) -> None:
-    """Add the contributions of one chunk's `[c, V_local]` logit gradient (float32) to the parameter
-    and hidden gradients. The matmuls run in the head's dtype, as the unchunked head's backward does."""
+    """Add the contributions of one chunk's `[c, V_local]` logit gradient (float32) to the hidden, weight
+    and bias gradients (float32 accumulators for bf16/fp16 heads). The hidden rows of a chunk are one
+    product over the vocabulary, run in the head's dtype as the unchunked head's backward does; the weight
+    gradient sums a product per chunk, so each is added in float32."""
     if bias_grad is not None:
         bias_grad.add_(logit_grad.sum(0))
     grad = logit_grad.to(weight.dtype)
     if hidden_grad is not None:
-        if isinstance(rows, slice):
+        if isinstance(rows, slice) and hidden_grad.dtype == weight.dtype:
             torch.mm(grad, weight, out=hidden_grad[rows])
+        elif isinstance(rows, slice):
+            hidden_grad[rows] = grad @ weight
         else:
-            hidden_grad.index_add_(0, rows, grad @ weight)
+            hidden_grad.index_add_(0, rows, (grad @ weight).to(hidden_grad.dtype))
     if weight_grad is not None:
-        weight_grad.addmm_(grad.t(), chunk.to(weight.dtype))
+        if weight_grad.dtype == weight.dtype:
+            weight_grad.addmm_(grad.t(), chunk.to(weight.dtype))
+        elif _has_low_precision_gemm_into_float32(weight_grad.device):
+            torch.addmm(weight_grad, grad.t(), chunk.to(weight.dtype), out_dtype=weight_grad.dtype, out=weight_grad)
+        else:  # e.g. CPU: no bf16 x bf16 -> float32 GEMM; the float32 logit gradient is at hand
+            weight_grad.addmm_(logit_grad.t(), chunk.to(weight_grad.dtype))
 
 
-def _check_layout(packed: torch.Tensor, max_buf: torch.Tensor, flat_labels: torch.Tensor, number_vocab: NumberVocab,
-                  ignore_index: int) -> int:
-    """Checks on the reduced values of the first chunk: identical on every TP rank, so all raise together."""
-    total_width, end = int(packed[-1].item()), int(max_buf[-1].item())
-    if total_width != end:
-        raise ValueError(
-            f"the vocabulary shards of the TP group do not tile the vocabulary: widths sum to {total_width} but the "
-            f"last shard ends at {end}. Pass each rank's own head shard with its vocab_start_index "
-            f"(VocabParallelLinear.vocab_start_index).")
-    if total_width < number_vocab.vocab_size:
-        raise ValueError(f"the LM head spans {total_width} vocabulary rows over the TP group, fewer than the number "
-                         f"vocabulary's vocab_size={number_vocab.vocab_size}: the model's vocabulary is smaller than "
-                         f"the tokenizer's; resize its embeddings")
-    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= total_width))
-    if bool(bad.any()):
-        raise ValueError(f"label {int(flat_labels[bad][0])} is outside the vocabulary [0, {total_width}) and is not "
-                         f"ignore_index={ignore_index}")
-    return total_width
+def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` in `b`'s dtype, returned as `out_dtype`."""
+    return (a.to(b.dtype) @ b).to(out_dtype)
+
+
+@functools.cache
+def _has_low_precision_gemm_into_float32(device: torch.device) -> bool:
+    """Whether bf16/fp16 GEMMs can write float32 outputs on this device (`torch.addmm(..., out_dtype=)`,
+    PyTorch >= 2.8 on CUDA), asked of the dispatcher rather than found by trying one."""
+    try:
+        key = torch._C._dispatch_key_for_device(device.type)
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", key)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
@@ -252,6 +267,8 @@ def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
     number_grad = grads[0] if grads[0] is not None else torch.zeros_like(number_logits)
     if not settings.reweigh or grads[1] is None:
         return packed, (number_grad, None, None)
+    # the one host sync of the chunked head, reweigh only: how many rows backward recomputes (recomputing
+    # every row instead would cost a second full head pass)
     reweigh_rows = torch.nonzero(grads[1]).flatten()
     return packed, (number_grad, reweigh_rows, grads[1][reweigh_rows])
 
@@ -340,7 +357,7 @@ def _armed(head: torch.nn.Module, plan: _Plan) -> Iterator[_HeadCall]:
 
 def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings,
                chunk_tokens: int, tp_group: dist.ProcessGroup | None, vocab_start_index: int,
-               loss_weights: torch.Tensor | None, with_ntl: bool) -> _Plan:
+               loss_weights: torch.Tensor | None, with_ntl: bool, check_inputs: bool) -> _Plan:
     if not isinstance(number_vocab, NumberVocab):
         raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -351,7 +368,7 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
     if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
         raise TypeError(f"labels must be a non-empty integer tensor, got {labels.dtype} with shape "
                         f"{tuple(labels.shape)}")
-    validate_loss_weights(labels, loss_weights)
+    validate_loss_weights(labels, loss_weights, check_values=check_inputs)
     head_group = getattr(head, "mp_group", None)
     if getattr(head, "is_vocab_parallel_lm_head", False) and group_size(head_group) > 1:
         same_group = group_size(tp_group) > 1 and (
@@ -366,13 +383,15 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
     if vocab_start_index < 0:
         raise ValueError(f"vocab_start_index must be >= 0, got {vocab_start_index}")
     return _Plan(labels=labels, loss_weights=loss_weights, number_vocab=number_vocab, settings=settings,
-                 with_ntl=with_ntl, chunk_tokens=chunk_tokens, tp_group=tp_group, vocab_start_index=vocab_start_index)
+                 with_ntl=with_ntl, chunk_tokens=chunk_tokens, tp_group=tp_group, vocab_start_index=vocab_start_index,
+                 check_inputs=check_inputs)
 
 
 def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab,
                         settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
                         tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
-                        loss_weights: torch.Tensor | None = None, with_ntl: bool = True) -> ObjectiveSums:
+                        loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
+                        check_inputs: bool = True) -> ObjectiveSums:
     """`ce_ntl_sums(head(hidden), labels, ...)` without ever holding more than `chunk_tokens` rows of logits.
 
     Same meaning, values and gradients (float32 round-off) as `objective.ce_ntl_sums` on the head's
@@ -392,9 +411,11 @@ def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: tor
             times over).
         tp_group, vocab_start_index: the vocabulary-parallel layout of the head (`head.mp_group`,
             `head.vocab_start_index`); None and 0 for a full head.
+        check_inputs: as in `ce_ntl_sums` (False: no host sync, except the one of reweigh, see
+            docs/chunked.md).
     """
     plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, tp_group, vocab_start_index, loss_weights,
-                      with_ntl)
+                      with_ntl, check_inputs)
     with _armed(head, plan) as call:
         packed = head(hidden)
     if call.computed is None:
@@ -406,7 +427,8 @@ def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: tor
 def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, labels: torch.Tensor,
                               number_vocab: NumberVocab, settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
                               tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
-                              loss_weights: torch.Tensor | None = None, with_ntl: bool = True) -> ObjectiveSums:
+                              loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
+                              check_inputs: bool = True) -> ObjectiveSums:
     """Forward of a causal LM (a DeepSpeed engine or a HF model) with its head replaced by the chunked
     CE + NTL objective; the replacement for `ce_ntl_sums(model(**inputs).logits, labels, ...)`.
 
@@ -425,7 +447,7 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
         raise ValueError("do not pass labels to the model: it would compute its own loss on the head's output; "
                          "pass them to chunked_model_ce_ntl_sums")
     plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, tp_group, vocab_start_index, loss_weights,
-                      with_ntl)
+                      with_ntl, check_inputs)
     with _armed(head, plan) as call:
         output = model(**inputs)
     if call.computed is None:

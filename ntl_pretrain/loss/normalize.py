@@ -5,6 +5,8 @@ non-ignored tokens of the global batch and NTL the mean over all NTL terms of th
 whatever the split. So the trainer counts both for the whole step first (one all-reduce over the
 DATA-parallel group), then scales each micro-batch's sums so that DeepSpeed's division by the
 accumulation steps and its averaging over data-parallel ranks give exactly the global means.
+
+The counts stay on the device (0-d tensors): nothing here reads a tensor value on the host.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from .parallel import group_size
 class StepCounts:
     """Counts of one optimizer step, summed over its micro-batches and all data-parallel ranks."""
 
-    tokens: float  # non-ignored label positions (the CE normaliser)
-    ntl_positions: float  # NTL terms, weighted by loss weights (the NTL normaliser)
+    tokens: torch.Tensor  # 0-d float64: non-ignored label positions (the CE normaliser)
+    ntl_positions: torch.Tensor  # 0-d float64: NTL terms, weighted by loss weights (the NTL normaliser)
 
 
 def count_step(labels: Sequence[torch.Tensor], number_vocab: NumberVocab, settings: NTLSettings,
@@ -35,7 +37,8 @@ def count_step(labels: Sequence[torch.Tensor], number_vocab: NumberVocab, settin
     """Count the step's tokens and NTL terms over all micro-batches and data-parallel ranks.
 
     Runs exactly one all-reduce (SUM, 2 floats) over `dp_group` on every call, also when this rank's
-    micro-batches hold no number token, so ranks never wait on each other.
+    micro-batches hold no number token, so ranks never wait on each other. No host sync: the counts
+    are returned as device tensors.
     """
     if not labels:
         raise ValueError("count_step needs the labels of at least one micro-batch")
@@ -48,11 +51,11 @@ def count_step(labels: Sequence[torch.Tensor], number_vocab: NumberVocab, settin
         if loss_weights is None:
             counts[1] += positions.sum()
         else:
-            counts[1] += loss_weights[index].reshape(-1).to(torch.float64)[positions].sum()
+            weights = loss_weights[index].reshape(-1).to(device=counts.device, dtype=torch.float64)
+            counts[1] += torch.where(positions, weights, 0.0).sum()
     if group_size(dp_group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
-    tokens, ntl_positions = counts.tolist()
-    return StepCounts(tokens=tokens, ntl_positions=ntl_positions)
+    return StepCounts(tokens=counts[0], ntl_positions=counts[1])
 
 
 def scaled_micro_batch_loss(sums: ObjectiveSums, counts: StepCounts, ntl_weight: float, dp_world_size: int,
@@ -66,7 +69,11 @@ def scaled_micro_batch_loss(sums: ObjectiveSums, counts: StepCounts, ntl_weight:
     if dp_world_size < 1 or grad_accum_steps < 1:
         raise ValueError(f"dp_world_size ({dp_world_size}) and grad_accum_steps ({grad_accum_steps}) must be >= 1")
     scale = float(dp_world_size * grad_accum_steps)
-    loss = sums.ce_sum * (scale / max(counts.tokens, 1.0))
-    if ntl_weight != 0 and counts.ntl_positions > 0:
-        loss = loss + sums.ntl_sum * (scale * ntl_weight / counts.ntl_positions)
+    dtype = sums.ce_sum.dtype
+    loss = sums.ce_sum * (scale / counts.tokens.clamp_min(1.0)).to(dtype)
+    if ntl_weight != 0:
+        # no NTL term in the whole step: factor 0 (decided on the device, no host sync)
+        has_terms = counts.ntl_positions > 0
+        factor = torch.where(has_terms, scale * ntl_weight / torch.where(has_terms, counts.ntl_positions, 1.0), 0.0)
+        loss = loss + sums.ntl_sum * factor.to(dtype)
     return loss

@@ -55,17 +55,21 @@ class NTLSettings:
 def distance_table(number_vocab: NumberVocab, squash_factor: float | None, device: torch.device,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`D[i, k] = |v_i - v_k|`, optionally squashed so the largest distance is `squash_factor` times the
-    smallest non-zero one (zero stays zero)."""
-    values = number_vocab.values_tensor(device, dtype)
-    diff = (values[:, None] - values[None, :]).abs()
-    if squash_factor is None:
-        return diff
-    nonzero = diff[diff > 0]
-    if nonzero.numel() == 0:
-        raise ValueError("squash_factor needs at least two distinct number values")
-    low, high = nonzero.min(), diff.max()
-    scaled = 1 + (diff - low) * ((squash_factor - 1) / (high - low))
-    return torch.where(diff == 0, torch.zeros_like(diff), scaled)
+    smallest non-zero one (zero stays zero). Built once per vocabulary, device and dtype (the range is
+    found on the host from the vocabulary's values: no device sync)."""
+    def build() -> torch.Tensor:
+        values = number_vocab.values_tensor(device, dtype)
+        diff = (values[:, None] - values[None, :]).abs()
+        if squash_factor is None:
+            return diff
+        distances = [abs(a - b) for a in number_vocab.values for b in number_vocab.values if a != b]
+        if not distances:
+            raise ValueError("squash_factor needs at least two distinct number values")
+        low, high = min(distances), max(distances)
+        scaled = 1 + (diff - low) * ((squash_factor - 1) / (high - low) if high > low else 0.0)
+        return torch.where(diff == 0, torch.zeros_like(diff), scaled)
+
+    return number_vocab._cached(("distance_table", squash_factor, torch.device(device), dtype), build)
 
 
 def max_distance(number_vocab: NumberVocab, settings: NTLSettings, device: torch.device,
@@ -100,11 +104,15 @@ def _wasserstein_smoothed(probs: torch.Tensor, target_values: torch.Tensor, valu
 
 @dataclass
 class NTLTerms:
-    """NTL per term (one per number token, or per number for "number_level")."""
+    """NTL per term (one per number token, or per number for "number_level"), each at its flat position.
 
-    loss: torch.Tensor  # [m] per-term loss after reweighing, differentiable
-    weights: torch.Tensor  # [m] loss weight of each term
-    positions: torch.Tensor  # [n] bool: the flat position each term belongs to
+    Shapes are those of the labels, whatever the data (no data-dependent sizes, so no host sync): a
+    position without a term holds loss 0 and weight 0.
+    """
+
+    loss: torch.Tensor  # [n] per-term loss after reweighing, differentiable; 0 where no term sits
+    weights: torch.Tensor  # [n] loss weight of each term; 0 where no term sits
+    positions: torch.Tensor  # [n] bool: where a term sits
 
 
 def number_spans(number_slot: torch.Tensor, labels: torch.Tensor, decimal_point_id: int | None,
@@ -125,12 +133,13 @@ def number_spans(number_slot: torch.Tensor, labels: torch.Tensor, decimal_point_
     is_start = (in_number & ~continues).flatten()
     in_number, is_digit = in_number.flatten(), is_digit.flatten()
     segment = torch.where(in_number, is_start.long().cumsum(0) - 1, -1)
-    n_segments = int(is_start.sum())
-    digits_per_segment = torch.zeros(n_segments + 1, dtype=torch.long, device=labels.device)
+    # per-number tables sized by the positions (an upper bound on the numbers): no host sync for a count
+    n_slots = is_start.numel() + 1  # slot 0 collects the positions outside any number
+    digits_per_segment = torch.zeros(n_slots, dtype=torch.long, device=labels.device)
     digits_per_segment.index_add_(0, segment + 1, is_digit.long())
     digit_rank = is_digit.long().cumsum(0)  # digits seen so far, inclusive
-    first_rank = torch.zeros(n_segments + 1, dtype=torch.long, device=labels.device)
-    first_rank[segment[is_start] + 1] = digit_rank[is_start]
+    first_rank = torch.zeros(n_slots, dtype=torch.long, device=labels.device)
+    first_rank.scatter_(0, torch.where(is_start, segment + 1, 0), torch.where(is_start, digit_rank, 0))
     place = digits_per_segment[segment + 1] - (digit_rank - first_rank[segment + 1]) - 1
     place = torch.where(is_digit, place, 0).clamp(0, max_digits - 1)
     return is_start, segment, place
@@ -170,8 +179,10 @@ def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: N
               loss_weights: torch.Tensor | None = None) -> NTLTerms:
     """Per-term NTL from `[n, K]` number logits and `[B, S]` (or `[n]`) labels aligned with them.
 
-    `number_mass(rows)` (the full-vocabulary probability mass on number tokens at those rows,
-    `ShardStats.number_mass`) is needed only when `settings.reweigh`.
+    `number_mass()` (the `[n]` full-vocabulary probability mass on number tokens at every row,
+    `ShardStats.number_mass`) is needed only when `settings.reweigh`. Every row is computed and the rows
+    without a term are masked (their number logits replaced by zeros first, so they get exactly zero
+    gradient): `[n, K]` work with K ~ 10, and no host sync.
     """
     device, dtype = number_logits.device, number_logits.dtype
     flat_labels = labels.reshape(-1)
@@ -187,19 +198,20 @@ def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: N
                              "(NumberVocab.decimal_point_id is None)")
         is_start, segment, place = number_spans(slot, _as_rows(labels), number_vocab.decimal_point_id,
                                                 settings.float_level, settings.max_number_digits)
-        digits = torch.nonzero(slot >= 0).flatten()
-        probs = torch.softmax(number_logits[digits], dim=-1)
-        scale = torch.pow(10.0, place[digits].to(dtype))
-        n_numbers = int(is_start.sum())
-        expected = values.new_zeros(n_numbers).index_add(0, segment[digits], probs @ values * scale)
-        true = values.new_zeros(n_numbers).index_add(0, segment[digits], values[slot[digits]] * scale)
-        loss = (expected - true).abs() / (expected.abs() + true.abs() + torch.finfo(dtype).eps)
+        digits = slot >= 0
+        probs = torch.softmax(torch.where(digits[:, None], number_logits, 0.0), dim=-1)
+        scale = torch.where(digits, torch.pow(10.0, place.to(dtype)), 0.0)
+        number_slot = segment + 1  # slot 0: positions outside any number (their scale is 0)
+        expected = values.new_zeros(number_slot.numel() + 1).index_add(0, number_slot, probs @ values * scale)
+        true = values.new_zeros(number_slot.numel() + 1).index_add(0, number_slot,
+                                                                   values[slot.clamp_min(0)] * scale)
+        per_number = (expected - true).abs() / (expected.abs() + true.abs() + torch.finfo(dtype).eps)
         positions = is_start
+        loss = per_number[number_slot]  # each number's term at its first digit (masked below)
     else:
         positions = slot >= 0
-        rows = torch.nonzero(positions).flatten()
-        target_slot = slot[rows]
-        probs = torch.softmax(number_logits[rows], dim=-1)
+        target_slot = slot.clamp_min(0)
+        probs = torch.softmax(torch.where(positions[:, None], number_logits, 0.0), dim=-1)
         if settings.variant == "was" and settings.smoothing_sigma > 0:
             loss = _wasserstein_smoothed(probs, values[target_slot], values, settings.smoothing_sigma)
         elif settings.variant == "was":
@@ -210,6 +222,7 @@ def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: N
     if settings.reweigh:
         if number_mass is None:
             raise ValueError("reweigh needs the full-vocabulary number-token mass (number_mass)")
-        mass = number_mass(torch.nonzero(positions).flatten())
+        mass = number_mass()
         loss = loss * mass + REWEIGH_MARGIN * max_distance(number_vocab, settings, device, dtype) * (1 - mass)
-    return NTLTerms(loss=loss, weights=weights_all[positions], positions=positions)
+    return NTLTerms(loss=torch.where(positions, loss, 0.0), weights=torch.where(positions, weights_all, 0.0),
+                    positions=positions)

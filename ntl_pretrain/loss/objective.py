@@ -3,6 +3,12 @@
 The heavy `[n, V]` work happens once in `parallel.shard_reductions` (one log-sum-exp serves CE and
 the reweigh mass, and the number-token columns travel in the same SUM collective); the rest is
 replicated `[n, K]` math in `ntl.py`. On one device pass `tp_group=None` (the default).
+
+Host syncs: with `check_inputs=True` (the default) each call checks what only the host can check
+(the shard layout over the TP group, labels inside the vocabulary, loss weights >= 0), which reads
+tensor values on the host. With `check_inputs=False` nothing reads a tensor value on the host: what
+a training step should call, once the layout has been checked at start-up
+(`parallel.check_shard_layout`), as the trainer does.
 """
 
 from __future__ import annotations
@@ -34,19 +40,36 @@ class ObjectiveSums:
     abs_error_sum: torch.Tensor  # detached: sum over those of |expected number - true value|
 
 
-def validate_loss_weights(labels: torch.Tensor, loss_weights: torch.Tensor | None) -> None:
-    """NTL loss weights must match the labels' shape and be non-negative."""
+def validate_loss_weights(labels: torch.Tensor, loss_weights: torch.Tensor | None, check_values: bool = True) -> None:
+    """NTL loss weights must match the labels' shape and (`check_values`: a host sync) be non-negative."""
     if loss_weights is None:
         return
     if loss_weights.shape != labels.shape:
         raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
                          f"{tuple(labels.shape)}")
-    if bool((loss_weights < 0).any()):
+    if check_values and bool((loss_weights < 0).any()):
         raise ValueError("loss_weights must be >= 0")
 
 
+def check_labels_in_vocabulary(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Every label is `ignore_index` or a token id below `vocab_size` (a host sync)."""
+    flat = labels.reshape(-1)
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"label {int(flat[bad][0])} is outside the vocabulary [0, {vocab_size}) and is not "
+                         f"ignore_index={ignore_index}")
+
+
+def check_vocabulary_covers_numbers(vocab_size: int, number_vocab: NumberVocab) -> None:
+    """The logits (or the head) span at least the number vocabulary's `vocab_size` columns."""
+    if vocab_size < number_vocab.vocab_size:
+        raise ValueError(f"the logits span {vocab_size} vocabulary columns over the TP group, fewer than the "
+                         f"number vocabulary's vocab_size={number_vocab.vocab_size}: the model's vocabulary is "
+                         f"smaller than the tokenizer's; resize its embeddings")
+
+
 def _validate(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, tp_group,
-              vocab_start_index: int, loss_weights: torch.Tensor | None) -> None:
+              vocab_start_index: int, loss_weights: torch.Tensor | None, check_inputs: bool) -> None:
     if not isinstance(number_vocab, NumberVocab):
         raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
     if not torch.is_floating_point(logits):
@@ -58,7 +81,7 @@ def _validate(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVo
                          f"{tuple(logits.shape[:-1])}; labels must be aligned with the logits (already shifted)")
     if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16):
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    validate_loss_weights(labels, loss_weights)
+    validate_loss_weights(labels, loss_weights, check_values=check_inputs)
     if group_size(tp_group) == 1:
         if vocab_start_index != 0:
             raise ValueError(f"vocab_start_index={vocab_start_index} without a tensor-parallel group; pass the "
@@ -74,28 +97,23 @@ def _validate(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVo
 
 
 def _reduce_stats(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, need_lse: bool,
-                  need_target: bool, tp_group, vocab_start_index: int, ignore_index: int) -> ShardStats:
+                  need_target: bool, tp_group, vocab_start_index: int, ignore_index: int,
+                  check_inputs: bool) -> ShardStats:
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
     stats = shard_reductions(flat_logits, number_vocab, targets=flat_labels if need_target else None,
                              need_lse=need_lse, tp_group=tp_group, vocab_start_index=vocab_start_index,
-                             ignore_index=ignore_index)
-    if stats.vocab_size < number_vocab.vocab_size:
-        raise ValueError(f"the logits span {stats.vocab_size} vocabulary columns over the TP group, fewer than the "
-                         f"number vocabulary's vocab_size={number_vocab.vocab_size}: the model's vocabulary is "
-                         f"smaller than the tokenizer's; resize its embeddings")
-    if need_target:
-        bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= stats.vocab_size))
-        if bool(bad.any()):
-            raise ValueError(f"label {int(flat_labels[bad][0])} is outside the vocabulary [0, {stats.vocab_size}) "
-                             f"and is not ignore_index={ignore_index}")
+                             ignore_index=ignore_index, check=check_inputs)
+    if check_inputs:
+        check_vocabulary_covers_numbers(stats.vocab_size, number_vocab)
+        check_labels_in_vocabulary(flat_labels, stats.vocab_size, ignore_index)
     return stats
 
 
 def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
                 settings: NTLSettings = NTLSettings(), *, tp_group: dist.ProcessGroup | None = None,
                 vocab_start_index: int = 0, loss_weights: torch.Tensor | None = None,
-                with_ntl: bool = True) -> ObjectiveSums:
+                with_ntl: bool = True, check_inputs: bool = True) -> ObjectiveSums:
     """CE and NTL sums (and counts) of one micro-batch.
 
     Args:
@@ -110,10 +128,14 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
         loss_weights: `[...]` non-negative weights of the NTL terms (CE is unweighted).
         with_ntl: False computes CE only (the NTL sum is then zero); the number-token figures for
             monitoring are computed either way.
+        check_inputs: run the checks that read values on the host (shard layout over the TP group,
+            labels inside the vocabulary, loss weights >= 0). False: no host sync at all; check the
+            layout once with `parallel.check_shard_layout` instead.
     """
-    _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights)
+    _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights, check_inputs)
     stats = _reduce_stats(logits, labels, number_vocab, need_lse=True, need_target=True, tp_group=tp_group,
-                          vocab_start_index=vocab_start_index, ignore_index=settings.ignore_index)
+                          vocab_start_index=vocab_start_index, ignore_index=settings.ignore_index,
+                          check_inputs=check_inputs)
     return sums_from_stats(stats, labels, number_vocab, settings, loss_weights=loss_weights, with_ntl=with_ntl)
 
 
@@ -125,13 +147,13 @@ def sums_from_stats(stats: ShardStats, labels: torch.Tensor, number_vocab: Numbe
     valid = (flat_labels != settings.ignore_index).to(stats.number_logits.dtype)
     ce_sum = ((stats.lse - stats.target_logit) * valid).sum()
 
-    with torch.no_grad():
+    with torch.no_grad():  # every row, masked: no data-dependent shapes, no host sync
         slot = number_vocab.index_of(flat_labels, settings.ignore_index)
-        rows = torch.nonzero(slot >= 0).flatten()
+        is_number = slot >= 0
         values = number_vocab.values_tensor(flat_labels.device, stats.number_logits.dtype)
-        expected = torch.softmax(stats.number_logits[rows], dim=-1) @ values
-        abs_error_sum = (expected - values[slot[rows]]).abs().sum()
-        number_tokens = torch.tensor(float(rows.numel()), device=flat_labels.device, dtype=values.dtype)
+        expected = torch.softmax(stats.number_logits, dim=-1) @ values
+        abs_error_sum = torch.where(is_number, (expected - values[slot.clamp_min(0)]).abs(), 0.0).sum()
+        number_tokens = is_number.sum().to(values.dtype)
 
     if with_ntl:
         terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
@@ -151,11 +173,13 @@ def _safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 def ce_ntl_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, *, ntl_weight: float = 0.3,
                 settings: NTLSettings = NTLSettings(), tp_group: dist.ProcessGroup | None = None,
-                vocab_start_index: int = 0, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
+                vocab_start_index: int = 0, loss_weights: torch.Tensor | None = None,
+                check_inputs: bool = True) -> torch.Tensor:
     """`mean CE + ntl_weight * mean NTL` over this batch (for global normalisation across micro-batches
     and data-parallel ranks use `ce_ntl_sums` with `normalize.py`)."""
     sums = ce_ntl_sums(logits, labels, number_vocab, settings, tp_group=tp_group,
-                       vocab_start_index=vocab_start_index, loss_weights=loss_weights, with_ntl=ntl_weight != 0)
+                       vocab_start_index=vocab_start_index, loss_weights=loss_weights, with_ntl=ntl_weight != 0,
+                       check_inputs=check_inputs)
     return _safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * _safe_mean(sums.ntl_sum, sums.ntl_count)
 
 
@@ -163,7 +187,8 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
                       variant: str = "was", reweigh: bool = False, squash_factor: float | None = None,
                       loss_weights: torch.Tensor | None = None, reduction: str = "mean", ignore_index: int = -100,
                       smoothing_sigma: float = 0.0, float_level: bool = False, max_number_digits: int = 20,
-                      tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0) -> torch.Tensor:
+                      tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
+                      check_inputs: bool = True) -> torch.Tensor:
     """The Number Token Loss alone.
 
     Args:
@@ -181,6 +206,9 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
         float_level: "number_level" only; "1.5" is one number (15) instead of two.
         max_number_digits: "number_level" only; longest number with distinct place values.
         tp_group, vocab_start_index: the vocabulary-parallel layout of `logits` (default: one device).
+        check_inputs: check the shard layout (on every path, reweigh or not), labels and loss weights,
+            reading values on the host; False for a hot loop whose layout was checked once
+            (`parallel.check_shard_layout`).
 
     Returns a float32 scalar, or a float32 tensor of the labels' shape for reduction "none".
     """
@@ -189,9 +217,9 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
     settings = NTLSettings(variant=variant, reweigh=reweigh, squash_factor=squash_factor,
                            smoothing_sigma=smoothing_sigma, float_level=float_level, ignore_index=ignore_index,
                            max_number_digits=max_number_digits)
-    _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights)
+    _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights, check_inputs)
     stats = _reduce_stats(logits, labels, number_vocab, need_lse=reweigh, need_target=False, tp_group=tp_group,
-                          vocab_start_index=vocab_start_index, ignore_index=ignore_index)
+                          vocab_start_index=vocab_start_index, ignore_index=ignore_index, check_inputs=check_inputs)
     terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
                       number_mass=stats.number_mass if reweigh else None, loss_weights=loss_weights)
     weighted = terms.loss * terms.weights
@@ -199,5 +227,4 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
         return weighted.sum()
     if reduction == "mean":
         return _safe_mean(weighted.sum(), terms.weights.sum())
-    per_position = weighted.new_zeros(terms.positions.shape).masked_scatter(terms.positions, weighted)
-    return per_position.view(labels.shape)
+    return weighted.view(labels.shape)  # zero where no term sits

@@ -8,10 +8,11 @@ the full `[n, V]` logits, and everything after them is small replicated math on 
 - the logit of each row's target token `target[n]` (CE),
 - the K number-token columns `number[n, K]` (NTL), whose ids may lie in any shard.
 
-`shard_reductions` computes all three with one all-reduce MAX of `n + 1` floats and one all-reduce
-SUM of `n * (K + 2) + 1` floats over the TP group (the extra float on each checks the shard layout),
-and a backward that writes the logit gradient once with no collective. A TP group of size one (or
-None) runs no collective at all.
+`shard_reductions` computes all three with one all-reduce MAX of `n` floats and one all-reduce SUM
+of `n * (K + 2)` floats over the TP group, and a backward that writes the logit gradient once with no
+collective. A TP group of size one (or None) runs no collective at all. Nothing here reads a tensor
+value on the host (no device-to-host sync) except `check_shard_layout`, the layout check that
+`check=True` runs (a trainer runs it once at start-up and then calls with `check=False`).
 """
 
 from __future__ import annotations
@@ -48,10 +49,47 @@ class ShardLayout:
     @classmethod
     def build(cls, number_vocab: NumberVocab, vocab_start_index: int, local_width: int,
               device: torch.device) -> "ShardLayout":
-        ids = number_vocab.ids_tensor(device)
-        owned = (ids >= vocab_start_index) & (ids < vocab_start_index + local_width)
-        slots = torch.nonzero(owned).flatten()
-        return cls(vocab_start_index, local_width, ids[slots] - vocab_start_index, slots)
+        """Worked out on the host from the vocabulary's ids and kept with it (no device sync, no copy per call)."""
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            slots = [k for k, token_id in enumerate(number_vocab.token_ids)
+                     if vocab_start_index <= token_id < vocab_start_index + local_width]
+            cols = [number_vocab.token_ids[k] - vocab_start_index for k in slots]
+            return (torch.tensor(cols, dtype=torch.long, device=device),
+                    torch.tensor(slots, dtype=torch.long, device=device))
+
+        key = ("shard_layout", vocab_start_index, local_width, torch.device(device))
+        cols, slots = number_vocab._cached(key, make)
+        return cls(vocab_start_index, local_width, cols, slots)
+
+
+def check_shard_layout(local_width: int, vocab_start_index: int, tp_group: dist.ProcessGroup | None,
+                       device: torch.device | str = "cpu") -> int:
+    """Check that the vocabulary shards of the TP group tile `[0, V)` with no gap or overlap; return V.
+
+    Every rank of the group calls it (one all-reduce of `2 T` integers and one read of them on the host),
+    and every rank raises the same error, so none waits on another. Run it once where the layout is fixed
+    (a trainer's start-up); the loss functions run it on every call unless told `check_inputs=False`.
+    """
+    size = group_size(tp_group)
+    if size == 1:
+        if vocab_start_index != 0:
+            raise ValueError(f"vocab_start_index={vocab_start_index} without a tensor-parallel group; pass the "
+                             f"tp_group that shards the vocabulary, or 0 for full logits")
+        return local_width
+    table = torch.zeros(size, 2, dtype=torch.long, device=device)
+    table[dist.get_rank(tp_group)] = torch.tensor([vocab_start_index, local_width], device=device)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=tp_group)
+    shards = sorted((start, width, rank) for rank, (start, width) in enumerate(table.tolist()))
+    end = 0
+    for start, width, rank in shards:
+        if start != end or width < 1:
+            held = ", ".join(f"rank {r}: [{a}, {a + w})" for a, w, r in sorted(shards, key=lambda t: t[2]))
+            raise ValueError(
+                f"the vocabulary shards of the TP group do not tile the vocabulary ({held}). Pass each rank's "
+                f"LOCAL logit shard (or head shard) with its own vocab_start_index "
+                f"(VocabParallelLinear.vocab_start_index), not the full logits.")
+        end = start + width
+    return end
 
 
 SUM_EXP_BLOCK_ELEMENTS = 1 << 21  # 8 MiB of float32 temporaries: reused by the allocator, no page faults
@@ -72,17 +110,17 @@ class _ShardReductions(torch.autograd.Function):
     The full-vocabulary log-sum-exp is `shift + log(sum_exp)`, kept in two parts so that softmax
     probabilities are `exp(z - shift) / sum_exp`, as precise as `torch.softmax`.
 
-    Forward: when `need_lse`, one all-reduce MAX over the TP group of the local row maxima (`[n]`,
-    plus the shard's end index) giving `shift`, then one all-reduce SUM of a packed `[n, K + 2]`
-    float32 buffer (column 0: the local `sum(exp(z - shift))`, column 1: the target logit where this shard
-    owns the target, columns 2..: the number-token logits this shard owns, zeros elsewhere), plus the
-    shard width. Every rank gets identical replicated results and computes the same loss from them.
+    Forward: when `need_lse`, one all-reduce MAX over the TP group of the local row maxima (`[n]`)
+    giving `shift`, then one all-reduce SUM of a packed `[n, K + 2]` float32 buffer (column 0: the
+    local `sum(exp(z - shift))`, column 1: the target logit where this shard owns the target, columns
+    2..: the number-token logits this shard owns, zeros elsewhere). Every rank gets identical
+    replicated results and computes the same loss from them. No host sync.
 
     Backward: NO collective. The loss is replicated over the TP group, so each rank's gradient for
     its own columns is complete: `exp(z - shift) * g_sum_exp` for the full-vocabulary part, plus
     `g_target` at the target column and `g_number[:, k]` at each owned number column, written into
-    one `[n, V_local]` tensor. The gradient w.r.t. the hidden states is all-reduced by the parallel LM
-    head's own backward.
+    one `[n, V_local]` tensor (scatters, no data-dependent shapes). The gradient w.r.t. the hidden
+    states is all-reduced by the parallel LM head's own backward.
     """
 
     @staticmethod
@@ -91,43 +129,31 @@ class _ShardReductions(torch.autograd.Function):
         n = logits.shape[0]
         parallel = group_size(tp_group) > 1
         dtype = compute_dtype(logits.dtype)
-        packed = torch.zeros(n * (num_numbers + 2) + 1, dtype=dtype, device=logits.device)
-        table = packed[:-1].view(n, num_numbers + 2)
+        table = torch.zeros(n, num_numbers + 2, dtype=dtype, device=logits.device)
         shift = torch.zeros(n, dtype=dtype, device=logits.device)
         if need_lse:
             # shift = the row's largest logit over the whole vocabulary: a max is exact, so every TP
             # layout (and one device) sees bitwise the same exp(z - shift) for each column.
-            max_buf = torch.cat([logits.amax(dim=-1).to(dtype),
-                                 shift.new_tensor([layout.vocab_start_index + layout.local_width])])
+            row_max = logits.amax(dim=-1).to(dtype)
             if parallel:
-                dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=tp_group)
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
             # A row whose logits are all -inf would give nan; its sum_exp is 0 and its lse -inf.
-            shift = torch.where(torch.isfinite(max_buf[:-1]), max_buf[:-1], 0.0)
+            shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
             _sum_exp_by_blocks(logits, shift, out=table[:, 0])
-            global_end = max_buf[-1]
         if target_owned is not None:
             picked = logits.gather(1, target_local.unsqueeze(1)).squeeze(1)
             table[:, 1] = torch.where(target_owned, picked.to(dtype), 0.0)
         if layout.local_number_cols.numel():
             table[:, 2 + layout.owned_number_slots] = logits.index_select(1, layout.local_number_cols).to(dtype)
-        packed[-1] = layout.local_width
         if parallel:
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-        total_width = int(packed[-1].item())
-        if need_lse:
-            end = int(global_end.item())
-            if total_width != end:
-                raise ValueError(
-                    f"the vocabulary shards of the TP group do not tile the vocabulary: widths sum to {total_width} "
-                    f"but the last shard ends at {end}. Pass each rank's LOCAL logit shard with its own "
-                    f"vocab_start_index (VocabParallelLinear.vocab_start_index), not the full logits.")
+            dist.all_reduce(table, op=dist.ReduceOp.SUM, group=tp_group)
         ctx.save_for_backward(logits, shift, target_local if target_owned is not None else None, target_owned)
         ctx.layout = layout
         ctx.mark_non_differentiable(shift)
-        return shift, table[:, 0].clone(), table[:, 1].clone(), table[:, 2:].clone(), total_width
+        return shift, table[:, 0].clone(), table[:, 1].clone(), table[:, 2:].clone()
 
     @staticmethod
-    def backward(ctx, _grad_shift, grad_sum_exp, grad_target, grad_number, _grad_width):
+    def backward(ctx, _grad_shift, grad_sum_exp, grad_target, grad_number):
         logits, shift, target_local, target_owned = ctx.saved_tensors
         layout: ShardLayout = ctx.layout
         if grad_sum_exp is not None:
@@ -136,8 +162,8 @@ class _ShardReductions(torch.autograd.Function):
         else:
             grad = torch.zeros(logits.shape, dtype=shift.dtype, device=logits.device)
         if grad_target is not None and target_owned is not None:
-            rows = torch.nonzero(target_owned).flatten()
-            grad.index_put_((rows, target_local[rows]), grad_target[rows], accumulate=True)
+            owned_grad = torch.where(target_owned, grad_target, 0.0).to(grad.dtype)
+            grad.scatter_add_(1, target_local.unsqueeze(1), owned_grad.unsqueeze(1))
         if grad_number is not None and layout.local_number_cols.numel():
             grad.index_add_(1, layout.local_number_cols, grad_number.index_select(1, layout.owned_number_slots))
         return grad.to(logits.dtype), None, None, None, None, None, None
@@ -151,21 +177,24 @@ class ShardStats:
     sum_exp: torch.Tensor | None  # [n] sum over the full vocabulary of exp(z - shift)
     target_logit: torch.Tensor | None  # [n] logit of the target token (None when not requested)
     number_logits: torch.Tensor  # [n, K] logits of the number tokens, float32 (float64 for float64 logits)
-    vocab_size: int  # total width of the logits over the TP group
+    vocab_size: int | None  # total width of the logits over the TP group (None: layout not checked)
 
     @property
     def lse(self) -> torch.Tensor:
         """`[n]` full-vocabulary log-sum-exp."""
         return self.shift + self.sum_exp.log()
 
-    def number_mass(self, rows: torch.Tensor) -> torch.Tensor:
-        """Probability mass (full-vocabulary softmax) on the number tokens, at the given rows."""
+    def number_mass(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Probability mass (full-vocabulary softmax) on the number tokens at the given rows (default:
+        every row, `[n]`)."""
+        if rows is None:
+            return torch.exp(self.number_logits - self.shift[:, None]).sum(-1) / self.sum_exp
         return torch.exp(self.number_logits[rows] - self.shift[rows, None]).sum(-1) / self.sum_exp[rows]
 
 
 def shard_reductions(logits: torch.Tensor, number_vocab: NumberVocab, *, targets: torch.Tensor | None = None,
                      need_lse: bool = True, tp_group: dist.ProcessGroup | None = None,
-                     vocab_start_index: int = 0, ignore_index: int = -100) -> ShardStats:
+                     vocab_start_index: int = 0, ignore_index: int = -100, check: bool = True) -> ShardStats:
     """Full-vocabulary statistics of a local logit shard `[n, V_local]`, in float32 (float64 for
     float64 logits).
 
@@ -177,10 +206,13 @@ def shard_reductions(logits: torch.Tensor, number_vocab: NumberVocab, *, targets
         need_lse: compute the full-vocabulary log-sum-exp (CE, reweigh).
         tp_group: the tensor-parallel group over which the vocabulary is split (None: one device).
         vocab_start_index: the first global vocabulary id of this shard.
+        check: check the shard layout over the TP group first (`check_shard_layout`: one small
+            all-reduce and a host read); False runs no host sync and leaves `vocab_size` None.
     """
     if logits.dim() != 2:
         raise ValueError(f"shard_reductions expects [n, V_local] logits, got shape {tuple(logits.shape)}")
     n, width = logits.shape
+    total_width = check_shard_layout(width, vocab_start_index, tp_group, logits.device) if check else None
     layout = ShardLayout.build(number_vocab, vocab_start_index, width, logits.device)
     target_local = target_owned = None
     if targets is not None:
@@ -189,7 +221,7 @@ def shard_reductions(logits: torch.Tensor, number_vocab: NumberVocab, *, targets
         shifted = targets - vocab_start_index
         target_owned = (targets != ignore_index) & (shifted >= 0) & (shifted < width)
         target_local = shifted.clamp(0, width - 1)
-    shift, sum_exp, target_logit, number_logits, total_width = _ShardReductions.apply(
+    shift, sum_exp, target_logit, number_logits = _ShardReductions.apply(
         logits, target_local, target_owned, layout, len(number_vocab), need_lse, tp_group)
     return ShardStats(shift if need_lse else None, sum_exp if need_lse else None,
                       target_logit if targets is not None else None, number_logits, total_width)

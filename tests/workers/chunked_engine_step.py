@@ -96,7 +96,8 @@ def main() -> None:
         ntl_sum += sums.ntl_sum.item()
     totals = torch.tensor([ce_sum, ntl_sum], dtype=torch.float64)
     dist.all_reduce(totals, group=dp_group)
-    global_loss = totals[0].item() / counts.tokens + args.ntl_weight * totals[1].item() / counts.ntl_positions
+    tokens, ntl_positions = float(counts.tokens), float(counts.ntl_positions)
+    global_loss = totals[0].item() / tokens + args.ntl_weight * totals[1].item() / ntl_positions
     grad_norm = engine.get_global_grad_norm()
     grad_norm = None if grad_norm is None else float(grad_norm)
 

@@ -84,7 +84,8 @@ def main() -> None:
         ntl_sum += sums.ntl_sum.item()
     totals = torch.tensor([ce_sum, ntl_sum], dtype=torch.float64)
     dist.all_reduce(totals, group=dp_group)
-    global_loss = totals[0].item() / counts.tokens + args.ntl_weight * totals[1].item() / counts.ntl_positions
+    tokens, ntl_positions = float(counts.tokens), float(counts.ntl_positions)
+    global_loss = totals[0].item() / tokens + args.ntl_weight * totals[1].item() / ntl_positions
     grad_norm = engine.get_global_grad_norm()  # None without ZeRO (a plain torch optimizer keeps no norm)
     grad_norm = None if grad_norm is None else float(grad_norm)
 
@@ -95,8 +96,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(state, f"{args.out}/weights.pt")
         with open(f"{args.out}/result.json", "w") as handle:
-            json.dump({"loss": global_loss, "grad_norm": grad_norm, "tokens": counts.tokens,
-                       "ntl_positions": counts.ntl_positions}, handle)
+            json.dump({"loss": global_loss, "grad_norm": grad_norm, "tokens": tokens,
+                       "ntl_positions": ntl_positions}, handle)
     dist.barrier()
 
 

@@ -84,7 +84,7 @@ def check_case(number_ids, settings, tp_group, tp_rank, tp_size, uneven, seed) -
     return worst
 
 
-def count_collectives(tp_group, tp_rank, tp_size) -> dict[str, int]:
+def count_collectives(tp_group, tp_rank, tp_size, check_inputs: bool) -> dict[str, int]:
     counts: dict[str, int] = {}
     original = dist.all_reduce
 
@@ -101,7 +101,8 @@ def count_collectives(tp_group, tp_rank, tp_size) -> dict[str, int]:
     logits, labels = make_batch(PLACEMENTS["split"], 0)
     start, end = shard_bounds(tp_rank, tp_size, False)
     shard = logits[..., start:end].clone().requires_grad_()
-    sums = ce_ntl_sums(shard, labels, vocab, NTLSettings(reweigh=True), tp_group=tp_group, vocab_start_index=start)
+    sums = ce_ntl_sums(shard, labels, vocab, NTLSettings(reweigh=True), tp_group=tp_group, vocab_start_index=start,
+                       check_inputs=check_inputs)
     (sums.ce_sum + sums.ntl_sum).backward()
     dist.all_reduce = original
     return counts
@@ -139,8 +140,24 @@ def main() -> None:
     else:
         raise AssertionError("full logits passed as a shard were accepted")
 
-    counts = count_collectives(tp_group, tp_rank, tp_size)
+    # every path checks the layout, also NTL alone without reweigh (no log-sum-exp), which reduces nothing else
+    # that could reveal a wrong layout: full logits as a shard, or every rank claiming the same shard
+    width = PADDED_VOCAB // tp_size
+    own_shard = logits[..., tp_rank * width:(tp_rank + 1) * width]
+    for reweigh in (False, True):
+        for case, wrong, wrong_start in (("full logits", logits, tp_rank * width), ("same start", own_shard, 0)):
+            try:
+                number_token_loss(wrong, labels, vocab, reweigh=reweigh, tp_group=tp_group,
+                                  vocab_start_index=wrong_start)
+            except ValueError as error:
+                assert "do not tile the vocabulary" in str(error), error
+            else:
+                raise AssertionError(f"a wrong shard layout ({case}) was accepted with reweigh={reweigh}")
+
+    counts = count_collectives(tp_group, tp_rank, tp_size, check_inputs=False)
     assert counts == {"MAX": 1, "SUM": 1}, counts
+    # checked (the default): one more small SUM, the layout check
+    assert count_collectives(tp_group, tp_rank, tp_size, check_inputs=True) == {"MAX": 1, "SUM": 2}
     print(f"rank {rank}: OK worst relative error {worst:.2e}, collectives per call {counts}")
     dist.destroy_process_group()
 

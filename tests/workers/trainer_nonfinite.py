@@ -1,0 +1,63 @@
+"""Worker: the real Trainer meets non-finite weights (a corrupted shard): every later step's loss is NaN, its
+update is skipped (the finite weights stay bitwise as they were), a checkpoint of them is refused, and the run
+stops after `train.max_nonfinite_steps` such steps in a row.
+
+    python trainer_nonfinite.py OUT.json CONFIG.yaml key=value ...   (once per rank; tests/distributed.py)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain.config import load_config
+from ntl_pretrain.train import Trainer, TrainingDiverged
+
+
+def weight_tensors(trainer: Trainer) -> list[torch.Tensor]:
+    """This rank's model partitions (ZeRO-3) or parameters, and the optimizer's (master) weights."""
+    tensors = [getattr(p, "ds_tensor", p.data) for p in trainer.engine.module.parameters()]
+    optimizer = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
+    return tensors + [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def main() -> None:
+    out_file, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+    trainer = Trainer(load_config(config, overrides))
+    result: dict = {"first": trainer.train_step()}
+    result["saved_finite"] = trainer.save_checkpoint()
+    with torch.no_grad():  # a corrupted value in every rank's share of the weights (model and master copy)
+        for tensor in weight_tensors(trainer):
+            if tensor.numel():
+                tensor.view(-1)[0] = float("nan")
+    before = [t.detach().clone() for t in weight_tensors(trainer)]
+    result["nonfinite"] = []
+    for _ in range(trainer.cfg.train.max_nonfinite_steps - 1):
+        result["nonfinite"].append(trainer.train_step())
+    after = weight_tensors(trainer)
+    result["unchanged"] = all(torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+                              for a, b in zip(before, after))
+    try:
+        trainer.save_checkpoint()
+        result["save_refused"] = None
+    except TrainingDiverged as error:
+        result["save_refused"] = str(error)
+    try:
+        trainer.train_step()
+        result["stopped"] = None
+    except TrainingDiverged as error:
+        result["stopped"] = str(error)
+    result["nonfinite"] = [{k: (v if math.isfinite(v) else str(v)) for k, v in figures.items()}
+                           for figures in result["nonfinite"]]
+    if dist.get_rank() == 0:
+        Path(out_file).write_text(json.dumps(result, indent=1, default=str))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

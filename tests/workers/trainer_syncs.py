@@ -1,0 +1,50 @@
+"""Worker: build the real Trainer, run one warm-up step, then count the calls that would force a
+device-to-host sync (tests/sync_counter.py) during `steps` more optimizer steps, apart for the
+micro-batch loop (the forward + loss and the backward of each micro-batch) and the rest of the step.
+
+    python trainer_syncs.py OUT.json STEPS CONFIG.yaml key=value ...   (once per rank; tests/distributed.py)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sync_counter import SyncCounter  # noqa: E402
+
+from ntl_pretrain.config import load_config  # noqa: E402
+from ntl_pretrain.train import Trainer  # noqa: E402
+
+
+def main() -> None:
+    out_file, steps, config, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    trainer = Trainer(load_config(config, overrides))
+    trainer.train_step()  # warm-up: first-use work (caches, DeepSpeed's lazy set-up) is not the step
+    counter = SyncCounter()
+    forward, backward = trainer._forward_sums, trainer.engine.backward
+
+    def counted_forward(*args, **kwargs):
+        with counter.in_phase("micro_batch"):
+            return forward(*args, **kwargs)
+
+    def counted_backward(*args, **kwargs):
+        with counter.in_phase("micro_batch"):
+            return backward(*args, **kwargs)
+
+    trainer._forward_sums = counted_forward
+    trainer.engine.backward = counted_backward
+    figures = []
+    with counter:
+        for _ in range(steps):
+            figures.append(trainer.train_step())
+    if dist.get_rank() == 0:
+        Path(out_file).write_text(json.dumps({"steps": steps, **counter.summary(), "figures": figures}, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
