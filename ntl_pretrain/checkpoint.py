@@ -53,6 +53,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .fs import apply_umask_modes
+
 logger = logging.getLogger("ntl_pretrain")
 
 MANIFEST_NAME = "ntl_checkpoint.json"
@@ -1275,6 +1277,7 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
         raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    apply_umask_modes(staging)  # safetensors writes its shards 0600: teammates could not read the export
     if os.path.isdir(out_dir):
         os.rmdir(out_dir)  # empty (checked above)
     os.rename(staging, out_dir)

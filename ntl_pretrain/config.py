@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 import signal
 import types
 import typing
@@ -301,14 +303,74 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def _nearest(name: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.0)
-    return match[0] if match else ""
+# Names other tools (HF Trainer, DeepSpeed, Megatron, torchtitan) use for a key of ours: a misspelt key
+# that is one of these is pointed at our name, not at the closest spelling (learning_rate -> lr).
+SYNONYMS = {
+    "learning_rate": "optim.lr", "max_lr": "optim.lr", "peak_lr": "optim.lr",
+    "adam_epsilon": "optim.eps", "adam_eps": "optim.eps", "adam_beta1": "optim.betas", "adam_beta2": "optim.betas",
+    "max_grad_norm": "optim.grad_clip", "gradient_clipping": "optim.grad_clip", "clip_grad": "optim.grad_clip",
+    "num_warmup_steps": "optim.warmup_steps", "warmup": "optim.warmup_steps", "lr_warmup_steps": "optim.warmup_steps",
+    "lr_scheduler_type": "optim.lr_schedule", "lr_scheduler": "optim.lr_schedule", "min_lr": "optim.min_lr_ratio",
+    "decay": "optim.weight_decay",
+    "max_seq_len": "data.seq_len", "seq_length": "data.seq_len", "max_length": "data.seq_len",
+    "sequence_length": "data.seq_len", "block_size": "data.seq_len", "max_seq_length": "data.seq_len",
+    "batch_size": "data.micro_batch_size", "per_device_train_batch_size": "data.micro_batch_size",
+    "train_micro_batch_size_per_gpu": "data.micro_batch_size", "micro_batch": "data.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps", "grad_accum": "train.grad_accum_steps",
+    "train_steps": "train.max_steps", "total_steps": "train.max_steps", "steps": "train.max_steps",
+    "train_iters": "train.max_steps", "logging_steps": "train.log_every_n_steps",
+    "log_interval": "train.log_every_n_steps", "eval_steps": "train.val_every_n_steps",
+    "eval_interval": "train.val_every_n_steps", "save_steps": "checkpoint.every_n_steps",
+    "save_interval": "checkpoint.every_n_steps", "save_total_limit": "checkpoint.keep_last",
+    "model_name_or_path": "model.name_or_path", "tokenizer_name": "tokenizer.name_or_path",
+    "tensor_parallel_size": "parallel.tp_size", "tensor_model_parallel_size": "parallel.tp_size",
+    "autotp_size": "parallel.tp_size", "tp": "parallel.tp_size", "stage": "parallel.zero_stage",
+    "zero": "parallel.zero_stage", "ntl_lambda": "loss.ntl_weight", "lambda": "loss.ntl_weight",
+    "lam": "loss.ntl_weight", "torch_dtype": "model.dtype", "precision": "model.dtype",
+    "mixed_precision": "model.dtype", "output_path": "train.output_dir", "save_dir": "train.output_dir",
+}
+
+
+def _tokens(name: str) -> set[str]:
+    return {t for t in name.lower().replace("-", "_").split("_") if t}
+
+
+def _leaf_score(name: str, candidate: str) -> float:
+    """Spelling similarity plus the share of words (split at '_') the two names have in common."""
+    spelling = difflib.SequenceMatcher(None, name.lower(), candidate.lower()).ratio()
+    shared = len(_tokens(name) & _tokens(candidate)) / max(len(_tokens(name) | _tokens(candidate)), 1)
+    return spelling + shared
+
+
+def _nearest(key: str, candidates: list[str]) -> str:
+    """The valid dotted key a user most likely meant: a known synonym first (in the same section when the
+    section is right), then the same leaf name in another section, then the best-scoring leaf within the
+    same section, then the best-scoring key overall."""
+    parts = key.split(".")
+    leaf, section = parts[-1], ".".join(parts[:-1])
+    normalised = leaf.lower().replace("-", "_")
+    synonym = SYNONYMS.get(normalised)
+    if synonym is not None:
+        same = [c for c in candidates if c.rsplit(".", 1)[0] == section and c.rsplit(".", 1)[-1] == synonym.rsplit(".", 1)[-1]]
+        return same[0] if same else synonym
+    same_leaf = [c for c in candidates if c.rsplit(".", 1)[-1] == normalised]
+    if same_leaf:
+        return same_leaf[0]
+    siblings = [c for c in candidates if c.rsplit(".", 1)[0] == section]
+    pool = siblings or candidates
+    target = leaf if siblings else key
+    best = max(pool, key=lambda c: _leaf_score(target, c.rsplit(".", 1)[-1] if siblings else c), default="")
+    return best
 
 
 def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
     full_valid = [k for k, *_ in iter_keys()]
-    nearest = _nearest(key, [k for k in full_valid if ".N." not in k] + [k.replace(".N.", ".0.") for k in full_valid])
+    index = re.search(r"\.(\d+)\.", key)  # data.sources.3.text_feild: match as .N., answer with .3.
+    pattern = re.sub(r"\.\d+\.", ".N.", key)
+    nearest = _nearest(pattern, full_valid)
+    if index is not None:
+        nearest = nearest.replace(".N.", f".{index.group(1)}.", 1)
+    nearest = nearest.replace(".N.", ".0.")
     return ConfigError(f"unknown config key {key!r} ({where}); did you mean {nearest!r}? "
                        f"See `launch/pretrain.sh --help` for every key.")
 
@@ -354,14 +416,19 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key} must be an integer, got {type(value).__name__} {value!r}")
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:  # YAML 1.1 reads "1e-4" (no dot) as a string
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key} must be a number, got {type(value).__name__} {value!r}")
+        if number is None:
+            raise ConfigError(f"{key} must be a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(number):  # .nan slips through every `< 0` check; .inf means nothing here
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
     if hint is str:
         if isinstance(value, str):
             return value
@@ -538,8 +605,7 @@ def validate(config: Config) -> None:
     if config.train.val_every_n_steps >= 0 and config.data.validation_documents == 0:
         raise ConfigError("validation is on (train.val_every_n_steps >= 0) but data.validation_documents=0; "
                           "hold out documents or set train.val_every_n_steps=-1")
-    if config.loss.ntl_weight < 0:
-        raise ConfigError(f"loss.ntl_weight must be >= 0, got {config.loss.ntl_weight}")
+    _check_ranges(config)
     if config.loss.chunk_tokens < 0:
         raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
     if config.loss.enabled and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
@@ -550,8 +616,8 @@ def validate(config: Config) -> None:
         raise ConfigError("loss.ntl_schedule=linear_warmup needs loss.ntl_warmup_steps >= 1")
     if len(config.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {config.optim.betas}")
-    if config.optim.warmup_steps < 0 or config.optim.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
+    if config.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps must be >= 0, got {config.optim.warmup_steps}")
     if config.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0")
     if config.checkpoint.keep_last < 0 or config.checkpoint.keep_every_n_steps < 0:
@@ -564,6 +630,51 @@ def validate(config: Config) -> None:
                               f"(e.g. SIGTERM, SIGUSR1, SIGUSR2)")
     if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
         raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
+    ntl_settings(config)  # the loss's own checks (squash_factor, smoothing with number_level, ...) now, not after the build
+
+
+# (key, low, high or None, low allowed, high allowed, what it means): the range of every float key
+_FLOAT_RANGES = [
+    ("optim.lr", 0.0, None, False, None, "the peak learning rate, e.g. 3e-4"),
+    ("optim.weight_decay", 0.0, None, True, None, "0 turns weight decay off"),
+    ("optim.eps", 0.0, None, False, None, "AdamW's epsilon, e.g. 1e-8"),
+    ("optim.min_lr_ratio", 0.0, 1.0, True, True, "the final lr as a fraction of optim.lr"),
+    ("optim.grad_clip", 0.0, None, True, None, "0 turns clipping off"),
+    ("loss.ntl_weight", 0.0, None, True, None, "0 (or loss.enabled=false) turns NTL off"),
+    ("loss.smoothing_sigma", 0.0, None, True, None, "0 turns label smoothing off"),
+    ("checkpoint.preempt_grace_s", 0.0, None, False, None, "seconds from the signal to the exit"),
+]
+
+
+def _check_ranges(config: Config) -> None:
+    """Every float key within its range (non-finite values were refused while loading)."""
+    for key, low, high, low_ok, high_ok, meaning in _FLOAT_RANGES:
+        value = get_key(config, key)
+        below = value < low if low_ok else value <= low
+        above = high is not None and (value > high if high_ok else value >= high)
+        if below or above:
+            lower = f"{'>=' if low_ok else '>'} {low:g}"
+            bound = lower if high is None else f"{lower} and {'<=' if high_ok else '<'} {high:g}"
+            raise ConfigError(f"{key} must be {bound}, got {value:g} ({meaning})")
+    for i, beta in enumerate(config.optim.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.betas.{i}={beta:g} must be in [0, 1) (AdamW's moment decay, e.g. [0.9, 0.95])")
+    if config.loss.squash_factor is not None and not math.isfinite(config.loss.squash_factor):
+        raise ConfigError(f"loss.squash_factor must be a finite number > 1 or null, got {config.loss.squash_factor}")
+
+
+def ntl_settings(config: Config) -> Any:
+    """The loss's `NTLSettings` from the loss section; its own checks as a ConfigError naming the keys."""
+    from .loss import NTLSettings
+
+    loss = config.loss
+    try:
+        return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
+                           smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
+    except ValueError as error:
+        raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
+                          f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do not "
+                          f"fit together: {error}") from None
 
 
 def to_dict(config: Config) -> dict:
@@ -576,10 +687,6 @@ def to_yaml(config: Config) -> str:
 
 def write_resolved(config: Config, directory: str, filename: str = "config.yaml") -> str:
     """Write the resolved configuration into the run folder (atomically)."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, filename)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(to_yaml(config))
-    os.replace(tmp, path)
-    return path
+    from .fs import write_text_atomic
+
+    return write_text_atomic(os.path.join(directory, filename), to_yaml(config))

@@ -79,7 +79,72 @@ def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] |
     if None in builders or len(builders) != 1:
         raise DataError(f"{key}.path={source.path!r} mixes or holds unsupported file types {sorted(map(str, builders))}; "
                         f"use one of {sorted(set(_BUILDERS))}")
+    for name in files:
+        if os.path.getsize(name) == 0:
+            raise DataError(f"{key}.path={source.path!r}: the file {name!r} is empty (0 bytes); fill it, remove it, "
+                            f"or point {key}.path elsewhere")
     return builders.pop(), files
+
+
+_TEXT_BUILDERS = ("json", "text", "csv")
+
+
+def _first_undecodable(files: list[str]) -> tuple[str, int, str] | None:
+    """(file, line number, the error) of the first byte sequence in `files` that is not UTF-8, or None.
+    Read only on the error path (a corpus is not decoded twice when it is fine)."""
+    import codecs
+
+    for name in files:
+        if name.lower().endswith(".gz"):
+            continue
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        line = 1
+        with open(name, "rb") as handle:
+            while True:
+                chunk = handle.read(1 << 22)
+                try:
+                    text = decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as error:
+                    good = chunk[:error.start]
+                    return name, line + good.count(b"\n"), str(error)
+                line += text.count("\n")
+                if not chunk:
+                    break
+    return None
+
+
+def _encoding_error(source: DataSourceConfig, key: str, error: UnicodeDecodeError) -> DataError:
+    """A clear DataError for text that is not UTF-8, naming the file and line when it is local."""
+    resolved = resolve_files(source, key)
+    found = _first_undecodable(resolved[1]) if resolved is not None and resolved[0] in _TEXT_BUILDERS else None
+    where = f"{found[0]!r} line {found[1]}" if found else f"{key}.path={source.path!r}"
+    return DataError(f"{key}: {where} is not UTF-8 text ({found[2] if found else error}); re-encode it, e.g. "
+                     f"`iconv -f latin1 -t utf-8 IN > OUT`, and point {key}.path at the result")
+
+
+def _check_has_text(documents: Any, source: DataSourceConfig, key: str, streaming_probe: int = 1000) -> None:
+    """Refuse a source whose documents are all empty or whitespace (it would train CE on blanks with
+    NTL 0 and no warning). Reads until the first real document; a stream only its first documents."""
+    field = source.text_field
+
+    def blank(text: Any) -> bool:
+        return not isinstance(text, str) or not text.strip()
+
+    if source.streaming:
+        seen = 0
+        for row in documents.take(streaming_probe):
+            seen += 1
+            if not blank(row[field]):
+                return
+        if seen:
+            logger.warning("%s.path=%r: its first %d documents are empty or whitespace (column %r)", key,
+                           source.path, seen, field)
+        return
+    for batch in documents.select_columns([field]).iter(batch_size=1000):
+        if not all(blank(text) for text in batch[field]):
+            return
+    raise DataError(f"{key}.path={source.path!r}: all {len(documents)} documents are empty or whitespace in column "
+                    f"{field!r}; set {key}.text_field to the column that holds the text, or fix the files")
 
 
 def generate_missing_corpus(source: DataSourceConfig, seed: int) -> bool:
@@ -106,6 +171,8 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
             builder, files = resolved
             documents = datasets.load_dataset(builder, data_files=files, split="train",
                                               streaming=source.streaming, cache_dir=cache_dir)
+    except UnicodeDecodeError as error:
+        raise _encoding_error(source, key, error) from None
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
         raise DataError(f"cannot load {key}.path={source.path!r}: {error}") from None
     except Exception as error:  # pyarrow / json parser errors on malformed files
@@ -122,6 +189,10 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
                         f"(columns: {columns}); set {key}.text_field to the column that holds the text")
     if not source.streaming and len(documents) == 0:
         raise DataError(f"{key}.path={source.path!r} holds no documents (empty dataset)")
+    try:
+        _check_has_text(documents, source, key)
+    except UnicodeDecodeError as error:
+        raise _encoding_error(source, key, error) from None
     return documents
 
 
@@ -291,8 +362,11 @@ class PretrainingData:
                                     f"data.validation_documents={n_val}; lower data.validation_documents")
                 documents = documents.shuffle(seed=cfg.seed)
                 held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
-            packed = pack_documents(training, tokenizer, source.text_field, cfg.seq_len, cfg.num_proc,
-                                    f"packing {key}")
+            try:
+                packed = pack_documents(training, tokenizer, source.text_field, cfg.seq_len, cfg.num_proc,
+                                        f"packing {key}")
+            except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
+                raise _encoding_error(source, key, error) from None
             if source.streaming:
                 sources.append(_StreamSource(packed, key))
             else:

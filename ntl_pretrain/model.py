@@ -11,17 +11,17 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
 from .config import ModelConfig, TokenizerConfig
+from .fs import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +65,11 @@ def train_digit_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> str:
     tokenizer.train_from_iterator(texts, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=DEMO_EOS, pad_token=DEMO_EOS)
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=parent)
     try:
-        wrapped.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isdir(out_dir):
-            raise
-        # another process (a rank on another node without a shared file system) finished first: same result
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_directory(out_dir) as staging:
+            wrapped.save_pretrained(staging)
+    except FileExistsError:
+        pass  # another process (a rank on another node without a shared file system) finished first: same result
     return out_dir
 
 
@@ -107,7 +98,7 @@ def load_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> An
         raise ValueError(f"tokenizer {source!r} has no EOS token, which packing puts between documents; "
                          f"add one (tokenizer.eos_token = ...) and save the tokenizer again")
     if model_cfg.name_or_path is not None:
-        check_tokenizer_matches_model(len(tokenizer), int(_load_config(model_cfg).vocab_size), source, key,
+        check_tokenizer_matches_model(len(tokenizer), int(load_model_config(model_cfg).vocab_size), source, key,
                                       model_cfg.name_or_path)
     return tokenizer
 
@@ -172,24 +163,94 @@ class ModelReport:
     parameters: int  # number of parameters
 
 
-def _load_config(cfg: ModelConfig) -> Any:
+def _known_config_keys(config_class: type, config: Any) -> set[str]:
+    """Every key a transformers config class takes: its constructor's arguments (and the common ones of
+    PretrainedConfig), the attributes of an instance, and the aliases of its attribute_map."""
+    from transformers import PretrainedConfig
+
+    keys: set[str] = set(config.to_dict()) | set(getattr(config_class, "attribute_map", {}) or {})
+    for cls in config_class.__mro__:
+        if cls is object or not issubclass(cls, PretrainedConfig):
+            continue
+        keys |= {name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+                 if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and name != "self"}
+    return {key for key in keys if not key.startswith("_")}
+
+
+def _unknown_architecture_key(key: str, known: set[str], model_type: str) -> ValueError:
+    import difflib
+
+    nearest = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.0)
+    hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+    return ValueError(f"model.architecture.{key} is not a key of the {model_type} config (transformers would keep it "
+                      f"as an unused attribute and copy it into the exported config.json){hint}")
+
+
+def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
+    """The transformers config of the run's model: `model.name_or_path`'s config.json with
+    `model.architecture` over it, or a new one from `model.architecture`. Every architecture key must be
+    one the config class knows (a misspelt key is refused with the nearest valid one).
+
+    Raises ValueError naming the key or path and the fix; with `local_files_only`, a hub id that is not
+    cached raises FileNotFoundError (the dry run then skips the checks that need it).
+    """
     from transformers import AutoConfig
 
     if cfg.name_or_path is not None:
+        name = cfg.name_or_path
+        resolved = _local_or_hub(name, "model.name_or_path")  # a clearly local path that is missing: said so
+        if os.path.exists(resolved) and not os.path.isfile(os.path.join(resolved, "config.json")):
+            raise ValueError(f"model.name_or_path={name!r} has no config.json: give a folder saved with "
+                             f"save_pretrained (or tools/export_hf.py), or a hub id")
         try:
-            config = AutoConfig.from_pretrained(_local_or_hub(cfg.name_or_path, "model.name_or_path"),
-                                                trust_remote_code=cfg.trust_remote_code)
+            config, unused = AutoConfig.from_pretrained(resolved, trust_remote_code=cfg.trust_remote_code,
+                                                        local_files_only=local_files_only, return_unused_kwargs=True,
+                                                        **cfg.architecture)
         except (OSError, ValueError) as error:
-            raise ValueError(f"cannot load the model config of {cfg.name_or_path!r} (model.name_or_path): {error}") from None
-        for key, value in cfg.architecture.items():
-            setattr(config, key, value)
+            if local_files_only and not os.path.exists(resolved):
+                raise FileNotFoundError(name) from None
+            where = "" if os.path.exists(resolved) else " (not a local folder, so read as a hub id)"
+            raise ValueError(f"cannot load the model config of {name!r}{where} (model.name_or_path): {error}") from None
+        if unused:
+            known = _known_config_keys(type(config), config)
+            raise _unknown_architecture_key(sorted(unused)[0], known, config.model_type)
         return config
     arch = dict(cfg.architecture)
     model_type = arch.pop("model_type")
     try:
-        return AutoConfig.for_model(model_type, **arch)
+        config = AutoConfig.for_model(model_type, **arch)
     except ValueError as error:
         raise ValueError(f"model.architecture.model_type={model_type!r}: {error}") from None
+    try:
+        defaults = type(config)()
+    except Exception:  # a composite config that needs arguments: its own attributes will do
+        defaults = config
+    known = _known_config_keys(type(config), defaults)
+    stored = config.to_dict()
+    for key in arch:
+        # a key the constructor absorbed (a legacy name it converts) does not stay behind as an attribute
+        if key not in known and key in stored:
+            raise _unknown_architecture_key(key, known, model_type)
+    return config
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence the model's position embeddings cover, if its config says."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_sequence_length(config: Any, seq_len: int) -> None:
+    """Refuse data.seq_len beyond the model's position embeddings (RoPE models would silently extrapolate,
+    learned positions index out of range)."""
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"data.seq_len={seq_len} is longer than the model's max_position_embeddings={limit}; "
+                         f"lower data.seq_len to <= {limit}, or raise model.architecture.max_position_embeddings "
+                         f"(RoPE scaling) if you mean to train longer contexts")
 
 
 def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.nn.Module, ModelReport]:
@@ -205,7 +266,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.n
 
     attn = choose_attention(cfg.attn_implementation)
     dtype = DTYPES[cfg.dtype]
-    config = _load_config(cfg)
+    config = load_model_config(cfg)
     tokenizer_size = len(tokenizer)
     if cfg.name_or_path is None:
         config.vocab_size = padded_vocab_size(tokenizer_size, cfg.pad_vocab_to_multiple_of, tp_size)

@@ -27,14 +27,16 @@ from . import distributed
 from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, data_description, export_hf,
                          fingerprint, lr_schedule_description, purge_tensorboard_after, resolve_resume, run_on_main,
                          write_hf_assets)
-from .config import Config, ConfigError, help_text, load_config, to_yaml, write_resolved
+from .config import Config, ConfigError, help_text, load_config, ntl_settings, to_yaml, write_resolved
 from .data import DataError, PretrainingData, generate_missing_corpus, load_documents
 from .eval.config import save_eval_settings, validate_eval_inputs
-from .loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
+from .loss import ce_ntl_sums, count_step, scaled_micro_batch_loss
 from .loss.chunked import chunked_model_ce_ntl_sums
+from .fs import writable_problem, write_json_atomic
 from .loss.objective import check_vocabulary_covers_numbers
 from .loss.parallel import check_shard_layout
-from .model import build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
+from .model import (build_model, check_sequence_length, load_model_config, load_tokenizer, needs_training,
+                    tokenizer_source, train_digit_bpe)
 from .monitor import Monitor, memory_gib
 from .numbers import NumberVocab
 from .tokenizer.coverage import check_training_digits
@@ -121,10 +123,16 @@ def _merge(base: dict, user: dict, path: str = "") -> dict:
     return merged
 
 
-def deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
+def deepspeed_config(cfg: Config, on_cpu: bool, world_size: int | None = None) -> dict:
     """The generated DeepSpeed config with the user's JSON (deepspeed.config) merged over it; the YAML
-    keys that DeepSpeed owns are then set from the merged result, so the resolved config tells the truth."""
+    keys that DeepSpeed owns are then set from the merged result, so the resolved config tells the truth.
+
+    With `world_size`, the batch sizes are resolved as DeepSpeed would (train_batch_size = micro batch x
+    gradient accumulation x data-parallel size; a user's train_batch_size without one of the other two
+    derives it) and a disagreement is a ConfigError now, not DeepSpeed's AssertionError after the build.
+    """
     ds = generated_deepspeed_config(cfg, on_cpu)
+    user: dict = {}
     if cfg.deepspeed.config:
         path = cfg.deepspeed.config
         try:
@@ -134,6 +142,8 @@ def deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
             raise ConfigError(f"deepspeed.config={path!r} does not exist") from None
         except json.JSONDecodeError as error:
             raise ConfigError(f"deepspeed.config={path!r} is not valid JSON: {error}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"deepspeed.config={path!r} cannot be read: {error}") from None
         if not isinstance(user, dict):
             raise ConfigError(f"deepspeed.config={path!r} must hold a JSON object")
         ds = _merge(ds, user)
@@ -142,6 +152,7 @@ def deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
     # read back what DeepSpeed will actually do
     cfg.parallel.tp_size = int(ds.get("tensor_parallel", {}).get("autotp_size", 0) or 1)
     cfg.parallel.zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    _resolve_batch_sizes(ds, user, cfg, world_size)
     cfg.data.micro_batch_size = int(ds.get("train_micro_batch_size_per_gpu", cfg.data.micro_batch_size))
     cfg.train.grad_accum_steps = int(ds.get("gradient_accumulation_steps", cfg.train.grad_accum_steps))
     cfg.optim.grad_clip = float(ds.get("gradient_clipping", 0.0))
@@ -152,6 +163,76 @@ def deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
     return ds
 
 
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _resolve_batch_sizes(ds: dict, user: dict, cfg: Config, world_size: int | None) -> None:
+    """Make train_batch_size, the micro batch and the accumulation steps agree (in place), as DeepSpeed
+    requires; only a user's JSON can make them disagree."""
+    given = {key: user[key] for key in _BATCH_KEYS if key in user and user[key] != "auto"}
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"deepspeed.config={cfg.deepspeed.config!r}: {key}={value!r} must be an integer >= 1")
+    if "train_batch_size" not in given:
+        ds.pop("train_batch_size", None)  # DeepSpeed computes it from the other two
+        return
+    total = given["train_batch_size"]
+    # the YAML's values stand in for the one the user did not give; with neither given, the YAML's micro batch
+    if "train_micro_batch_size_per_gpu" not in given and "gradient_accumulation_steps" in given:
+        ds.pop("train_micro_batch_size_per_gpu", None)
+    elif "gradient_accumulation_steps" not in given:
+        ds.pop("gradient_accumulation_steps", None)
+    if world_size is None or world_size % cfg.parallel.tp_size:
+        return  # DeepSpeed derives the missing one; the trainer reads it back from the engine
+    dp = world_size // cfg.parallel.tp_size
+    micro, accum = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps")
+    where = (f"deepspeed.config={cfg.deepspeed.config!r}: train_batch_size={total} must equal "
+             f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size "
+             f"(world {world_size} / parallel.tp_size {cfg.parallel.tp_size} = {dp})")
+    if micro is not None and accum is not None:
+        if micro * accum * dp != total:
+            raise ConfigError(f"{where}, but {micro} x {accum} x {dp} = {micro * accum * dp}; set train_batch_size "
+                              f"to {micro * accum * dp} or \"auto\", or leave out one of the three")
+        return
+    known, name = (micro, "gradient_accumulation_steps") if micro is not None else (accum, "train_micro_batch_size_per_gpu")
+    if total % (known * dp):
+        raise ConfigError(f"{where}; {total} is not a multiple of {known} x {dp} = {known * dp}, so {name} cannot be "
+                          f"derived; choose train_batch_size as a multiple of {known * dp}")
+    ds[name] = total // (known * dp)
+
+
+def preflight(cfg: Config, world_size: int, on_cpu: bool, local_files_only: bool = False) -> dict:
+    """Every check that needs neither data, weights nor communication, shared by the dry run and the
+    trainer (before anything is built): the DeepSpeed config and its batch sizes, the tensor-parallel
+    size, the model config (architecture keys, model path, data.seq_len within its positions).
+    Returns the DeepSpeed config; raises ConfigError/ValueError naming the key and the fix.
+    """
+    ds = deepspeed_config(cfg, on_cpu, world_size)
+    distributed.check_tp_divides(world_size, cfg.parallel.tp_size)
+    try:
+        model_config = load_model_config(cfg.model, local_files_only=local_files_only)
+    except FileNotFoundError:
+        logger.warning("model.name_or_path=%r is not cached locally: its config (architecture keys, "
+                       "max_position_embeddings) is checked when the trainer loads it", cfg.model.name_or_path)
+    else:
+        check_sequence_length(model_config, cfg.data.seq_len)
+    return ds
+
+
+def output_problems(cfg: Config) -> str | None:
+    """None if every folder the run writes can be written on this process; else one line naming the key."""
+    folders = [("train.output_dir", cfg.train.output_dir)]
+    if cfg.monitor.tensorboard_dir:
+        folders.append(("monitor.tensorboard_dir", cfg.monitor.tensorboard_dir))
+    if cfg.checkpoint.export_hf_at_end and cfg.checkpoint.export_dir:
+        folders.append(("checkpoint.export_dir", cfg.checkpoint.export_dir))
+    for key, folder in folders:
+        problem = writable_problem(folder, key)
+        if problem is not None:
+            return problem
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 def ntl_lambda(cfg: Config, step: int) -> float:
     """The NTL weight at optimizer step `step` (numbering from 1)."""
@@ -160,12 +241,6 @@ def ntl_lambda(cfg: Config, step: int) -> float:
     if cfg.loss.ntl_schedule == "linear_warmup":
         return cfg.loss.ntl_weight * min(1.0, step / cfg.loss.ntl_warmup_steps)
     return cfg.loss.ntl_weight
-
-
-def ntl_settings(cfg: Config) -> NTLSettings:
-    loss = cfg.loss
-    return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
-                       smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
 
 
 def check_eval_inputs(cfg: Config, read_hub: bool) -> list[str]:
@@ -265,8 +340,11 @@ class Trainer:
 
         self.accelerator = get_accelerator()
         on_cpu = self.accelerator.device_name() == "cpu"
-        self.ds_config = deepspeed_config(cfg, on_cpu)  # may update cfg from the user's JSON
+        # checks that need no communication, before it starts; may update cfg from the user's JSON
+        self.ds_config = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
+        output_problem = output_problems(cfg)  # every rank writes checkpoint shards: each checks its own view
         distributed.init_distributed(cfg.train.dist_timeout_minutes)
+        distributed.broadcast_error(output_problem)  # every rank stops if any cannot write, none waits
         self.layout = distributed.layout(cfg.parallel.tp_size)
         _setup_logging(self.layout.is_main)
         # installed first: a pre-emption signal during start-up is then honoured at the first step boundary
@@ -622,19 +700,23 @@ def _update_skipped(engine: Any) -> Iterator[None]:
 
 
 def _write_json(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=1, default=str)
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent=1, default=str)
 
 
 def dry_run(cfg: Config, world_size: int | None) -> None:
-    """Validate a configuration without loading data or weights; print it and its DeepSpeed config."""
+    """Validate a configuration without loading data or weights (the model's config.json is read when it
+    is local or cached); print it and its DeepSpeed config. Runs the trainer's own pre-build checks."""
     from deepspeed.accelerator import get_accelerator
 
-    ds = deepspeed_config(cfg, on_cpu=get_accelerator().device_name() == "cpu")
     world = world_size or int(os.environ.get("WORLD_SIZE", "0")) or cfg.parallel.tp_size
-    distributed.check_tp_divides(world, cfg.parallel.tp_size)
+    # the user's JSON may set the TP size, which the default world size follows
+    if not world_size and not int(os.environ.get("WORLD_SIZE", "0")):
+        deepspeed_config(cfg, on_cpu=get_accelerator().device_name() == "cpu")
+        world = cfg.parallel.tp_size
+    ds = preflight(cfg, world, on_cpu=get_accelerator().device_name() == "cpu", local_files_only=True)
+    problem = output_problems(cfg)
+    if problem is not None:
+        raise ValueError(problem)
     eval_inputs = check_eval_inputs(cfg, read_hub=False)
     dp = world // cfg.parallel.tp_size
     global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum_steps * dp

@@ -26,9 +26,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
+from ntl_pretrain.fs import atomic_write  # noqa: E402
 
 DEFAULT_TAGS = (
     "train/ce", "train/ntl", "val/ce",
@@ -213,18 +215,8 @@ def plot_bench(paths: Sequence[str], out: str, title: str | None = None) -> dict
 
 def _save(figure, out: str) -> None:
     """Write the PNG whole or not at all (temporary name in the same folder, then rename)."""
-    directory = os.path.dirname(os.path.abspath(out))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    os.close(fd)
-    try:
-        figure.savefig(tmp, format="png", bbox_inches="tight")
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a figure is meant to be shared
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_write(out, "wb") as handle:
+        figure.savefig(handle, format="png", bbox_inches="tight")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from ntl_pretrain.config import load_config  # noqa: E402
 from ntl_pretrain.eval.metrics import arithmetic_scores  # noqa: E402
+from ntl_pretrain.fs import write_text_atomic  # noqa: E402
 
 DEFAULT_CONFIGS = ("ce", "ntl_was", "ntl_mse")
 BASELINE = "ce"
@@ -259,18 +259,7 @@ def markdown(report: dict[str, Any], machine: dict[str, Any], commands: Sequence
 
 
 def write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; these are shared documents
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_text_atomic(path, text)
 
 
 def update_results_md(path: str, block: str) -> None:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
-import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from ntl_pretrain.fs import atomic_write
 
 SPLITS = ("train", "interpolation", "extrapolation")
 BINARY_OPS = ("+", "-", "*")
@@ -287,16 +287,7 @@ def write_training_corpus(path: str, n: int, seed: int, text_share: float = 0.2,
     problems = generate_problems("train", n - n_text, seed, **problem_kwargs)
     documents = [p.text for p in problems] + [template_sentence(rng) for _ in range(n_text)]
     rng.shuffle(documents)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(prefix=".tmp-", suffix=".jsonl", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for document in documents:
-                handle.write(json.dumps({"text": document}) + "\n")
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
+    with atomic_write(path) as handle:
+        for document in documents:
+            handle.write(json.dumps({"text": document}) + "\n")
     return path

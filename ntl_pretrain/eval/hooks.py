@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ from ntl_pretrain.eval.arithmetic import generate_problems
 from ntl_pretrain.eval.config import EvalConfig
 from ntl_pretrain.eval.generate import greedy_generate
 from ntl_pretrain.eval.metrics import arithmetic_scores, parse_integer_answer
+from ntl_pretrain.fs import atomic_write
 
 OP_NAMES = {"+": "add", "-": "sub", "*": "mul", "+*": "add_mul", "-*": "sub_mul"}
 # Arithmetic answers end at the line or document end; the demo corpus has one problem per document.
@@ -42,17 +42,9 @@ def predictions_path(output_dir: str, step: int) -> str:
 
 def _write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
     """Write all records or nothing (temporary file, then rename)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(prefix=".tmp-", suffix=".jsonl", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
+    with atomic_write(path) as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def _samples_markdown(records: list[dict[str, Any]], count: int) -> str:
