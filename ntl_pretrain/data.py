@@ -122,6 +122,16 @@ def _encoding_error(source: DataSourceConfig, key: str, error: UnicodeDecodeErro
                      f"`iconv -f latin1 -t utf-8 IN > OUT`, and point {key}.path at the result")
 
 
+def _cause_of_type(error: BaseException, kind: type) -> Any:
+    """The first exception of type `kind` in `error`'s cause/context chain, or None."""
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, kind):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
 def _check_has_text(documents: Any, source: DataSourceConfig, key: str, streaming_probe: int = 1000) -> None:
     """Refuse a source whose documents are all empty or whitespace (it would train CE on blanks with
     NTL 0 and no warning). Reads until the first real document; a stream only its first documents."""
@@ -176,6 +186,9 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
         raise DataError(f"cannot load {key}.path={source.path!r}: {error}") from None
     except Exception as error:  # pyarrow / json parser errors on malformed files
+        cause = _cause_of_type(error, UnicodeDecodeError)  # datasets wraps it in a DatasetGenerationError
+        if cause is not None:
+            raise _encoding_error(source, key, cause) from None
         raise DataError(f"cannot read {key}.path={source.path!r} ({type(error).__name__}: {error}); "
                         f"check that the files are valid {resolved[0] if resolved else 'dataset'} data") from None
     columns = documents.column_names

@@ -1,0 +1,372 @@
+"""Bad input refused early with one clear line naming the key or file and the fix (issues 12 and 13):
+non-finite and out-of-range floats, loss settings the loss would refuse after the build, misspelt
+architecture keys, data.seq_len beyond the model's positions, a missing local model folder, a DeepSpeed
+JSON whose batch sizes disagree, empty / latin-1 / all-whitespace corpora, a read-only output folder on
+two ranks; and files written with the permissions the umask gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed import free_port  # noqa: E402
+from ntl_pretrain.config import ConfigError, DataSourceConfig, load_config
+from ntl_pretrain.data import DataError, PretrainingData
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs" / "demo.yaml")
+MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", "data.sources.0.path=corpus.jsonl"]
+
+
+# ---------------------------------------------------------------------------------------------- config load
+@pytest.mark.parametrize("override, message", [
+    ("loss.ntl_weight=.nan", "loss.ntl_weight must be a finite number, got nan"),
+    ("loss.ntl_weight=nan", "loss.ntl_weight must be a finite number"),  # a YAML string that float() reads
+    ("optim.lr=-1", "optim.lr must be > 0, got -1"),
+    ("optim.lr=0", "optim.lr must be > 0"),
+    ("optim.lr=.inf", "optim.lr must be a finite number, got inf"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas.1=1.5 must be in [0, 1)"),
+    ("optim.betas=[-0.1, 0.9]", "optim.betas.0=-0.1 must be in [0, 1)"),
+    ("optim.betas=[0.9, .nan]", "optim.betas.1 must be a finite number"),
+    ("optim.eps=0", "optim.eps must be > 0"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio must be >= 0 and <= 1, got 2"),
+    ("optim.grad_clip=.nan", "optim.grad_clip must be a finite number"),
+    ("optim.grad_clip=-1", "optim.grad_clip must be >= 0"),
+    ("loss.smoothing_sigma=.nan", "loss.smoothing_sigma must be a finite number"),
+    ("loss.squash_factor=.inf", "loss.squash_factor must be a finite number"),
+    ("data.sources.0.weight=.inf", "data.sources.0.weight must be a finite number"),
+    ("checkpoint.preempt_grace_s=.nan", "checkpoint.preempt_grace_s must be a finite number"),
+    # the loss's own checks, which used to run only after the model and the engine were built
+    ("loss.squash_factor=1", "squash_factor must be > 1"),
+    ("loss.variant=number_level|loss.smoothing_sigma=0.5", "smoothing_sigma needs variant 'was'"),
+    ("loss.variant=mse|loss.squash_factor=3", "squash_factor applies to variant 'was' only"),
+    ("loss.float_level=true", "float_level applies to variant 'number_level' only"),
+])
+def test_bad_values_are_refused_at_load(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, MINIMAL + override.split("|"))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("override, nearest", [
+    ("optim.learning_rate=1e-3", "optim.lr"),
+    ("train.lr=1e-3", "optim.lr"),  # the right key in another section
+    ("data.max_seq_len=64", "data.seq_len"),
+    ("train.gradient_accumulation_steps=2", "train.grad_accum_steps"),
+    ("optim.max_grad_norm=1", "optim.grad_clip"),
+    ("data.sources.0.text_feild=body", "data.sources.0.text_field"),
+    ("optim.warmup_step=3", "optim.warmup_steps"),
+])
+def test_did_you_mean_points_at_the_key_meant(override, nearest):
+    with pytest.raises(ConfigError, match="unknown config key") as info:
+        load_config(None, MINIMAL + [override])
+    assert f"did you mean {nearest!r}?" in str(info.value)
+
+
+def test_good_values_at_the_edges_still_load():
+    cfg = load_config(None, MINIMAL + ["optim.betas=[0, 0.999]", "optim.min_lr_ratio=0", "optim.grad_clip=0",
+                                       "loss.ntl_weight=0", "optim.weight_decay=0", "loss.squash_factor=1.5",
+                                       "optim.lr=1e-4"])
+    assert cfg.optim.betas == [0.0, 0.999] and cfg.loss.squash_factor == 1.5
+
+
+# ---------------------------------------------------------------------------------------------- model config
+def test_misspelt_architecture_key_is_refused_before_the_build(tmp_path):
+    from transformers import LlamaConfig
+
+    from ntl_pretrain.model import load_model_config
+
+    cfg = load_config(DEMO, ["model.architecture.num_hiden_layers=2"])
+    with pytest.raises(ValueError, match=r"model.architecture.num_hiden_layers is not a key of the llama config.*"
+                                         r"did you mean 'num_hidden_layers'\?"):
+        load_model_config(cfg.model)
+    # the same over a saved model's config.json (the keys then override it)
+    LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2).save_pretrained(
+        tmp_path / "model")
+    cfg = load_config(DEMO, [f"model.name_or_path={tmp_path / 'model'}", "model.architecture={num_hiden_layers: 3}"])
+    with pytest.raises(ValueError, match="num_hiden_layers is not a key of the llama config"):
+        load_model_config(cfg.model)
+    # valid keys still apply, including one the constructor converts (rope_theta -> rope_parameters)
+    cfg = load_config(DEMO, ["model.architecture.num_hidden_layers=2", "model.architecture.rope_theta=5000.0"])
+    config = load_model_config(cfg.model)
+    assert config.num_hidden_layers == 2 and config.rope_parameters["rope_theta"] == 5000.0
+    assert "num_hiden_layers" not in config.to_dict()
+
+
+@pytest.mark.parametrize("path", ["./no/such/model", "runs/missing/model"])
+def test_missing_local_model_folder_is_not_read_as_a_hub_id(path):
+    from ntl_pretrain.model import load_model_config
+
+    cfg = load_config(DEMO, [f"model.name_or_path={path}"])
+    with pytest.raises(ValueError) as info:
+        load_model_config(cfg.model)
+    assert f"model.name_or_path={path!r}: no such folder" in str(info.value)
+    assert "Repo id" not in str(info.value)
+
+
+def test_seq_len_beyond_the_models_positions_is_refused():
+    from ntl_pretrain.model import check_sequence_length, load_model_config
+
+    cfg = load_config(DEMO, ["data.seq_len=512"])
+    with pytest.raises(ValueError, match=r"data.seq_len=512 is longer than the model's max_position_embeddings=256"):
+        check_sequence_length(load_model_config(cfg.model), cfg.data.seq_len)
+    check_sequence_length(load_model_config(cfg.model), 256)
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed JSON
+def test_deepspeed_train_batch_size_is_resolved_or_refused(tmp_path):
+    from ntl_pretrain.train import deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64}))
+    cfg = load_config(DEMO, [f"deepspeed.config={path}", "parallel.tp_size=1", "data.micro_batch_size=8"])
+    ds = deepspeed_config(cfg, on_cpu=True, world_size=2)  # 64 = 8 x accumulation x dp 2
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (64, 8, 4)
+    assert cfg.train.grad_accum_steps == 4  # the resolved config tells the truth
+    path.write_text(json.dumps({"train_batch_size": 64, "gradient_accumulation_steps": 2}))
+    cfg = load_config(DEMO, [f"deepspeed.config={path}", "parallel.tp_size=1"])
+    ds = deepspeed_config(cfg, on_cpu=True, world_size=4)
+    assert (ds["train_micro_batch_size_per_gpu"], cfg.data.micro_batch_size) == (8, 8)
+    path.write_text(json.dumps({"train_batch_size": 60, "gradient_accumulation_steps": 2,
+                                "train_micro_batch_size_per_gpu": 8}))
+    cfg = load_config(DEMO, [f"deepspeed.config={path}", "parallel.tp_size=1"])
+    with pytest.raises(ConfigError, match=r"train_batch_size=60 must equal .* 8 x 2 x 1 = 16; set train_batch_size to 16"):
+        deepspeed_config(cfg, on_cpu=True, world_size=1)
+    path.write_text(json.dumps({"train_batch_size": 20}))
+    cfg = load_config(DEMO, [f"deepspeed.config={path}", "parallel.tp_size=1"])
+    with pytest.raises(ConfigError, match=r"20 is not a multiple of 8 x 2 = 16"):
+        deepspeed_config(cfg, on_cpu=True, world_size=2)
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--dry-run", "--config", DEMO,
+                           "--world-size", "2", f"train.output_dir={tmp_path / 'run'}", *overrides],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+
+@pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
+                                  "seq_len", "model_path", "train_batch_size", "output_dir_is_a_file"])
+def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64}))
+    (tmp_path / "a_file").write_text("x")
+    overrides, message = {
+        "squash_factor": (["loss.squash_factor=1"], "squash_factor must be > 1"),
+        "number_level_smoothing": (["loss.variant=number_level", "loss.smoothing_sigma=0.5"],
+                                   "smoothing_sigma needs variant 'was'"),
+        "lr": (["optim.lr=-1"], "optim.lr must be > 0"),
+        "betas": (["optim.betas=[0.9, 1.5]"], "optim.betas.1=1.5 must be in [0, 1)"),
+        "architecture_key": (["model.architecture.num_hiden_layers=2"], "did you mean 'num_hidden_layers'?"),
+        "seq_len": (["data.seq_len=512"], "data.seq_len=512 is longer than the model's max_position_embeddings=256"),
+        "model_path": (["model.name_or_path=./no/such/model"], "model.name_or_path='./no/such/model': no such folder"),
+        "train_batch_size": ([f"deepspeed.config={tmp_path / 'ds.json'}"],
+                             "train_batch_size=64 must equal train_micro_batch_size_per_gpu x"),
+        "output_dir_is_a_file": ([f"train.output_dir={tmp_path / 'a_file' / 'run'}"], "is a file, not a folder"),
+    }[case]
+    result = _dry_run(tmp_path, *overrides)
+    assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-3000:])
+    assert "dry run OK" not in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------- data files
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from ntl_pretrain.model import train_digit_bpe
+
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    train_digit_bpe([f"{i} apples cost {i * 7} coins" for i in range(300)], vocab_size=300, out_dir=str(out))
+    return AutoTokenizer.from_pretrained(out)
+
+
+def _build(tokenizer, path: Path, tmp_path: Path) -> PretrainingData:
+    from ntl_pretrain.config import DataConfig
+
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(path))], seq_len=16, validation_documents=5,
+                     cache_dir=str(tmp_path / "cache"))
+    return PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+
+
+def test_empty_jsonl_is_named(tokenizer, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError) as info:
+        _build(tokenizer, tmp_path / "empty.jsonl", tmp_path)
+    assert "empty.jsonl' is empty (0 bytes)" in str(info.value) and "StopIteration" not in str(info.value)
+    # one empty file in a folder of good ones is named too
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").write_text("".join(json.dumps({"text": f"{i} + {i}"}) + "\n" for i in range(50)))
+    (tmp_path / "folder" / "b.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"b.jsonl' is empty"):
+        _build(tokenizer, tmp_path / "folder", tmp_path)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "txt"])
+def test_latin1_file_is_named_with_its_line(tokenizer, tmp_path, suffix):
+    lines = [f"doc {i}: {i} plus {i} is {2 * i}" for i in range(40)] + ["caf\u00e9 au lait costs 3 euros"]
+    rows = [json.dumps({"text": t}, ensure_ascii=False) if suffix == "jsonl" else t for t in lines]
+    path = tmp_path / f"latin.{suffix}"
+    path.write_bytes(("\n".join(rows) + "\n").encode("latin-1"))
+    with pytest.raises(DataError) as info:
+        _build(tokenizer, path, tmp_path)
+    message = str(info.value)
+    assert f"latin.{suffix}' line 41 is not UTF-8 text" in message and "iconv" in message
+
+
+def test_all_whitespace_corpus_is_refused(tokenizer, tmp_path):
+    path = tmp_path / "blank.jsonl"
+    path.write_text("".join(json.dumps({"text": [" ", "\n\t", "   \n"][i % 3]}) + "\n" for i in range(300)))
+    with pytest.raises(DataError, match=r"all 300 documents are empty or whitespace in column 'text'"):
+        _build(tokenizer, path, tmp_path)
+    # a corpus with some blank documents is fine
+    path.write_text("".join(json.dumps({"text": " " if i % 2 else f"{i} plus 1"}) + "\n" for i in range(300)))
+    assert _build(tokenizer, path, tmp_path).sources
+
+
+# ---------------------------------------------------------------------------------------------- full runs
+def _rank_env(rank: int, world: int, port: int) -> dict:
+    return dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _train_command(tmp_path: Path, tokenizer_dir: str, corpus: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", DEMO, "tokenizer.train_vocab_size=0",
+            f"tokenizer.name_or_path={tokenizer_dir}", "data.sources.0.generate_arithmetic=0",
+            f"data.sources.0.path={corpus}", "data.validation_documents=0", "train.val_every_n_steps=-1",
+            "eval.at_end=false", "train.max_steps=1", f"data.cache_dir={tmp_path / 'cache'}", *overrides]
+
+
+def _corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i} apples plus {i * 3} apples is {i * 4} apples."}) + "\n"
+                            for i in range(400)))
+    return path
+
+
+def test_deepspeed_json_batch_mismatch_fails_before_the_build(tmp_path, tokenizer):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64}))
+    command = _train_command(tmp_path, tokenizer.name_or_path, _corpus(tmp_path), "parallel.tp_size=1",
+                             f"deepspeed.config={tmp_path / 'ds.json'}", f"train.output_dir={tmp_path / 'run'}",
+                             "data.micro_batch_size=8", "train.grad_accum_steps=3")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=_rank_env(0, 1, free_port()))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "AssertionError" not in result.stderr and "Traceback" not in result.stderr
+    assert "train_batch_size=64 must equal" in result.stderr and "8 x 3 x 1 = 24" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+_TWO_RANKS = """
+import json, subprocess, sys
+commands, envs, timeout = json.loads(sys.argv[1])
+procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c, e in zip(commands, envs)]
+outs = []
+try:
+    for p in procs:
+        outs.append(p.communicate(timeout=timeout)[0])
+except subprocess.TimeoutExpired:
+    for p in procs:
+        p.kill()
+    outs = [p.communicate()[0] + "\\nTIMEOUT" for p in procs]
+print(json.dumps([[p.returncode for p in procs], outs]))
+"""
+
+
+def test_read_only_output_folder_stops_every_rank_with_one_clear_line(tmp_path, tokenizer):
+    """Two ranks; the output folder exists and cannot be written (chmod for a normal user, a read-only
+    bind mount for root, who ignores permissions): both exit 2 with the folder named, before any build."""
+    out = tmp_path / "readonly_run"
+    out.mkdir()
+    port = free_port()
+    command = _train_command(tmp_path, tokenizer.name_or_path, _corpus(tmp_path), "parallel.tp_size=1",
+                             f"train.output_dir={out}")
+    payload = json.dumps([[command, command], [_rank_env(0, 2, port), _rank_env(1, 2, port)], 400])
+    driver = [sys.executable, "-c", _TWO_RANKS, payload]
+    if os.geteuid() == 0:
+        driver = ["unshare", "-m", "sh", "-c", f'mount --bind "{out}" "{out}" && mount -o remount,bind,ro "{out}" '
+                  f'&& exec "$0" "$@"', *driver]
+    else:
+        out.chmod(0o555)
+    try:
+        result = subprocess.run(driver, capture_output=True, text=True, timeout=500, cwd=tmp_path)
+    finally:
+        out.chmod(0o755)
+    assert result.returncode == 0, result.stderr[-3000:]
+    codes, outputs = json.loads(result.stdout.strip().splitlines()[-1])
+    for rank, (code, output) in enumerate(zip(codes, outputs)):
+        assert code == 2, f"rank {rank} exited {code}:\n{output[-3000:]}"
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert errors and f"train.output_dir={str(out)!r} is not writable" in errors[0], output[-3000:]
+        assert "Traceback" not in output and "gloo" not in output.lower() and "TIMEOUT" not in output
+        assert "model from_config" not in output  # refused before the model was built
+    assert os.listdir(out) == []
+
+
+# ---------------------------------------------------------------------------------------------- umask
+@pytest.fixture(params=[0o022, 0o002], ids=["umask022", "umask002"])
+def umask(request):
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
+    from ntl_pretrain.eval.arithmetic import write_training_corpus
+    from ntl_pretrain.eval.hooks import _write_jsonl
+    from ntl_pretrain.model import train_digit_bpe
+
+    files, folders = 0o666 & ~umask, 0o777 & ~umask
+    corpus = write_training_corpus(str(tmp_path / "corpus.jsonl"), n=20, seed=1)
+    _write_jsonl(str(tmp_path / "eval" / "step_0000001.jsonl"), [{"a": 1}])
+    tokenizer = train_digit_bpe(["1 + 2 = 3"] * 50, vocab_size=300, out_dir=str(tmp_path / "tok"))
+    cfg = load_config(None, MINIMAL)
+    from ntl_pretrain.config import write_resolved
+
+    resolved = write_resolved(cfg, str(tmp_path / "run"))
+    assert _mode(Path(corpus)) == files and _mode(tmp_path / "eval" / "step_0000001.jsonl") == files
+    assert _mode(Path(resolved)) == files
+    assert _mode(Path(tokenizer)) == folders
+    assert {_mode(p) for p in Path(tokenizer).iterdir()} == {files}
+    assert not [p for p in tmp_path.rglob(".*tmp*")]  # no temporary left behind
+
+
+def test_atomic_helpers_leave_nothing_half_written(tmp_path, umask):
+    from ntl_pretrain.fs import atomic_directory, atomic_write, write_json_atomic
+
+    target = tmp_path / "a.json"
+    write_json_atomic(target, {"v": 1})
+    with pytest.raises(RuntimeError):
+        with atomic_write(target) as handle:
+            handle.write('{"v": 2')
+            raise RuntimeError("interrupted")
+    assert json.loads(target.read_text()) == {"v": 1} and os.listdir(tmp_path) == ["a.json"]
+    with pytest.raises(RuntimeError):
+        with atomic_directory(tmp_path / "folder") as staging:
+            Path(staging, "x").write_text("x")
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path) == ["a.json"]
+    with atomic_directory(tmp_path / "folder") as staging:
+        Path(staging, "x").write_text("x")
+    with pytest.raises(FileExistsError):
+        with atomic_directory(tmp_path / "folder") as staging:
+            Path(staging, "y").write_text("y")
+    assert os.listdir(tmp_path / "folder") == ["x"] and sorted(os.listdir(tmp_path)) == ["a.json", "folder"]
+    assert _mode(tmp_path / "folder") == 0o777 & ~umask and _mode(target) == 0o666 & ~umask
