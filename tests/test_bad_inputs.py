@@ -158,7 +158,8 @@ def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
                                   "seq_len", "model_path", "train_batch_size", "output_dir_is_a_file"])
 def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
-    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64}))
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+                                                  "gradient_accumulation_steps": 1}))
     (tmp_path / "a_file").write_text("x")
     overrides, message = {
         "squash_factor": (["loss.squash_factor=1"], "squash_factor must be > 1"),
@@ -258,10 +259,10 @@ def _corpus(tmp_path: Path) -> Path:
 
 
 def test_deepspeed_json_batch_mismatch_fails_before_the_build(tmp_path, tokenizer):
-    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64}))
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+                                                  "gradient_accumulation_steps": 3}))
     command = _train_command(tmp_path, tokenizer.name_or_path, _corpus(tmp_path), "parallel.tp_size=1",
-                             f"deepspeed.config={tmp_path / 'ds.json'}", f"train.output_dir={tmp_path / 'run'}",
-                             "data.micro_batch_size=8", "train.grad_accum_steps=3")
+                             f"deepspeed.config={tmp_path / 'ds.json'}", f"train.output_dir={tmp_path / 'run'}")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                             env=_rank_env(0, 1, free_port()))
     assert result.returncode == 2, result.stderr[-3000:]
