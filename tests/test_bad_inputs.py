@@ -371,3 +371,29 @@ def test_atomic_helpers_leave_nothing_half_written(tmp_path, umask):
             Path(staging, "y").write_text("y")
     assert os.listdir(tmp_path / "folder") == ["x"] and sorted(os.listdir(tmp_path)) == ["a.json", "folder"]
     assert _mode(tmp_path / "folder") == 0o777 & ~umask and _mode(target) == 0o666 & ~umask
+
+
+def test_a_real_run_and_its_export_follow_the_umask(tmp_path, tokenizer):
+    """Two ranks (ZeRO-3, tp 2) under umask 002 train a step and export: every file of the run folder
+    and of the export, model.safetensors included (safetensors writes 0600), is group-readable and
+    -writable as the umask says."""
+    out = tmp_path / "run"
+    port = free_port()
+    command = _train_command(tmp_path, tokenizer.name_or_path, _corpus(tmp_path), "parallel.tp_size=2",
+                             f"train.output_dir={out}", "checkpoint.export_hf_at_end=true",
+                             f"checkpoint.export_dir={tmp_path / 'export'}")
+    payload = json.dumps([[command, command], [_rank_env(0, 2, port), _rank_env(1, 2, port)], 500])
+    result = subprocess.run([sys.executable, "-c", _TWO_RANKS, payload], capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path, preexec_fn=lambda: os.umask(0o002))
+    assert result.returncode == 0, result.stderr[-3000:]
+    codes, outputs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert codes == [0, 0], outputs[0][-4000:]
+    export = tmp_path / "export"
+    assert (export / "model.safetensors").is_file()
+    for root in (export, out):
+        for path in [root, *root.rglob("*")]:
+            if path.is_symlink():
+                continue
+            expected = 0o775 if path.is_dir() else 0o664  # (DeepSpeed's copied zero_to_fp32.py keeps its x bits)
+            assert _mode(path) & expected == expected and not _mode(path) & 0o002, \
+                f"{path} has mode {oct(_mode(path))}, the umask 002 gives {oct(expected)}"
