@@ -308,6 +308,9 @@ class _StreamSource:
         while True:
             try:
                 sample = next(self._iterator)
+            except UnicodeDecodeError as error:  # a streamed file read only now, past the first documents
+                raise DataError(f"{self.key}: a streamed file is not UTF-8 text ({error}); re-encode it, e.g. "
+                                f"`iconv -f latin1 -t utf-8 IN > OUT`") from None
             except StopIteration:
                 if self._yielded_this_pass == 0:
                     raise DataError(f"{self.key} yields no sample of seq_len + 1 tokens; add data or lower "
