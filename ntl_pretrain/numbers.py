@@ -141,11 +141,9 @@ class NumberVocab:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, NUMBER_VOCAB_FILENAME)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(self.to_dict(), handle, indent=1)
-        os.replace(tmp, path)  # never leaves a half-written file behind
-        return path
+        from .fs import write_json_atomic
+
+        return write_json_atomic(path, self.to_dict(), indent=1)  # never leaves a half-written file behind
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "NumberVocab":

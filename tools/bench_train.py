@@ -28,6 +28,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ntl_pretrain.config import load_config  # noqa: E402
+from ntl_pretrain.fs import write_json_atomic  # noqa: E402
 from ntl_pretrain.monitor import memory_gib  # noqa: E402
 from ntl_pretrain.train import Trainer  # noqa: E402
 
@@ -133,10 +134,7 @@ def main() -> int:
             result[f"mfu_ntl_{side}"] = achieved / (peak * trainer.layout.world_size) if peak else None
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
-            tmp = f"{args.out}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as handle:
-                json.dump(result, handle, indent=1)
-            os.replace(tmp, args.out)
+            write_json_atomic(args.out, result, indent=1)
     return 0
 
 
