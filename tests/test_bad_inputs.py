@@ -108,7 +108,7 @@ def test_missing_local_model_folder_is_not_read_as_a_hub_id(path):
     cfg = load_config(DEMO, [f"model.name_or_path={path}"])
     with pytest.raises(ValueError) as info:
         load_model_config(cfg.model)
-    assert f"model.name_or_path={path!r}: no such folder" in str(info.value)
+    assert f"model.name_or_path={path!r} does not exist" in str(info.value)
     assert "Repo id" not in str(info.value)
 
 
@@ -168,7 +168,7 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
         "betas": (["optim.betas=[0.9, 1.5]"], "optim.betas.1=1.5 must be in [0, 1)"),
         "architecture_key": (["model.architecture.num_hiden_layers=2"], "did you mean 'num_hidden_layers'?"),
         "seq_len": (["data.seq_len=512"], "data.seq_len=512 is longer than the model's max_position_embeddings=256"),
-        "model_path": (["model.name_or_path=./no/such/model"], "model.name_or_path='./no/such/model': no such folder"),
+        "model_path": (["model.name_or_path=./no/such/model"], "model.name_or_path='./no/such/model' does not exist"),
         "train_batch_size": ([f"deepspeed.config={tmp_path / 'ds.json'}"],
                              "train_batch_size=64 must equal train_micro_batch_size_per_gpu x"),
     }[case]
