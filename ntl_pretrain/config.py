@@ -55,6 +55,10 @@ class ModelConfig:
         "pad a resized or newly built vocabulary to a multiple of this (times parallel.tp_size if that "
         "does not divide it)", default=64)
     init_seed: int = _doc("seed of the weight initialisation of a model built from scratch", default=1234)
+    partitioned_load: bool = _doc(
+        "ZeRO-3 with tp_size 1 and model.name_or_path: build the model partitioned (deepspeed.zero.Init) and "
+        "read only each rank's share of the safetensors weights; false: every rank loads the full model first",
+        default=True)
 
 
 @dataclass

@@ -253,21 +253,30 @@ def check_sequence_length(config: Any, seq_len: int) -> None:
                          f"(RoPE scaling) if you mean to train longer contexts")
 
 
-def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.nn.Module, ModelReport]:
-    """The causal LM on CPU, ready for `deepspeed.initialize` (every rank holds the full weights until
-    DeepSpeed partitions them: ZeRO-3 and AutoTP shard them inside `deepspeed.initialize`).
+def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
+                ds_config: dict | None = None) -> tuple[torch.nn.Module, ModelReport]:
+    """The causal LM on CPU, ready for `deepspeed.initialize`. A model loaded under ZeRO-3 with tp_size 1 is
+    built partitioned, each rank reading only its share of the weights (`model_loading`); otherwise every
+    rank holds the full weights until `deepspeed.initialize` partitions them.
 
     Args:
         cfg: the model section.
         tokenizer: the run's tokenizer; a model built from scratch gets its (padded) vocabulary.
         tp_size: tensor-parallel size; the vocabulary of a new or resized model is padded so it divides.
+        ds_config: the DeepSpeed config of the run (None: the full model on every rank).
     """
     from transformers import AutoModelForCausalLM
+
+    from . import model_loading
 
     attn = choose_attention(cfg.attn_implementation)
     dtype = DTYPES[cfg.dtype]
     config = load_model_config(cfg)
     tokenizer_size = len(tokenizer)
+    # a loaded model under ZeRO-3 without TP is built partitioned; one built from scratch is built whole, so its
+    # initial weights are the same under every ZeRO stage
+    partitioned = cfg.partitioned_load and model_loading.partitioned_load_applies(ds_config, tp_size)
+    resize = None
     if cfg.name_or_path is None:
         config.vocab_size = padded_vocab_size(tokenizer_size, cfg.pad_vocab_to_multiple_of, tp_size)
         if tokenizer.eos_token_id is not None:
@@ -276,12 +285,18 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.n
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
                                                  trust_remote_code=cfg.trust_remote_code)
         source = f"from_config:{config.model_type}"
+    elif partitioned:
+        model, resize = model_loading.load_pretrained_partitioned(cfg, config, tokenizer, ds_config,
+                                                                  attn_implementation=attn, dtype=dtype)
+        source = cfg.name_or_path
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, attn_implementation=attn,
                                                      dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         source = cfg.name_or_path
-    model_vocab = model.get_input_embeddings().weight.shape[0]
-    resized_from = None
+    model_vocab = model_loading.full_shape(model.get_input_embeddings().weight)[0]
+    resized_from = resize.old_rows if resize is not None else None
+    if resize is not None:
+        logger.info("%s", resize)
     if model_vocab < tokenizer_size:
         if not cfg.resize_embeddings:
             raise ValueError(
@@ -299,5 +314,5 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int) -> tuple[torch.n
         model.config.use_cache = False
     report = ModelReport(source=source, attn_implementation=attn, dtype=cfg.dtype, vocab_size=int(model_vocab),
                          tokenizer_size=tokenizer_size, resized_from=resized_from,
-                         parameters=sum(p.numel() for p in model.parameters()))
+                         parameters=sum(model_loading.full_numel(p) for p in model.parameters()))
     return model, report

@@ -367,7 +367,7 @@ class Trainer:
         if cfg.train.val_every_n_steps >= 0:
             self.data.check_validation(cfg.train.val_batches)
 
-        model, self.model_report = build_model(cfg.model, self.tokenizer, cfg.parallel.tp_size)
+        model, self.model_report = build_model(cfg.model, self.tokenizer, cfg.parallel.tp_size, self.ds_config)
         self.number_vocab = number_vocab.with_vocab_size(self.model_report.vocab_size)
         logger.info("model %s: %.1fM parameters, vocabulary %d (tokenizer %d), attention %s, %s",
                     self.model_report.source, self.model_report.parameters / 1e6, self.model_report.vocab_size,

@@ -100,6 +100,59 @@ def _digit_sources(tokenizer, token_ids: Iterable[int], usable) -> dict[int, int
     return sources
 
 
+@dataclass
+class RowPlan:
+    """Which rows a vocabulary resize adds and how "mean" initialises them (shared by the in-memory resize
+    and the partitioned ZeRO-3 load, `model_loading`)."""
+
+    old_rows: int
+    new_rows: int
+    tokenizer_size: int
+    pad_to_multiple_of: int
+    new_ids: list[int]  # new tokens' rows (appended, or inside the old rows)
+    padding: list[int]  # rows past the tokenizer's last token
+    copy_from: dict[int, int]  # new bare digit row -> the row of another spelling of it
+    mean_rows: list[int]  # rows set to the mean of the trained rows
+    trained: list[int]  # the rows of the tokenizer's existing tokens (the mean's rows)
+
+    def check_mean(self) -> None:
+        if not self.trained:
+            raise ValueError("every existing embedding row belongs to a new token; there is no trained row to average")
+
+    def report(self, init: str, tied: bool, tokenizer) -> ResizeReport:
+        report = ResizeReport(old_rows=self.old_rows, new_rows=self.new_rows, tokenizer_size=self.tokenizer_size,
+                              pad_to_multiple_of=self.pad_to_multiple_of, init=init, tied=tied,
+                              new_token_ids=list(self.new_ids), padding_rows=len(self.padding))
+        if init == "mean":
+            report.copied_from = {tokenizer.convert_ids_to_tokens(t): tokenizer.convert_ids_to_tokens(s)
+                                  for t, s in self.copy_from.items()}
+            report.mean_token_rows = len(self.new_ids) - len(self.copy_from)
+        return report
+
+
+def plan_new_rows(tokenizer, old_rows: int, pad_to_multiple_of: int,
+                  new_token_ids: Iterable[int] | None = None) -> RowPlan:
+    """The rows that growing `old_rows` embedding rows to hold `tokenizer` adds (see `resize_model_embeddings`)."""
+    if not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer (e.g. 64, or a "
+                         f"multiple of the tensor-parallel size)")
+    tokenizer_size = len(tokenizer)
+    target_rows = _round_up(max(old_rows, tokenizer_size), pad_to_multiple_of)
+    inside = sorted(set(int(i) for i in (new_token_ids or ())))
+    bad = [i for i in inside if not 0 <= i < tokenizer_size]
+    if bad:
+        raise ValueError(f"new_token_ids {bad} are not ids of the tokenizer's {tokenizer_size} tokens")
+    new_ids = sorted(set(inside) | set(range(old_rows, min(target_rows, tokenizer_size))))
+    padding = list(range(max(old_rows, tokenizer_size), target_rows))
+    new_id_set = set(new_ids)
+    # rows of the tokenizer's existing tokens; a padded model's spare rows were never trained
+    trained = [i for i in range(min(old_rows, tokenizer_size)) if i not in new_id_set]
+    sources = _digit_sources(tokenizer, new_ids, lambda i: i < old_rows and i not in new_id_set)
+    return RowPlan(old_rows=old_rows, new_rows=target_rows, tokenizer_size=tokenizer_size,
+                   pad_to_multiple_of=pad_to_multiple_of, new_ids=new_ids, padding=padding, copy_from=sources,
+                   mean_rows=[i for i in new_ids if i not in sources] + padding, trained=trained)
+
+
 def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int, init: str = "mean",
                             new_token_ids: Iterable[int] | None = None) -> ResizeReport:
     """Grow the model's embeddings to hold every tokenizer token, padded to `pad_to_multiple_of` rows.
@@ -114,9 +167,6 @@ def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int
             whose vocabulary was already padded); with init="mean" their rows are re-initialised too.
             Ids at or above the old row count are always treated as new.
     """
-    if not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer (e.g. 64, or a "
-                         f"multiple of the tensor-parallel size)")
     if init not in INIT_METHODS:
         raise ValueError(f"init={init!r} is not supported; use one of {INIT_METHODS}")
     input_embeddings = model.get_input_embeddings()
@@ -128,38 +178,20 @@ def resize_model_embeddings(model: nn.Module, tokenizer, pad_to_multiple_of: int
         raise RuntimeError("the embeddings are already partitioned by DeepSpeed ZeRO-3: resize the full model before "
                            "deepspeed.initialize (and outside deepspeed.zero.Init), then hand it to DeepSpeed")
     old_rows = int(input_embeddings.weight.shape[0])
-    tokenizer_size = len(tokenizer)
-    target_rows = _round_up(max(old_rows, tokenizer_size), pad_to_multiple_of)
-    inside = sorted(set(int(i) for i in (new_token_ids or ())))
-    bad = [i for i in inside if not 0 <= i < tokenizer_size]
-    if bad:
-        raise ValueError(f"new_token_ids {bad} are not ids of the tokenizer's {tokenizer_size} tokens")
-    new_ids = sorted(set(inside) | set(range(old_rows, min(target_rows, tokenizer_size))))
-    padding = list(range(max(old_rows, tokenizer_size), target_rows))
+    plan = plan_new_rows(tokenizer, old_rows, pad_to_multiple_of, new_token_ids)
     tied = output_embeddings is not None and output_embeddings.weight is input_embeddings.weight
-    report = ResizeReport(old_rows=old_rows, new_rows=target_rows, tokenizer_size=tokenizer_size,
-                          pad_to_multiple_of=pad_to_multiple_of, init=init, tied=tied, new_token_ids=new_ids,
-                          padding_rows=len(padding))
+    report = plan.report(init, tied, tokenizer)
     if not report.changed:
         return report
-    if target_rows != old_rows:
-        model.resize_token_embeddings(target_rows, mean_resizing=False)
+    if plan.new_rows != old_rows:
+        model.resize_token_embeddings(plan.new_rows, mean_resizing=False)
     if init != "mean":
         return report
-
-    new_id_set = set(new_ids)
-    # rows of the tokenizer's existing tokens; a padded model's spare rows were never trained
-    trained = [i for i in range(min(old_rows, tokenizer_size)) if i not in new_id_set]
-    if not trained:
-        raise ValueError("every existing embedding row belongs to a new token; there is no trained row to average")
-    sources = _digit_sources(tokenizer, new_ids, lambda i: i < old_rows and i not in new_id_set)
-    report.copied_from = {tokenizer.convert_ids_to_tokens(t): tokenizer.convert_ids_to_tokens(s)
-                          for t, s in sources.items()}
-    report.mean_token_rows = len(new_ids) - len(sources)
-    mean_rows = torch.tensor([i for i in new_ids if i not in sources] + padding, dtype=torch.long)
-    copy_to = torch.tensor(list(sources), dtype=torch.long)
-    copy_from = torch.tensor(list(sources.values()), dtype=torch.long)
-    trained_rows = torch.tensor(trained, dtype=torch.long)
+    plan.check_mean()
+    mean_rows = torch.tensor(plan.mean_rows, dtype=torch.long)
+    copy_to = torch.tensor(list(plan.copy_from), dtype=torch.long)
+    copy_from = torch.tensor(list(plan.copy_from.values()), dtype=torch.long)
+    trained_rows = torch.tensor(plan.trained, dtype=torch.long)
 
     def initialise(tensor: torch.Tensor) -> None:
         data = tensor.data

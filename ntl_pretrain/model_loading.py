@@ -1,0 +1,281 @@
+"""Partitioned model loading for ZeRO-3 without tensor parallelism: each rank holds only its share.
+
+The plain path (`model.build_model`) materialises the whole model on every rank's host before
+`deepspeed.initialize` partitions it, so a node with 8 ranks holds 8 copies. Here instead:
+
+1. the model is constructed under `deepspeed.zero.Init` (through transformers' `HfDeepSpeedConfig`
+   integration: `from_config` then builds each module and partitions it at once, only one module is
+   ever whole), and
+2. each rank reads from the safetensors files only the elements of its own ZeRO-3 partition of each
+   parameter (a row range read through `safe_open(...).get_slice`, at most two rows more than its share)
+   and writes them into `param.ds_tensor`; no parameter is gathered and no rank reads the full file.
+
+Vocabulary growth (`model.resize_embeddings`) is done while reading: the embedding (and untied head)
+are constructed with the padded row count and each rank fills its rows with the file's row, the row of
+another spelling of a new digit, or the mean of the trained rows, with the same plan as
+`tokenizer.resize.resize_model_embeddings` (`plan_new_rows`).
+
+`deepspeed.initialize` accepts the partitioned model as it is (it skips parameters that already have a
+`ds_id`). With tensor parallelism (AutoTP) the plain path is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
+    """True when the model can be built ZeRO-3-partitioned from the start (ZeRO-3, no tensor parallelism)."""
+    if ds_config is None or tp_size != 1:
+        return False
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+
+
+@contextlib.contextmanager
+def zero3_construction(ds_config: dict) -> Iterator[None]:
+    """transformers builds models under `deepspeed.zero.Init` while this is active (HfDeepSpeedConfig is
+    held by a weak reference in transformers, so it only acts as long as this context holds it)."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    holder = HfDeepSpeedConfig(ds_config)
+    try:
+        yield
+    finally:
+        del holder  # later `from_pretrained` / `generate` calls behave as without ZeRO-3 integration
+
+
+def safetensors_files(folder: str) -> dict[str, str]:
+    """{tensor name: file path} of a local model folder's safetensors weights (sharded or not)."""
+    index = os.path.join(folder, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    single = os.path.join(folder, SAFETENSORS_SINGLE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    raise ValueError(f"model.name_or_path={folder!r} holds no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}: the "
+                     f"partitioned ZeRO-3 load reads safetensors weights; convert the checkpoint (save_pretrained "
+                     f"with safe_serialization) or set model.partitioned_load=false")
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's full shape, also when ZeRO-3 has partitioned it (then `param.shape` is empty)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def full_numel(param: torch.Tensor) -> int:
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+class _Reader:
+    """Row-range reads of tensors spread over safetensors files, with the files kept open."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self.stack = contextlib.ExitStack()
+        self.handles: dict[str, Any] = {}
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+
+    def _slice(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(safe_open(path, framework="pt"))
+        return self.handles[path].get_slice(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` (for small ones: buffers)."""
+        self._slice(name)
+        return self.handles[self.files[name]].get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` as a 2-D tensor (a 1-D tensor's elements are rows of width 1)."""
+        part = self._slice(name)[start:stop]
+        return part.reshape(stop - start, -1)
+
+
+def _file_key(name: str, files: dict[str, str], prefix: str) -> str | None:
+    """The checkpoint key of model parameter `name` (checkpoints are saved with or without the base prefix)."""
+    if name in files:
+        return name
+    if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1:] in files:
+        return name[len(prefix) + 1:]
+    if prefix and f"{prefix}.{name}" in files:
+        return f"{prefix}.{name}"
+    return None
+
+
+class _RowSource:
+    """Where each row of a (possibly grown) vocabulary tensor comes from: the file row of the same index,
+    another file row (a new digit copies another spelling), or the mean of the trained rows."""
+
+    def __init__(self, old_rows: int, copy_from: dict[int, int], mean_rows: set[int], trained: list[int]) -> None:
+        self.old_rows = old_rows
+        self.copy_from = copy_from
+        self.mean_rows = mean_rows
+        self.trained = trained
+
+    def mean(self, reader: _Reader, key: str, chunk_rows: int = 4096) -> torch.Tensor:
+        """Mean of the trained rows of `key`, read in chunks (float32 accumulation, as resize does)."""
+        total = None
+        trained = torch.tensor(self.trained, dtype=torch.long)
+        for start in range(0, self.old_rows, chunk_rows):
+            stop = min(start + chunk_rows, self.old_rows)
+            chosen = trained[(trained >= start) & (trained < stop)] - start
+            if len(chosen):
+                part = reader.rows(key, start, stop)[chosen].float().sum(dim=0)
+                total = part if total is None else total + part
+        return total / len(self.trained)
+
+    def rows(self, reader: _Reader, key: str, start: int, stop: int, mean: torch.Tensor | None) -> torch.Tensor:
+        """Rows [start, stop) of the grown tensor."""
+        file_stop = min(stop, self.old_rows)
+        parts = [reader.rows(key, start, file_stop)] if start < file_stop else []
+        width = parts[0].shape[1] if parts else int(mean.numel())
+        if stop > file_stop:
+            parts.append(torch.empty(stop - max(start, file_stop), width, dtype=parts[0].dtype if parts else mean.dtype))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        for row in range(start, stop):
+            if row in self.copy_from:
+                out[row - start] = reader.rows(key, self.copy_from[row], self.copy_from[row] + 1)[0].to(out.dtype)
+            elif row in self.mean_rows:
+                out[row - start] = mean.to(out.dtype)
+        return out
+
+
+def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, source: _RowSource | None) -> None:
+    """Write this rank's ZeRO-3 partition of `param` from the file (only its rows are read)."""
+    import deepspeed.comm as dist
+
+    shape = full_shape(param)
+    numel = full_numel(param)
+    row = max(1, numel // shape[0]) if len(shape) else 1
+    rows_total = shape[0] if len(shape) else 1
+    partition = param.ds_tensor
+    size = int(partition.ds_numel)
+    start = size * dist.get_rank(group=param.ds_process_group)
+    stop = min(start + size, numel)
+    with torch.no_grad():
+        partition.zero_()
+        if start >= stop:
+            return
+        first, last = start // row, min(rows_total, -(-stop // row))
+        if source is None:
+            values = reader.rows(key, first, last)
+        else:
+            values = source.rows(reader, key, first, last, getattr(source, "mean_value", None))
+        flat = values.reshape(-1)[start - first * row: stop - first * row]
+        partition.narrow(0, 0, stop - start).copy_(flat.to(partition.dtype))
+
+
+def _check_shapes(model: torch.nn.Module, reader: _Reader, keys: dict[str, str], grown: set[str]) -> None:
+    for name, param in model.named_parameters():
+        if name not in keys:
+            continue
+        expected = list(full_shape(param))
+        found = reader.shape(keys[name])
+        if name in grown:
+            expected, found = expected[1:], found[1:]
+        if expected != found:
+            raise ValueError(f"model.name_or_path: tensor {keys[name]!r} has shape {found} in the files but the model "
+                             f"built from its config expects {list(full_shape(param))}; the config does not match the "
+                             f"weights (model.architecture overrides?)")
+
+
+def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
+                     trust_remote_code: bool, row_plan: Any | None = None) -> torch.nn.Module:
+    """The causal LM of the local folder `folder`, ZeRO-3-partitioned, each rank holding only its share.
+
+    Args:
+        folder: a local Hugging Face model folder with safetensors weights.
+        config: its (possibly overridden) transformers config; with `row_plan`, `config.vocab_size` must
+            already be the grown row count.
+        ds_config: the DeepSpeed config the engine will use (ZeRO-3; its bf16/fp16 set the parameter dtype).
+        row_plan: `tokenizer.resize.RowPlan` when the vocabulary grows (new rows per the plan), else None.
+    """
+    from transformers import AutoModelForCausalLM
+
+    files = safetensors_files(folder)
+    with zero3_construction(ds_config):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    prefix = getattr(model, "base_model_prefix", "")
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
+    missing = sorted(set(params) - set(keys))
+    if missing:
+        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
+                         f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "
+                         f"transformers' own loading: set model.partitioned_load=false")
+    vocab_params = set()
+    if row_plan is not None:
+        vocab_params = {name for name, p in params.items()
+                        if any(p is m.weight or p is getattr(m, "bias", None)
+                               for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None)}
+    with _Reader(files) as reader:
+        _check_shapes(model, reader, keys, vocab_params)
+        for name, param in params.items():
+            source = None
+            if name in vocab_params:
+                source = _RowSource(row_plan.old_rows, row_plan.copy_from, set(row_plan.mean_rows), row_plan.trained)
+                source.mean_value = source.mean(reader, keys[name])
+            _fill_partition(param, reader, keys[name], source)
+        for name, buffer in model.named_buffers():  # persistent buffers in the files (not partitioned)
+            key = _file_key(name, files, prefix)
+            if key is not None:
+                with torch.no_grad():
+                    buffer.copy_(reader.tensor(key).to(buffer.dtype))
+    return model
+
+
+def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config: dict, *, attn_implementation: str,
+                                dtype: torch.dtype) -> tuple[torch.nn.Module, Any | None]:
+    """`model.name_or_path` loaded partitioned, its vocabulary grown to hold `tokenizer` when
+    `model.resize_embeddings` asks (as `model.build_model` does on the full model).
+
+    Returns the model and the `ResizeReport` (None when nothing was resized).
+    """
+    from .tokenizer.resize import plan_new_rows
+
+    folder = cfg.name_or_path
+    if not os.path.isdir(folder):  # a hub id: the same files from_pretrained would fetch, into the HF cache
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(folder, allow_patterns=["*.json", "*.safetensors"])
+    old_rows = int(config.vocab_size)
+    plan = None
+    if cfg.resize_embeddings and len(tokenizer) > old_rows:
+        plan = plan_new_rows(tokenizer, old_rows, cfg.pad_vocab_to_multiple_of)
+        plan.check_mean()
+        config.vocab_size = plan.new_rows
+    model = load_partitioned(folder, config, ds_config, attn_implementation=attn_implementation, dtype=dtype,
+                             trust_remote_code=cfg.trust_remote_code, row_plan=plan)
+    if plan is None:
+        return model, None
+    input_embeddings, output_embeddings = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = output_embeddings is not None and output_embeddings.weight is input_embeddings.weight
+    return model, plan.report("mean", tied, tokenizer)
