@@ -129,81 +129,75 @@ def _file_key(name: str, files: dict[str, str], prefix: str) -> str | None:
     return None
 
 
-class _RowSource:
-    """Where each row of a (possibly grown) vocabulary tensor comes from: the file row of the same index,
-    another file row (a new digit copies another spelling), or the mean of the trained rows."""
+class _GrownRows:
+    """Rows of a vocabulary tensor grown by a `RowPlan`: the file's row of the same index, another file row
+    (a new digit copies another spelling), or the mean of the trained rows."""
 
-    def __init__(self, old_rows: int, copy_from: dict[int, int], mean_rows: set[int], trained: list[int]) -> None:
-        self.old_rows = old_rows
-        self.copy_from = copy_from
-        self.mean_rows = mean_rows
-        self.trained = trained
-
-    def mean(self, reader: _Reader, key: str, chunk_rows: int = 4096) -> torch.Tensor:
-        """Mean of the trained rows of `key`, read in chunks (float32 accumulation, as resize does)."""
-        total = None
-        trained = torch.tensor(self.trained, dtype=torch.long)
-        for start in range(0, self.old_rows, chunk_rows):
-            stop = min(start + chunk_rows, self.old_rows)
+    def __init__(self, plan: Any, reader: _Reader, key: str, chunk_rows: int = 4096) -> None:
+        self.plan, self.reader, self.key = plan, reader, key
+        self.mean_rows = set(plan.mean_rows)
+        # the mean of the trained rows, read in chunks, accumulated in float32 (as the in-memory resize does)
+        trained = torch.tensor(plan.trained, dtype=torch.long)
+        total = 0.0
+        for start in range(0, plan.old_rows, chunk_rows):
+            stop = min(start + chunk_rows, plan.old_rows)
             chosen = trained[(trained >= start) & (trained < stop)] - start
             if len(chosen):
-                part = reader.rows(key, start, stop)[chosen].float().sum(dim=0)
-                total = part if total is None else total + part
-        return total / len(self.trained)
+                total = total + reader.rows(key, start, stop)[chosen].float().sum(dim=0)
+        self.mean = total / len(plan.trained)
 
-    def rows(self, reader: _Reader, key: str, start: int, stop: int, mean: torch.Tensor | None) -> torch.Tensor:
+    def rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the grown tensor."""
-        file_stop = min(stop, self.old_rows)
-        parts = [reader.rows(key, start, file_stop)] if start < file_stop else []
-        width = parts[0].shape[1] if parts else int(mean.numel())
-        if stop > file_stop:
-            parts.append(torch.empty(stop - max(start, file_stop), width, dtype=parts[0].dtype if parts else mean.dtype))
-        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        file_stop = min(stop, self.plan.old_rows)
+        if start < file_stop:
+            out = self.reader.rows(self.key, start, file_stop)
+            if stop > file_stop:
+                out = torch.cat([out, out.new_empty(stop - file_stop, out.shape[1])])
+        else:
+            out = self.mean.new_empty(stop - start, self.mean.numel())
         for row in range(start, stop):
-            if row in self.copy_from:
-                out[row - start] = reader.rows(key, self.copy_from[row], self.copy_from[row] + 1)[0].to(out.dtype)
+            if row in self.plan.copy_from:
+                source = self.plan.copy_from[row]
+                out[row - start] = self.reader.rows(self.key, source, source + 1)[0]
             elif row in self.mean_rows:
-                out[row - start] = mean.to(out.dtype)
+                out[row - start] = self.mean.to(out.dtype)
         return out
 
 
-def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, source: _RowSource | None) -> None:
+def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, grown: _GrownRows | None) -> None:
     """Write this rank's ZeRO-3 partition of `param` from the file (only its rows are read)."""
     import deepspeed.comm as dist
 
     shape = full_shape(param)
     numel = full_numel(param)
-    row = max(1, numel // shape[0]) if len(shape) else 1
     rows_total = shape[0] if len(shape) else 1
+    row = numel // rows_total
     partition = param.ds_tensor
     size = int(partition.ds_numel)
     start = size * dist.get_rank(group=param.ds_process_group)
     stop = min(start + size, numel)
     with torch.no_grad():
-        partition.zero_()
+        partition.zero_()  # the alignment padding past the last element
         if start >= stop:
             return
-        first, last = start // row, min(rows_total, -(-stop // row))
-        if source is None:
-            values = reader.rows(key, first, last)
-        else:
-            values = source.rows(reader, key, first, last, getattr(source, "mean_value", None))
+        first, last = start // row, -(-stop // row)
+        values = reader.rows(key, first, last) if grown is None else grown.rows(first, last)
         flat = values.reshape(-1)[start - first * row: stop - first * row]
         partition.narrow(0, 0, stop - start).copy_(flat.to(partition.dtype))
 
 
-def _check_shapes(model: torch.nn.Module, reader: _Reader, keys: dict[str, str], grown: set[str]) -> None:
-    for name, param in model.named_parameters():
-        if name not in keys:
-            continue
+def _check_shapes(params: dict[str, torch.Tensor], reader: _Reader, keys: dict[str, str], grown: set[str],
+                  old_rows: int | None) -> None:
+    """Every file tensor has its parameter's shape (a grown vocabulary tensor: `old_rows` rows in the file)."""
+    for name, param in params.items():
         expected = list(full_shape(param))
-        found = reader.shape(keys[name])
         if name in grown:
-            expected, found = expected[1:], found[1:]
+            expected[0] = old_rows
+        found = reader.shape(keys[name])
         if expected != found:
             raise ValueError(f"model.name_or_path: tensor {keys[name]!r} has shape {found} in the files but the model "
-                             f"built from its config expects {list(full_shape(param))}; the config does not match the "
-                             f"weights (model.architecture overrides?)")
+                             f"built from its config expects {expected}; the config does not match the weights "
+                             f"(model.architecture overrides?)")
 
 
 def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
@@ -237,13 +231,10 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
                         if any(p is m.weight or p is getattr(m, "bias", None)
                                for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None)}
     with _Reader(files) as reader:
-        _check_shapes(model, reader, keys, vocab_params)
+        _check_shapes(params, reader, keys, vocab_params, row_plan.old_rows if row_plan else None)
         for name, param in params.items():
-            source = None
-            if name in vocab_params:
-                source = _RowSource(row_plan.old_rows, row_plan.copy_from, set(row_plan.mean_rows), row_plan.trained)
-                source.mean_value = source.mean(reader, keys[name])
-            _fill_partition(param, reader, keys[name], source)
+            grown = _GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
+            _fill_partition(param, reader, keys[name], grown)
         for name, buffer in model.named_buffers():  # persistent buffers in the files (not partitioned)
             key = _file_key(name, files, prefix)
             if key is not None:

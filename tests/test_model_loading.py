@@ -1,0 +1,150 @@
+"""Partitioned ZeRO-3 loading (`ntl_pretrain.model_loading`), 2 CPU ranks through real DeepSpeed.
+
+The weights each rank ends up with, gathered after `deepspeed.initialize`, must be the ones in the
+safetensors files (read back with `safetensors` here), or, with a vocabulary resize, the ones the
+full-model resize (`tokenizer.resize.resize_model_embeddings` on `from_pretrained`) gives. Before
+`deepspeed.initialize` each rank must hold only its share of every parameter. Through the real
+`Trainer`, a checkpoint of the loaded model exported again with tools/export_hf.py equals the input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed import run_workers
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 420
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
+ARCH = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _save_model(folder: Path, vocab: int, tied: bool, max_shard_size: str = "5GB") -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=vocab, tie_word_embeddings=tied, **ARCH)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
+
+
+def _file_weights(folder: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for path in folder.glob("*.safetensors"):
+        weights.update(load_file(path))
+    return weights
+
+
+def _run(tmp_path: Path, model_dir: Path, tokenizer_dir: Path, resize: bool) -> dict:
+    out = tmp_path / "gathered.pt"
+    run_workers("model_loading.py", 2, [str(model_dir), str(tokenizer_dir), str(out), "1", "1" if resize else "0"],
+                timeout=TIMEOUT)
+    return torch.load(out)
+
+
+def _assert_held_a_share(result: dict) -> None:
+    for name, full in result["full"].items():
+        assert result["held"][name] == -(-full // 2), f"{name}: rank 0 held {result['held'][name]} of {full} elements"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    bpe_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_sharded_checkpoint_loads_partitioned_with_the_files_values(tmp_path, tokenizer_dir, bpe_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _save_model(tmp_path / "model", len(bpe_tokenizer), tied=False, max_shard_size="30KB")
+    assert (model_dir / "model.safetensors.index.json").is_file()  # several shards
+    result = _run(tmp_path, model_dir, tokenizer_dir, resize=False)
+    files = _file_weights(model_dir)
+    assert set(result["state"]) == set(files)
+    for name, tensor in files.items():
+        assert torch.equal(result["state"][name], tensor), name
+    _assert_held_a_share(result)
+    assert result["report"]["parameters"] == sum(t.numel() for t in files.values())
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.arange(24).remainder(len(bpe_tokenizer)).reshape(2, 12)).logits
+    torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
+
+
+def test_resize_while_loading_equals_the_full_model_resize(tmp_path, tokenizer_dir, bpe_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from ntl_pretrain.tokenizer.resize import resize_model_embeddings
+
+    old_rows = len(bpe_tokenizer) - 16
+    model_dir = _save_model(tmp_path / "model", old_rows, tied=True)
+    result = _run(tmp_path, model_dir, tokenizer_dir, resize=True)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    resize = resize_model_embeddings(reference, bpe_tokenizer, 64, init="mean")
+    expected = dict(reference.named_parameters())
+    assert set(result["state"]) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(result["state"][name], tensor.detach(), rtol=0, atol=1e-6, msg=name)
+    assert result["tied"] and result["config_vocab"] == resize.new_rows
+    assert result["report"]["resized_from"] == old_rows and result["report"]["vocab_size"] == resize.new_rows
+    _assert_held_a_share(result)
+
+
+def test_trainer_checkpoint_of_the_partitioned_load_exports_the_input(tmp_path, tokenizer_dir, bpe_tokenizer):
+    model_dir = _save_model(tmp_path / "model", len(bpe_tokenizer), tied=False)
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "model": {"name_or_path": str(model_dir), "dtype": "fp32", "attn_implementation": "eager"},
+        "tokenizer": {"name_or_path": str(tokenizer_dir), "digit_level": False},
+        "data": {"sources": [{"path": str(tmp_path / "arithmetic.jsonl"), "generate_arithmetic": 200}],
+                 "seq_len": 32, "micro_batch_size": 2, "validation_documents": 0, "cache_dir": str(tmp_path / "cache")},
+        "loss": {"enabled": False},
+        "optim": {"lr": 0.0, "weight_decay": 0.0},  # one real step that leaves the weights as they are
+        "parallel": {"tp_size": 1, "zero_stage": 3},
+        "train": {"output_dir": str(run), "max_steps": 1, "val_every_n_steps": -1},
+        "monitor": {"progress_bar": "never"},
+    }), encoding="utf-8")
+    out = tmp_path / "held.json"
+    run_workers("trainer_start.py", 2, [str(config), "1", str(out)], timeout=TIMEOUT)
+    held = json.loads(out.read_text())["held"]
+    files = _file_weights(model_dir)
+    for rank in range(2):
+        for name, tensor in files.items():
+            assert held[rank][name] == -(-tensor.numel() // 2), (rank, name)
+    exported = tmp_path / "hf"
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), str(run / "global_step1"),
+                             str(exported)], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+                            env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    again = _file_weights(exported)
+    assert set(again) == set(files)
+    for name, tensor in files.items():
+        assert torch.equal(again[name], tensor), name
+
+
+def test_a_folder_without_safetensors_names_the_fix(tmp_path):
+    from ntl_pretrain.model_loading import safetensors_files
+
+    with pytest.raises(ValueError, match="model.partitioned_load=false"):
+        safetensors_files(str(tmp_path))
+
+
+def test_partitioned_load_applies_to_zero3_without_tp_only():
+    from ntl_pretrain.model_loading import partitioned_load_applies
+
+    zero3 = {"zero_optimization": {"stage": 3}}
+    assert partitioned_load_applies(zero3, 1)
+    assert not partitioned_load_applies(zero3, 2)
+    assert not partitioned_load_applies({"zero_optimization": {"stage": 2}}, 1)
+    assert not partitioned_load_applies(None, 1)
+

@@ -1,0 +1,48 @@
+"""Worker: start the real `Trainer` from a YAML config (one process per rank), run STEPS optimizer steps,
+save a checkpoint, and write (rank 0) what each rank held of the model's parameters right after
+`build_model` (before `deepspeed.initialize`).
+
+    trainer_start.py CONFIG.yaml STEPS OUT.json [key=value ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import ntl_pretrain.train as train
+from ntl_pretrain import distributed
+from ntl_pretrain.config import load_config
+
+HELD: dict[str, int] = {}
+
+
+def _recording_build_model(*args, **kwargs):
+    model, report = BUILD_MODEL(*args, **kwargs)
+    for name, param in model.named_parameters():
+        HELD[name] = int(param.ds_tensor.numel()) if hasattr(param, "ds_tensor") else int(param.numel())
+    return model, report
+
+
+BUILD_MODEL = train.build_model
+train.build_model = _recording_build_model
+
+
+def main() -> None:
+    config, steps, out_path, *overrides = sys.argv[1:]
+    trainer = train.Trainer(load_config(config, overrides))
+    for _ in range(int(steps)):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    held = [None] * trainer.layout.world_size
+    torch.distributed.all_gather_object(held, HELD)
+    if trainer.layout.is_main:
+        with open(out_path, "w", encoding="utf-8") as handle:
+            json.dump({"held": held, "step": trainer.step}, handle)
+    distributed.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

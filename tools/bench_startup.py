@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Start-up host memory per rank: the partitioned ZeRO-3 load against every rank loading the full model.
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python tools/bench_startup.py --arch qwen2.5-0.5b --dtype bf16 \\
+        --out bench_startup.json
+
+Writes a model of a real published architecture (the config written out below, no hub) with random
+weights as safetensors into a temporary folder, then starts the real `Trainer` on 2 CPU ranks for each
+case (T=1 ZeRO-3 partitioned, T=1 ZeRO-3 with `model.partitioned_load=false` (every rank loads the full
+model first: the path before partitioned loading), T=2 ZeRO-3 (AutoTP: always the full-model path)) and
+reads each rank's peak RSS (VmHWM in /proc/self/status) at three points: after `build_model`, after
+`deepspeed.initialize` (end of `Trainer.__init__`) and after the first optimizer step. Figures are
+multiples of the model's bytes (parameters x bytes of the training dtype), raw and above the rank's RSS
+before loading (Python, torch, DeepSpeed, the tokenizer and the data). After `deepspeed.initialize`
+the optimizer's own state (fp32 master partition, then Adam moments and gradients at the first step)
+comes on top whatever the loading; the loading decides the first figure and what initialise adds to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+SHARED_TOKENIZERS = "/work/shared/data/tokenizers"
+# Published configs (config.json on the hub), written out: Qwen/Qwen2.5-0.5B, HuggingFaceTB/SmolLM2-135M,
+# TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T
+ARCHITECTURES = {
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
+        sliding_window=32768, max_window_layers=24, bos_token_id=151643, eos_token_id=151643),
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
+    "tinyllama-1.1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rope_theta=10000.0,
+        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+}
+# a real tokenizer for each (GPT-2's 50257 tokens exceed SmolLM2's 49152 rows: that run resizes while loading)
+TOKENIZER_OF = {"qwen2.5-0.5b": "gpt2", "smollm2-135m": "gpt2", "tinyllama-1.1b": "llama2"}
+CASES = (("T=1 ZeRO-3 partitioned", 1, True), ("T=1 ZeRO-3 full load", 1, False), ("T=2 ZeRO-3 (AutoTP)", 2, True))
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def make_model(folder: str, arch: str, dtype: str) -> int:
+    """Random weights (normal 0.02, norms 1) of `arch` saved as safetensors; returns the parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ntl_pretrain.model import DTYPES
+
+    spec = dict(ARCHITECTURES[arch])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.tie_weights()
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import ntl_pretrain.train as train
+    from ntl_pretrain.config import load_config
+
+    figures = {"baseline_kib": status_kib("VmRSS")}
+    build_model = train.build_model
+
+    def recording_build_model(*a, **k):
+        model, report = build_model(*a, **k)
+        figures["after_build_hwm_kib"] = status_kib("VmHWM")
+        return model, report
+
+    train.build_model = recording_build_model
+    cfg = load_config(None, json.loads(args.overrides))
+    started = time.perf_counter()
+    trainer = train.Trainer(cfg)
+    figures["after_initialize_hwm_kib"] = status_kib("VmHWM")
+    figures["start_s"] = time.perf_counter() - started
+    if not args.no_step:
+        trainer.train_step()
+        figures["after_step_hwm_kib"] = status_kib("VmHWM")
+    figures["parameters"] = trainer.model_report.parameters
+    with open(f"{args.worker}.rank{trainer.layout.rank}.json", "w", encoding="utf-8") as handle:
+        json.dump(figures, handle)
+    from ntl_pretrain import distributed
+
+    distributed.shutdown_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_case(tmp: str, name: str, overrides: list[str], timeout: float, no_step: bool) -> list[dict]:
+    prefix = os.path.join(tmp, name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", ""))
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+        command = [sys.executable, os.path.abspath(__file__), "--worker", prefix, "--overrides", json.dumps(overrides)]
+        procs.append(subprocess.Popen(command + (["--no-step"] if no_step else []), env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise SystemExit(f"{name}: the ranks did not finish within {timeout:.0f}s")
+    if any(proc.returncode for proc in procs):
+        raise SystemExit(f"{name} failed:\n" + "\n----\n".join(out[-3000:] for out in outputs))
+    result = []
+    for rank in range(2):
+        with open(f"{prefix}.rank{rank}.json", encoding="utf-8") as handle:
+            result.append(json.load(handle))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2.5-0.5b")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per case")
+    parser.add_argument("--cases", default="0,1,2", help="indices into the case list (0: partitioned, 1: full, 2: T=2)")
+    parser.add_argument("--no-step", action="store_true",
+                        help="stop after deepspeed.initialize (the first step adds Adam moments and gradients, "
+                             "about 5x the share in bytes, whatever the loading)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
+    parser.add_argument("--make", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.make:
+        print(make_model(args.make, args.arch, args.dtype))
+        return 0
+    tmp = tempfile.mkdtemp(prefix="bench-startup-")
+    model_dir = os.path.join(tmp, "model")
+    # in a child process, so this one never holds the model
+    parameters = int(subprocess.run([sys.executable, os.path.abspath(__file__), "--make", model_dir, "--arch",
+                                     args.arch, "--dtype", args.dtype], check=True, capture_output=True,
+                                    text=True).stdout.split()[-1])
+    model_bytes = parameters * (2 if args.dtype == "bf16" else 4)
+    common = [f"model.name_or_path={model_dir}", f"model.dtype={args.dtype}", "model.attn_implementation=sdpa",
+              f"tokenizer.name_or_path={os.path.join(SHARED_TOKENIZERS, TOKENIZER_OF[args.arch])}",
+              f"data.sources=[{{path: {os.path.join(tmp, 'arithmetic.jsonl')}, generate_arithmetic: 200}}]",
+              "data.seq_len=64", "data.micro_batch_size=1", "data.validation_documents=0",
+              f"data.cache_dir={os.path.join(tmp, 'cache')}", "loss.enabled=false", "model.resize_embeddings=true",
+              "train.val_every_n_steps=-1",
+              "train.max_steps=1", "monitor.progress_bar=never"]
+    gib = model_bytes / 2**30
+    print(f"{args.arch} ({parameters / 1e6:.0f}M parameters, {args.dtype}: {gib:.2f} GiB), 2 CPU ranks; "
+          f"peak RSS per rank (VmHWM) / model bytes, raw (above the rank's RSS before loading)")
+    print(f"{'case':<26} {'rank':>4} {'after build_model':>20} {'after initialize':>20} {'after step 1':>20}")
+    results = []
+    for index in (int(i) for i in args.cases.split(",")):
+        name, tp, partitioned = CASES[index]
+        overrides = common + [f"parallel.tp_size={tp}", "parallel.zero_stage=3",
+                              f"model.partitioned_load={'true' if partitioned else 'false'}",
+                              f"train.output_dir={os.path.join(tmp, f'run{index}')}"]
+        ranks = run_case(tmp, name, overrides, args.timeout, args.no_step)
+        for rank, fig in enumerate(ranks):
+            cells = []
+            for key in ("after_build_hwm_kib", "after_initialize_hwm_kib", "after_step_hwm_kib"):
+                if key not in fig:
+                    cells.append("-")
+                    continue
+                raw = fig[key] * 1024 / model_bytes
+                above = (fig[key] - fig["baseline_kib"]) * 1024 / model_bytes
+                fig[key.replace("_kib", "_x_model")] = round(raw, 3)
+                fig[key.replace("_kib", "_above_baseline_x_model")] = round(above, 3)
+                cells.append(f"{raw:.2f}x ({above:.2f}x)")
+            print(f"{name:<26} {rank:>4} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+        results.append({"case": name, "tp_size": tp, "partitioned_load": partitioned, "ranks": ranks})
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump({"arch": args.arch, "dtype": args.dtype, "parameters": parameters, "model_bytes": model_bytes,
+                       "results": results}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
