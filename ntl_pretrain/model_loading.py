@@ -3,12 +3,12 @@
 The plain path (`model.build_model`) materialises the whole model on every rank's host before
 `deepspeed.initialize` partitions it, so a node with 8 ranks holds 8 copies. Here instead:
 
-1. the model is constructed under `deepspeed.zero.Init` (through transformers' `HfDeepSpeedConfig`
-   integration: `from_config` then builds each module and partitions it at once, only one module is
-   ever whole), and
+1. the model is constructed under `deepspeed.zero.Init` as transformers does under ZeRO-3, without
+   weight initialisation (each module is partitioned as soon as it is built: only one module is ever
+   whole), and
 2. each rank reads from the safetensors files only the elements of its own ZeRO-3 partition of each
-   parameter (a row range read through `safe_open(...).get_slice`, at most two rows more than its share)
-   and writes them into `param.ds_tensor`; no parameter is gathered and no rank reads the full file.
+   parameter (a row range read at its byte offset, at most two rows more than its share) and writes
+   them into `param.ds_tensor`; no parameter is gathered and no rank reads the full file.
 
 Vocabulary growth (`model.resize_embeddings`) is done while reading: the embedding (and untied head)
 are constructed with the padded row count and each rank fills its rows with the file's row, the row of
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from typing import Any, Iterator
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+READ_CHUNK_BYTES = 64 * 2**20  # the largest read at once: bounds the transient above the rank's share
 
 
 def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
@@ -44,15 +46,34 @@ def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
 
 @contextlib.contextmanager
 def zero3_construction(ds_config: dict) -> Iterator[None]:
-    """transformers builds models under `deepspeed.zero.Init` while this is active (HfDeepSpeedConfig is
-    held by a weak reference in transformers, so it only acts as long as this context holds it)."""
-    from transformers.integrations import HfDeepSpeedConfig
+    """Models built inside are partitioned module by module as they are built (`deepspeed.zero.Init`),
+    with weight initialisation skipped: transformers' own ZeRO-3 construction (`_from_config` under an
+    active HfDeepSpeedConfig) minus its `initialize_weights_zero3`, which would gather every module on
+    every rank to initialise weights that the files then overwrite."""
+    import deepspeed
 
-    holder = HfDeepSpeedConfig(ds_config)
     try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:  # transformers 4: RoPE buffers are built in float32 there anyway
+        prevent_arange_dtype_change = contextlib.nullcontext
+    from transformers.modeling_utils import set_zero3_state
+
+    class InitWithoutBroadcast(deepspeed.zero.Init):
+        """`zero.Init` that partitions each parameter as it is built without first broadcasting rank 0's
+        values (which the files overwrite): the full tensor is allocated but never written, so its pages
+        never become resident, and no rank receives a whole module."""
+
+        def _zero_init_param(self, param: torch.nn.Parameter) -> None:
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    with no_init_weights(), prevent_arange_dtype_change(), InitWithoutBroadcast(config_dict_or_path=ds_config), \
+            set_zero3_state():
         yield
-    finally:
-        del holder  # later `from_pretrained` / `generate` calls behave as without ZeRO-3 integration
 
 
 def safetensors_files(folder: str) -> dict[str, str]:
@@ -64,10 +85,9 @@ def safetensors_files(folder: str) -> dict[str, str]:
         return {name: os.path.join(folder, file) for name, file in weight_map.items()}
     single = os.path.join(folder, SAFETENSORS_SINGLE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as handle:
-            return {name: single for name in handle.keys()}
+        with open(single, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        return {name: single for name in header if name != "__metadata__"}
     raise ValueError(f"model.name_or_path={folder!r} holds no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}: the "
                      f"partitioned ZeRO-3 load reads safetensors weights; convert the checkpoint (save_pretrained "
                      f"with safe_serialization) or set model.partitioned_load=false")
@@ -82,13 +102,24 @@ def full_numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
 class _Reader:
-    """Row-range reads of tensors spread over safetensors files, with the files kept open."""
+    """Row-range reads of tensors spread over safetensors files.
+
+    Reads with plain file reads at the rows' byte offsets (the format is an 8-byte header length, a JSON
+    header of dtype, shape and data offsets, then the raw data): a memory map would count every page a
+    rank touches in its RSS and keep it mapped until the file is closed.
+    """
 
     def __init__(self, files: dict[str, str]) -> None:
         self.files = files
         self.stack = contextlib.ExitStack()
         self.handles: dict[str, Any] = {}
+        self.headers: dict[str, tuple[int, dict]] = {}
 
     def __enter__(self) -> "_Reader":
         return self
@@ -96,26 +127,41 @@ class _Reader:
     def __exit__(self, *exc: Any) -> None:
         self.stack.close()
 
-    def _slice(self, name: str) -> Any:
-        from safetensors import safe_open
-
+    def _entry(self, name: str) -> tuple[Any, int, dict]:
         path = self.files[name]
         if path not in self.handles:
-            self.handles[path] = self.stack.enter_context(safe_open(path, framework="pt"))
-        return self.handles[path].get_slice(name)
+            handle = self.stack.enter_context(open(path, "rb"))
+            length = int.from_bytes(handle.read(8), "little")
+            self.handles[path] = handle
+            self.headers[path] = (8 + length, json.loads(handle.read(length)))
+        data_start, header = self.headers[path]
+        return self.handles[path], data_start, header[name]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entry(name)[2]["shape"])
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` as a 2-D tensor (a 1-D or 0-D tensor's elements are rows of width 1)."""
+        handle, data_start, entry = self._entry(name)
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} in {self.files[name]!r} has dtype {entry['dtype']}, which the "
+                             f"partitioned load does not read; set model.partitioned_load=false")
+        shape = entry["shape"]
+        row_elements = math.prod(shape[1:]) if len(shape) > 1 else 1
+        row_bytes = row_elements * torch.empty((), dtype=dtype).element_size()
+        buffer = bytearray((stop - start) * row_bytes)
+        handle.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+        if handle.readinto(buffer) != len(buffer):
+            raise ValueError(f"{self.files[name]!r} is truncated (tensor {name!r}); download it again")
+        if not buffer:
+            return torch.empty(0, row_elements, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(stop - start, row_elements)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor `name` (for small ones: buffers)."""
-        self._slice(name)
-        return self.handles[self.files[name]].get_tensor(name)
-
-    def shape(self, name: str) -> list[int]:
-        return list(self._slice(name).get_shape())
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of tensor `name` as a 2-D tensor (a 1-D tensor's elements are rows of width 1)."""
-        part = self._slice(name)[start:stop]
-        return part.reshape(stop - start, -1)
+        shape = self.shape(name)
+        return self.rows(name, 0, shape[0] if shape else 1).reshape(shape)
 
 
 def _file_key(name: str, files: dict[str, str], prefix: str) -> str | None:
@@ -180,10 +226,15 @@ def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, grown: _Grow
         partition.zero_()  # the alignment padding past the last element
         if start >= stop:
             return
+        # rows [first, last) hold the elements [start, stop); read in chunks of about READ_CHUNK_BYTES
         first, last = start // row, -(-stop // row)
-        values = reader.rows(key, first, last) if grown is None else grown.rows(first, last)
-        flat = values.reshape(-1)[start - first * row: stop - first * row]
-        partition.narrow(0, 0, stop - start).copy_(flat.to(partition.dtype))
+        chunk_rows = max(1, READ_CHUNK_BYTES // (row * partition.element_size()))
+        for chunk_first in range(first, last, chunk_rows):
+            chunk_last = min(chunk_first + chunk_rows, last)
+            values = reader.rows(key, chunk_first, chunk_last) if grown is None else grown.rows(chunk_first, chunk_last)
+            lo, hi = max(start, chunk_first * row), min(stop, chunk_last * row)
+            flat = values.reshape(-1)[lo - chunk_first * row: hi - chunk_first * row]
+            partition.narrow(0, lo - start, hi - lo).copy_(flat.to(partition.dtype))
 
 
 def _check_shapes(params: dict[str, torch.Tensor], reader: _Reader, keys: dict[str, str], grown: set[str],
@@ -217,6 +268,7 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
     with zero3_construction(ds_config):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
+    model.tie_weights()  # as transformers' ZeRO-3 construction does after building
     prefix = getattr(model, "base_model_prefix", "")
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}

@@ -8,10 +8,11 @@ Writes a model of a real published architecture (the config written out below, n
 weights as safetensors into a temporary folder, then starts the real `Trainer` on 2 CPU ranks for each
 case (T=1 ZeRO-3 partitioned, T=1 ZeRO-3 with `model.partitioned_load=false` (every rank loads the full
 model first: the path before partitioned loading), T=2 ZeRO-3 (AutoTP: always the full-model path)) and
-reads each rank's peak RSS (VmHWM in /proc/self/status) at three points: after `build_model`, after
-`deepspeed.initialize` (end of `Trainer.__init__`) and after the first optimizer step. Figures are
-multiples of the model's bytes (parameters x bytes of the training dtype), raw and above the rank's RSS
-before loading (Python, torch, DeepSpeed, the tokenizer and the data). After `deepspeed.initialize`
+reads each rank's peak RSS (VmHWM in /proc/self/status, reset to the current RSS as `build_model`
+starts) at three points: after `build_model`, after `deepspeed.initialize` (end of `Trainer.__init__`)
+and after the first optimizer step. Figures are multiples of the model's bytes (parameters x bytes of
+the training dtype), raw and above the rank's RSS as `build_model` starts (Python, torch, DeepSpeed, the
+tokenizer and the data are already there). After `deepspeed.initialize`
 the optimizer's own state (fp32 master partition, then Adam moments and gradients at the first step)
 comes on top whatever the loading; the loading decides the first figure and what initialise adds to it.
 """
@@ -60,6 +61,12 @@ def status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def reset_peak_rss() -> None:
+    """Set VmHWM to the current RSS (Linux >= 4.0: "5" into /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as handle:
+        handle.write("5")
+
+
 def make_model(folder: str, arch: str, dtype: str) -> int:
     """Random weights (normal 0.02, norms 1) of `arch` saved as safetensors; returns the parameter count."""
     import torch
@@ -88,10 +95,13 @@ def worker(args: argparse.Namespace) -> None:
     import ntl_pretrain.train as train
     from ntl_pretrain.config import load_config
 
-    figures = {"baseline_kib": status_kib("VmRSS")}
+    figures = {"after_imports_rss_kib": status_kib("VmRSS")}
     build_model = train.build_model
 
     def recording_build_model(*a, **k):
+        figures["before_build_hwm_kib"] = status_kib("VmHWM")  # tokenizer and data preparation
+        figures["baseline_kib"] = status_kib("VmRSS")
+        reset_peak_rss()
         model, report = build_model(*a, **k)
         figures["after_build_hwm_kib"] = status_kib("VmHWM")
         return model, report
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
               "train.max_steps=1", "monitor.progress_bar=never"]
     gib = model_bytes / 2**30
     print(f"{args.arch} ({parameters / 1e6:.0f}M parameters, {args.dtype}: {gib:.2f} GiB), 2 CPU ranks; "
-          f"peak RSS per rank (VmHWM) / model bytes, raw (above the rank's RSS before loading)")
+          f"peak RSS per rank (VmHWM) / model bytes, raw (above the rank's RSS as build_model starts)")
     print(f"{'case':<26} {'rank':>4} {'after build_model':>20} {'after initialize':>20} {'after step 1':>20}")
     results = []
     for index in (int(i) for i in args.cases.split(",")):
