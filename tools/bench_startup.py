@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -159,7 +160,9 @@ def run_case(tmp: str, name: str, overrides: list[str], timeout: float, no_step:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2.5-0.5b")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training dtype")
+    parser.add_argument("--file-dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="dtype of the saved weights (default: --dtype); e.g. fp32 files trained in bf16")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per case")
     parser.add_argument("--cases", default="0,1,2", help="indices into the case list (0: partitioned, 1: full, 2: T=2)")
@@ -174,14 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     if args.make:
-        print(make_model(args.make, args.arch, args.dtype))
+        print(make_model(args.make, args.arch, args.file_dtype or args.dtype))
         return 0
     tmp = tempfile.mkdtemp(prefix="bench-startup-")
+    try:
+        return _bench(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, tmp: str) -> int:
     model_dir = os.path.join(tmp, "model")
     # in a child process, so this one never holds the model
-    parameters = int(subprocess.run([sys.executable, os.path.abspath(__file__), "--make", model_dir, "--arch",
-                                     args.arch, "--dtype", args.dtype], check=True, capture_output=True,
-                                    text=True).stdout.split()[-1])
+    file_dtype = args.file_dtype or args.dtype
+    make = [sys.executable, os.path.abspath(__file__), "--make", model_dir, "--arch", args.arch,
+            "--file-dtype", file_dtype]
+    parameters = int(subprocess.run(make, check=True, capture_output=True, text=True).stdout.split()[-1])
     model_bytes = parameters * (2 if args.dtype == "bf16" else 4)
     common = [f"model.name_or_path={model_dir}", f"model.dtype={args.dtype}", "model.attn_implementation=sdpa",
               f"tokenizer.name_or_path={os.path.join(SHARED_TOKENIZERS, TOKENIZER_OF[args.arch])}",
@@ -191,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
               "train.val_every_n_steps=-1",
               "train.max_steps=1", "monitor.progress_bar=never"]
     gib = model_bytes / 2**30
-    print(f"{args.arch} ({parameters / 1e6:.0f}M parameters, {args.dtype}: {gib:.2f} GiB), 2 CPU ranks; "
+    print(f"{args.arch} ({parameters / 1e6:.0f}M parameters, {args.dtype}: {gib:.2f} GiB; files in "
+          f"{file_dtype}), 2 CPU ranks; "
           f"peak RSS per rank (VmHWM) / model bytes, raw (above the rank's RSS as build_model starts)")
     print(f"{'case':<26} {'rank':>4} {'after build_model':>20} {'after initialize':>20} {'after step 1':>20}")
     results = []
@@ -216,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"case": name, "tp_size": tp, "partitioned_load": partitioned, "ranks": ranks})
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump({"arch": args.arch, "dtype": args.dtype, "parameters": parameters, "model_bytes": model_bytes,
+            json.dump({"arch": args.arch, "dtype": args.dtype, "file_dtype": file_dtype, "parameters": parameters,
+                       "model_bytes": model_bytes,
                        "results": results}, handle, indent=1)
     return 0
 
