@@ -22,6 +22,7 @@ another spelling of a new digit, or the mean of the trained rows, with the same 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import math
@@ -292,7 +293,17 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
             if key is not None:
                 with torch.no_grad():
                     buffer.copy_(reader.tensor(key).to(buffer.dtype))
+    _release_freed_heap()
     return model
+
+
+def _release_freed_heap() -> None:
+    """Hand the heap pages freed while building (reads, module by module construction) back to the OS, so
+    they do not add to the RSS that `deepspeed.initialize` then builds on (glibc; elsewhere nothing)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config: dict, *, attn_implementation: str,
