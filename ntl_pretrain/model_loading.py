@@ -1,7 +1,9 @@
 """Partitioned model loading for ZeRO-3 without tensor parallelism: each rank holds only its share.
 
-The plain path (`model.build_model`) materialises the whole model on every rank's host before
-`deepspeed.initialize` partitions it, so a node with 8 ranks holds 8 copies. Here instead:
+The plain path (`from_pretrained` on every rank) gives every rank the whole model before
+`deepspeed.initialize` partitions it: memory-mapped when the files' dtype is the training dtype (its
+pages become resident as `deepspeed.initialize` broadcasts and partitions each parameter), a converted
+copy in memory otherwise (e.g. fp32 or fp16 files trained in bf16), so 8 ranks hold 8 copies. Here:
 
 1. the model is constructed under `deepspeed.zero.Init` as transformers does under ZeRO-3, without
    weight initialisation (each module is partitioned as soon as it is built: only one module is ever
