@@ -49,8 +49,10 @@ ARCHITECTURES = {
         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rope_theta=10000.0,
         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
 }
-# a real tokenizer for each (GPT-2's 50257 tokens exceed SmolLM2's 49152 rows: that run resizes while loading)
-TOKENIZER_OF = {"qwen2.5-0.5b": "gpt2", "smollm2-135m": "gpt2", "tinyllama-1.1b": "llama2"}
+# a real tokenizer for each (GPT-2's 50257 tokens exceed SmolLM2's 49152 rows: that run resizes while loading);
+# for Qwen2.5, GPT-2's grown with added tokens to Qwen2.5's 151665 tokens (the trainer refuses a tokenizer far
+# smaller than the model's vocabulary)
+TOKENIZER_OF = {"qwen2.5-0.5b": ("gpt2", 151665), "smollm2-135m": ("gpt2", 0), "tinyllama-1.1b": ("llama2", 0)}
 CASES = (("T=1 ZeRO-3 partitioned", 1, True), ("T=1 ZeRO-3 full load", 1, False), ("T=2 ZeRO-3 (AutoTP)", 2, True))
 
 
@@ -90,6 +92,21 @@ def make_model(folder: str, arch: str, dtype: str) -> int:
     model.tie_weights()
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def tokenizer_folder(arch: str, tmp: str) -> str:
+    """The run's tokenizer: a shared one, grown with added tokens to the architecture's token count if given."""
+    name, size = TOKENIZER_OF[arch]
+    source = os.path.join(SHARED_TOKENIZERS, name)
+    if not size:
+        return source
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(size - len(tokenizer))])
+    folder = os.path.join(tmp, "tokenizer")
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -195,7 +212,7 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
     parameters = int(subprocess.run(make, check=True, capture_output=True, text=True).stdout.split()[-1])
     model_bytes = parameters * (2 if args.dtype == "bf16" else 4)
     common = [f"model.name_or_path={model_dir}", f"model.dtype={args.dtype}", "model.attn_implementation=sdpa",
-              f"tokenizer.name_or_path={os.path.join(SHARED_TOKENIZERS, TOKENIZER_OF[args.arch])}",
+              f"tokenizer.name_or_path={tokenizer_folder(args.arch, tmp)}",
               f"data.sources=[{{path: {os.path.join(tmp, 'arithmetic.jsonl')}, generate_arithmetic: 200}}]",
               "data.seq_len=64", "data.micro_batch_size=1", "data.validation_documents=0",
               f"data.cache_dir={os.path.join(tmp, 'cache')}", "loss.enabled=false", "model.resize_embeddings=true",
