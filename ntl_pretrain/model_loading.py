@@ -317,7 +317,7 @@ def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config
     """
     from .tokenizer.resize import plan_new_rows
 
-    folder = cfg.name_or_path
+    folder = os.path.expanduser(cfg.name_or_path)
     if not os.path.isdir(folder):  # a hub id: the same files from_pretrained would fetch, into the HF cache
         from huggingface_hub import snapshot_download
 
