@@ -109,7 +109,8 @@ def test_trainer_checkpoint_of_the_partitioned_load_exports_the_input(tmp_path, 
         "data": {"sources": [{"path": str(tmp_path / "arithmetic.jsonl"), "generate_arithmetic": 200}],
                  "seq_len": 32, "micro_batch_size": 2, "validation_documents": 0, "cache_dir": str(tmp_path / "cache")},
         "loss": {"enabled": False},
-        "optim": {"lr": 0.0, "weight_decay": 0.0},  # one real step that leaves the weights as they are
+        # one real step whose update (about lr) is far below the weights' float32 resolution: they stay as loaded
+        "optim": {"lr": 1e-30, "weight_decay": 0.0},
         "parallel": {"tp_size": 1, "zero_stage": 3},
         "train": {"output_dir": str(run), "max_steps": 1, "val_every_n_steps": -1},
         "monitor": {"progress_bar": "never"},
