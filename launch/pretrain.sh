@@ -8,6 +8,8 @@
 #   bash launch/pretrain.sh --config configs/demo.yaml [key=value ...]
 #       starts DeepSpeed's launcher on this machine: all local GPUs, or NTL_CPU_PROCS (default 2)
 #       CPU processes with DS_ACCELERATOR=cpu (gloo) when there is no GPU. --help, --dry-run run directly.
+#       The launcher runs under ntl_pretrain/supervisor.py, which stays the parent: SIGTERM / Ctrl-C to
+#       it (or to any process of the job) makes every rank save at its next step boundary; exit 0.
 """:"
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,7 +22,7 @@ for arg in "$@"; do
     esac
 done
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    exec deepspeed ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
+    exec "$python_bin" -u -m ntl_pretrain.supervisor ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 procs="${NTL_CPU_PROCS:-2}"
@@ -28,9 +30,10 @@ procs="${NTL_CPU_PROCS:-2}"
 cores="$(nproc)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / procs > 0 ? cores / procs : 1 ))}"
 echo "no GPU found: starting $procs CPU processes (DS_ACCELERATOR=$DS_ACCELERATOR, OMP_NUM_THREADS=$OMP_NUM_THREADS)" >&2
-exec deepspeed --num_gpus "$procs" ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
+exec "$python_bin" -u -m ntl_pretrain.supervisor --num_gpus "$procs" ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
 ":"""
 # ---------------------------------------------------------------------------------------------- Python
+import logging
 import os
 import sys
 
@@ -38,4 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from ntl_pretrain.train import main  # noqa: E402
 
-sys.exit(main())
+code = main()  # raises (traceback, exit 1) only on a bug; errors a user can fix return 2
+# Leave without the interpreter's teardown: by now the process group is destroyed, the lock released and
+# TensorBoard closed; tearing down torch/gloo/DeepSpeed objects at exit is slow (a full garbage collection)
+# and has aborted finished runs ("terminate called without an active exception", rc -6).
+sys.stdout.flush()
+sys.stderr.flush()
+logging.shutdown()
+os._exit(code)

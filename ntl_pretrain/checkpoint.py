@@ -861,12 +861,43 @@ class PreemptionHandler:
         self.received: int = 0  # the signal number this process got (0: none)
         self._watchdog: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
+        self._launchers: list[tuple[Any, str]] = []  # (psutil.Process, its command) of the launchers above
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._on_signal)
+        self.watch_launchers()
+
+    def watch_launchers(self) -> None:
+        """Remember the DeepSpeed launcher processes above this one (parent and grandparent)."""
+        import psutil
+
+        try:
+            process = psutil.Process().parent()
+            for _ in range(2):
+                command = " ".join(process.cmdline()) if process is not None else ""
+                if "deepspeed" not in command:
+                    break
+                self._launchers.append((process, command[:120]))
+                process = process.parent()
+        except psutil.Error:
+            pass
+
+    def _launcher_ended(self) -> bool:
+        import psutil
+
+        for process, command in self._launchers:
+            try:
+                alive = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                alive = False
+            if not alive:
+                logger.warning("pre-emption: the DeepSpeed launcher above this rank (pid %d: %s) has ended; "
+                               "saving and stopping as for SIGTERM", process.pid, command)
+                return True
+        return False
 
     def uninstall(self) -> None:
         for number, previous in self._previous.items():
@@ -893,6 +924,8 @@ class PreemptionHandler:
         """The name of the signal any rank received, or None; every rank calls this at the same point."""
         import torch.distributed as dist
 
+        if not self.received and self._launchers and self._launcher_ended():
+            self._on_signal(signal.SIGTERM, None)
         flag = torch.tensor([self.received], dtype=torch.int64, device=device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

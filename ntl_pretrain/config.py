@@ -136,8 +136,9 @@ class LossConfig:
 class ParallelConfig:
     """Parallelism (DeepSpeed ZeRO and AutoTP)."""
 
-    tp_size: int = _doc("tensor-parallel size (DeepSpeed tensor_parallel.autotp_size); divides the world size",
-                        default=1)
+    tp_size: int | str = _doc("tensor-parallel size (DeepSpeed tensor_parallel.autotp_size); divides the world "
+                              "size; auto: the largest that divides the world size and the model's heads, "
+                              "within one node (the choice is logged)", default=1)
     zero_stage: int = _doc("ZeRO stage 0-3 (DeepSpeed zero_optimization.stage)", default=3)
     offload_optimizer: str = _doc("none | cpu | nvme (zero_optimization.offload_optimizer.device)", default="none")
     offload_param: str = _doc("none | cpu | nvme (zero_optimization.offload_param.device, stage 3)", default="none")
@@ -179,6 +180,10 @@ class TrainConfig:
     max_nonfinite_steps: int = _doc("stop with an error (saving nothing) once this many optimizer steps in a row "
                                     "had a non-finite loss or gradient norm; each such step's update is skipped",
                                     default=3)
+    startup_timeout_s: float = _doc(
+        "each start-up wait (rendezvous, first collective, rank 0 preparing data or the tokenizer while the "
+        "others wait, the engine's set-up) fails after this many seconds with a message naming it",
+        default=1800.0)
 
 
 @dataclass
@@ -193,7 +198,7 @@ class CheckpointConfig:
         "file in a checkpoint folder also makes it permanent)", default=0)
     preempt_signals: list[str] = _doc(
         "signals that make every rank save at the next step boundary and exit 0 (cluster pre-emption)",
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+        default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     preempt_grace_s: float = _doc(
         "seconds from a pre-emption signal to the exit; past it the process exits without the checkpoint "
         "(set it below what the cluster allows, e.g. Slurm's --signal lead time)", default=300.0)
@@ -572,11 +577,16 @@ def validate(config: Config) -> None:
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
     positive = ["data.seq_len", "data.micro_batch_size", "train.max_steps", "train.grad_accum_steps",
-                "parallel.tp_size", "model.pad_vocab_to_multiple_of", "train.log_every_n_steps",
+                "model.pad_vocab_to_multiple_of", "train.log_every_n_steps",
                 "data.num_proc", "train.dist_timeout_minutes", "train.val_batches", "train.max_nonfinite_steps"]
     for key in positive:
         if get_key(config, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {get_key(config, key)}")
+    tp_size = config.parallel.tp_size
+    if isinstance(tp_size, str) and tp_size != "auto" or isinstance(tp_size, int) and tp_size < 1:
+        raise ConfigError(f"parallel.tp_size must be >= 1 or auto, got {tp_size!r}")
+    if not config.train.startup_timeout_s > 0:
+        raise ConfigError(f"train.startup_timeout_s must be > 0, got {config.train.startup_timeout_s}")
     if config.parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {config.parallel.zero_stage}")
     if config.parallel.offload_param != "none" and config.parallel.zero_stage != 3:

@@ -33,15 +33,59 @@ class ParallelLayout:
         return self.rank == 0
 
 
+def _on_cpu() -> bool:
+    return os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
+
+
 def check_tp_divides(world_size: int, tp_size: int) -> None:
-    """Raise with the fix when the tensor-parallel size does not divide the number of processes."""
-    if tp_size < 1 or world_size % tp_size != 0:
-        hint = ""
-        if world_size == 1:
-            hint = (" With no GPU, start 2 CPU processes: `bash launch/pretrain.sh ...` or "
-                    "`deepspeed --num_gpus 2 launch/pretrain.sh ...`.")
-        raise ValueError(f"parallel.tp_size={tp_size} does not divide the world size {world_size} "
-                         f"(processes launched); choose a tp_size that divides it.{hint}")
+    """Raise (ConfigError, the same on every rank) with the fix when the tensor-parallel size does not
+    divide the number of processes."""
+    from .config import ConfigError
+
+    if tp_size >= 1 and world_size % tp_size == 0:
+        return
+    fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
+    best = max(t for t in fits if t <= max(tp_size, 1))
+    fix = f"set parallel.tp_size={best}"
+    if len(fits) > 2:
+        fix += f" (or another divisor of {world_size}: {', '.join(map(str, fits))})"
+    fix += " or parallel.tp_size=auto (the largest size that divides the world size and the model's heads)"
+    more = ""
+    if _on_cpu():
+        more = (f", or start {tp_size} CPU processes: `NTL_CPU_PROCS={tp_size} bash launch/pretrain.sh ...` or "
+                f"`DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus {tp_size} launch/pretrain.sh ...`")
+    elif world_size < tp_size:
+        more = f", or launch on {tp_size} GPUs"
+    raise ConfigError(f"parallel.tp_size={tp_size} does not divide the world size {world_size} "
+                      f"(processes launched): {fix}{more}")
+
+
+def _attention_heads(model_cfg) -> list[int]:
+    """The model's attention and key-value head counts, from model.architecture and, for a local
+    model folder, its config.json (empty when unknown, e.g. a hub id not read here)."""
+    import json
+
+    found = dict(model_cfg.architecture)
+    if model_cfg.name_or_path and os.path.isfile(os.path.join(model_cfg.name_or_path, "config.json")):
+        with open(os.path.join(model_cfg.name_or_path, "config.json"), encoding="utf-8") as handle:
+            found = {**json.load(handle), **found}
+    return [int(found[k]) for k in ("num_attention_heads", "num_key_value_heads") if isinstance(found.get(k), int)]
+
+
+def resolve_tp_size(cfg, world_size: int, local_world_size: int | None = None) -> str | None:
+    """Turn parallel.tp_size=auto into a number (in `cfg`): the largest size that divides the world
+    size and the model's attention and key-value head counts, within one node. Returns a note saying
+    what was chosen (None when tp_size was a number)."""
+    if cfg.parallel.tp_size != "auto":
+        return None
+    node = local_world_size or world_size
+    heads = _attention_heads(cfg.model)
+    size = max(t for t in range(1, node + 1)
+               if world_size % t == 0 and node % t == 0 and all(h % t == 0 for h in heads))
+    cfg.parallel.tp_size = size
+    why = f"the model's heads {heads}" if heads else "no head count known (model.architecture has none)"
+    return (f"parallel.tp_size=auto: using tp_size={size} for world size {world_size} "
+            f"({node} processes per node, {why}); dp={world_size // size}")
 
 
 def layout(tp_size: int) -> ParallelLayout:
@@ -54,9 +98,10 @@ def layout(tp_size: int) -> ParallelLayout:
                           dp_rank=rank // tp_size)
 
 
-def init_distributed(timeout_minutes: int) -> None:
+def init_distributed(timeout_minutes: float) -> None:
     """Start torch.distributed through DeepSpeed (nccl on GPUs, gloo/ccl on CPU) with a bounded timeout,
-    so a rank that dies never leaves the others waiting forever."""
+    so a rank that dies never leaves the others waiting forever (the rendezvous itself is bounded by the
+    caller's `lifecycle.StartupWatchdog`)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -101,17 +146,21 @@ def check_layout_matches_deepspeed(expected: ParallelLayout) -> None:
                            f"{(expected.tp_rank, expected.dp_rank, expected.dp_size)}; data would be sharded wrongly")
 
 
+class AgreedError(ValueError):
+    """An error that every rank raises together (`broadcast_error`): global rank 0 reports it."""
+
+
 def broadcast_error(message: str | None) -> None:
     """Every rank calls this; if any rank reports an error, all raise it (nobody waits on a dead rank)."""
     if not dist.is_initialized():
         if message:
-            raise ValueError(message)
+            raise AgreedError(message)
         return
     messages: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(messages, message)
     first = next((m for m in messages if m), None)
     if first:
-        raise ValueError(first)
+        raise AgreedError(first)
 
 
 def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:

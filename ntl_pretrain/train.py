@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from . import distributed
+from . import distributed, lifecycle
 from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, data_description, export_hf,
                          fingerprint, lr_schedule_description, purge_tensorboard_after, resolve_resume, run_on_main,
                          write_hf_assets)
 from .config import Config, ConfigError, help_text, load_config, ntl_settings, to_yaml, write_resolved
-from .data import DataError, PretrainingData, generate_missing_corpus, load_documents
+from .data import DataError, PretrainingData, generate_missing_corpus, load_documents, resolve_files
 from .eval.config import save_eval_settings, validate_eval_inputs
 from .loss import ce_ntl_sums, count_step, scaled_micro_batch_loss
 from .loss.chunked import chunked_model_ce_ntl_sums
@@ -304,6 +304,18 @@ def _prepare_assets(cfg: Config) -> None:
         logger.info("trained a digit-level BPE tokenizer (%d tokens) into %s", cfg.tokenizer.train_vocab_size, out)
 
 
+def _check_before_communication(cfg: Config, world_size: int) -> None:
+    """Checks that need no other process (the same on every rank): tp_size against the world size, and
+    the local data files that exist already (generated corpora are written later)."""
+    distributed.check_tp_divides(world_size, cfg.parallel.tp_size)
+    for index, source in enumerate(cfg.data.sources):
+        if not source.generate_arithmetic:
+            try:
+                resolve_files(source, f"data.sources.{index}")
+            except DataError as error:
+                raise distributed.AgreedError(str(error)) from None
+
+
 def _number_vocab(cfg: Config, tokenizer: Any) -> NumberVocab:
     """The number tokens NTL acts on (with NTL off they still feed the number-token figures)."""
     try:
@@ -335,35 +347,76 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        import deepspeed
+        self.started = time.monotonic()
+        self.stopped_by: str | None = None  # the signal that stopped the run early (None: ran to the end)
+        self.last_scalars: dict[str, float] = {}
+        self.last_validation: dict[str, float] = {}
+        self.saved_tag: str | None = None
+        self.export_dir: str | None = None
+        # checks that need no communication, before DeepSpeed's communication start-up (same on every rank)
+        world_size, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+        tp_note = distributed.resolve_tp_size(cfg, world_size, lifecycle.local_world_size())
         from deepspeed.accelerator import get_accelerator
 
         self.accelerator = get_accelerator()
         on_cpu = self.accelerator.device_name() == "cpu"
-        # checks that need no communication, before it starts; may update cfg from the user's JSON
-        self.ds_config = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
+        # checks that need no communication, before it starts (the same on every rank); may update cfg from the
+        # user's JSON
+        self.ds_config = preflight(cfg, world_size, on_cpu)
+        _check_before_communication(cfg, world_size)
         output_problem = output_problems(cfg)  # every rank writes checkpoint shards: each checks its own view
-        distributed.init_distributed(cfg.train.dist_timeout_minutes)
-        distributed.broadcast_error(output_problem)  # every rank stops if any cannot write, none waits
+        lifecycle.use_environment_extensions_dir()
+        lifecycle.announce_shm_op_build(local_rank)
+        self.watchdog = lifecycle.StartupWatchdog(cfg.train.startup_timeout_s)
+        with self.watchdog.waiting(f"DeepSpeed's communication start-up (its CPU op built on first use, then the "
+                                   f"rendezvous of {world_size} processes at {os.environ.get('MASTER_ADDR', '?')}:"
+                                   f"{os.environ.get('MASTER_PORT', '?')})"):
+            distributed.init_distributed(cfg.train.dist_timeout_minutes)
         self.layout = distributed.layout(cfg.parallel.tp_size)
         _setup_logging(self.layout.is_main)
+        if tp_note:
+            logger.info(tp_note)
         # installed first: a pre-emption signal during start-up is then honoured at the first step boundary
         self.preemption = PreemptionHandler(cfg.checkpoint.preempt_signals, cfg.checkpoint.preempt_grace_s)
         self.preemption.install()
+        lifecycle.report_to_supervisor("started")
+        # the first collective: one run per output folder (global rank 0 holds the lock; all ranks agree)
+        self.lock = lifecycle.RunLock(cfg.train.output_dir)
+        try:
+            with self.watchdog.waiting("every rank to reach the first collective (the run-folder lock)"):
+                distributed.broadcast_error(output_problem)  # every rank stops if any cannot write, none waits
+                collective_call(self.lock.acquire if self.layout.is_main else (lambda: None), first=True)
+        finally:
+            lifecycle.remove_own_shm_buffer()  # every rank reached a collective: every buffer is mapped
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.lock.release(failed=True)
+            raise
+
+    def _build(self, cfg: Config) -> None:
+        """Data, tokenizer, model, engine, resume and the run folder's files (after the lock is held)."""
+        import deepspeed
+
         self.resume_tag = check_output_dir(cfg)
         torch.manual_seed(cfg.train.seed)
 
-        collective_call(lambda: _prepare_assets(cfg), first=self.layout.is_main)
-        self.tokenizer = collective_call(lambda: load_tokenizer(cfg.tokenizer, cfg.model), first=self.layout.is_main)
+        with self.watchdog.waiting("global rank 0 to prepare the generated corpus and the tokenizer"):
+            collective_call(lambda: _prepare_assets(cfg), first=self.layout.is_main)
+        with self.watchdog.waiting("global rank 0 to load the tokenizer"):
+            self.tokenizer = collective_call(lambda: load_tokenizer(cfg.tokenizer, cfg.model),
+                                             first=self.layout.is_main)
         collective_call(lambda: check_eval_inputs(cfg, read_hub=True), first=self.layout.is_main)  # not after training
         number_vocab = _number_vocab(cfg, self.tokenizer)
-        self.data = collective_call(
-            lambda: PretrainingData.build(cfg.data, self.tokenizer, dp_rank=self.layout.dp_rank,
-                                          dp_size=self.layout.dp_size),
-            first=self.layout.local_rank == 0)
-        check_training_digits(self.tokenizer, number_vocab, self.data, source=tokenizer_source(cfg.tokenizer, cfg.model),
-                              ntl_on=cfg.loss.enabled and cfg.loss.ntl_weight > 0 and cfg.tokenizer.digit_level,
-                              allow=cfg.tokenizer.allow_non_digit_level)  # a bounded sample, the same on every rank
+        with self.watchdog.waiting("local rank 0 of each node to tokenize and pack the data (then the others)"):
+            self.data = collective_call(
+                lambda: PretrainingData.build(cfg.data, self.tokenizer, dp_rank=self.layout.dp_rank,
+                                              dp_size=self.layout.dp_size),
+                first=self.layout.local_rank == 0)
+        collective_call(lambda: check_training_digits(  # a bounded sample, the same on every rank: reported once
+            self.tokenizer, number_vocab, self.data, source=tokenizer_source(cfg.tokenizer, cfg.model),
+            ntl_on=cfg.loss.enabled and cfg.loss.ntl_weight > 0 and cfg.tokenizer.digit_level,
+            allow=cfg.tokenizer.allow_non_digit_level), first=True)
         if cfg.train.val_every_n_steps >= 0:
             self.data.check_validation(cfg.train.val_batches)
 
@@ -389,8 +442,9 @@ class Trainer:
             load_tag = self.checkpoints.plan_resume(self.resume_tag)  # checks; universal form if the layout changed
             if load_tag != self.resume_tag:
                 self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
-        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                    config=self.ds_config)
+        with self.watchdog.waiting("every rank to set up the DeepSpeed engine (deepspeed.initialize)"):
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=self.ds_config)
         del model
         # DeepSpeed derives these when the user's JSON gives train_batch_size instead
         cfg.data.micro_batch_size = self.engine.train_micro_batch_size_per_gpu()
@@ -420,6 +474,8 @@ class Trainer:
             _write_json(os.path.join(output_dir, "model_report.json"), asdict(self.model_report))
             self.number_vocab.save(output_dir)
         tensorboard_dir = cfg.monitor.tensorboard_dir or os.path.join(output_dir, "tensorboard")
+        self.tensorboard_dir = tensorboard_dir
+        self.start_step = self.step
         if self.layout.is_main and self.resume_tag is not None:
             purge_tensorboard_after(tensorboard_dir, self.step)  # points a killed run wrote after its checkpoint
         self.monitor = Monitor(self.layout.is_main, tensorboard_dir,
@@ -594,6 +650,7 @@ class Trainer:
         timing = self.checkpoints.last_save
         self.monitor.message(f"saved checkpoint {os.path.join(self.cfg.train.output_dir, tag)} "
                              f"({timing.get('save_s', 0.0):.1f} s, of which hashing {timing.get('hash_s', 0.0):.2f} s)")
+        self.saved_tag = tag
         return tag
 
     def _resume(self, load_tag: str) -> None:
@@ -612,6 +669,7 @@ class Trainer:
             os.path.join(self.cfg.train.output_dir, tag), out, max_shard_size=cfg.export_max_shard_size))
         if report is not None:
             self.monitor.message(f"exported {tag} to {out} ({report['seconds']:.1f} s)")
+        self.export_dir = out
 
     def evaluate(self, final: bool) -> None:
         """Run the evaluation hooks (ntl_pretrain.eval) when due; every rank calls this."""
@@ -634,7 +692,7 @@ class Trainer:
         ckpt_every = cfg.checkpoint.every_n_steps
         if self.step >= cfg.train.max_steps:
             self.monitor.message(f"nothing to do: the run is at step {self.step} and train.max_steps={cfg.train.max_steps}")
-            self.monitor.close()
+            self._finish()
             return
         self.monitor.message(f"training steps {self.step + 1}..{cfg.train.max_steps}: dp={self.layout.dp_size} "
                              f"tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
@@ -642,6 +700,7 @@ class Trainer:
         saved_at = None
         while self.step < cfg.train.max_steps:
             scalars = self.train_step()
+            self.last_scalars = scalars
             self.monitor.log_step(self.step, scalars)
             signal_name = self.preemption.requested(self.device)  # every rank, every step: one small all-reduce
             if signal_name is not None:
@@ -649,28 +708,55 @@ class Trainer:
                 return
             last = self.step == cfg.train.max_steps
             if val_every > 0 and self.step % val_every == 0 and not last:
-                self.monitor.log_validation(self.step, self.validate())
+                self._validate()
             if ckpt_every > 0 and self.step % ckpt_every == 0:
                 saved_at = self.save_checkpoint()
             if not last:
                 self.evaluate(final=False)
         if val_every >= 0:
-            self.monitor.log_validation(self.step, self.validate())
+            self._validate()
         if cfg.checkpoint.save_final and saved_at != f"global_step{self.step}":
             saved_at = self.save_checkpoint()
         self.evaluate(final=True)
         if cfg.checkpoint.export_hf_at_end and saved_at is not None:
             self.export_final(saved_at)
-        self.monitor.close()
-        self.preemption.uninstall()
+        self._finish()
+
+    def _validate(self) -> None:
+        self.last_validation = self.validate()
+        self.monitor.log_validation(self.step, self.last_validation)
 
     def _stop_for_preemption(self, signal_name: str) -> None:
         """Save at this step boundary and return (the process then exits 0)."""
         self.monitor.message(f"step {self.step}: {signal_name} received (pre-emption): saving a checkpoint")
         tag = self.save_checkpoint()
         self.monitor.message(f"pre-empted at step {self.step}: {tag} saved; continue with train.resume=auto")
+        self.stopped_by = signal_name
+        self._finish()
+
+    def _finish(self) -> None:
+        """Print the run's summary (as the HF Trainer does), close the monitor, drop the signal handlers."""
+        self.monitor.message(self.summary())
         self.monitor.close()
         self.preemption.uninstall()
+
+    def summary(self) -> str:
+        """Steps, wall time, tokens, final losses and where the run's outputs are."""
+        output_dir = self.cfg.train.output_dir
+        seconds = time.monotonic() - self.started
+        steps = self.step - self.start_step
+        how = f"stopped by {self.stopped_by} at step {self.step}" if self.stopped_by else f"finished at step {self.step}"
+        losses = " ".join(f"{k.split('/', 1)[1]}={self.last_scalars[k]:.4g}" for k in ("train/loss", "train/ce", "train/ntl")
+                          if k in self.last_scalars)
+        val = " ".join(f"{k}={v:.4g}" for k, v in self.last_validation.items())
+        lines = [f"run summary: {how}: {steps} steps in {seconds / 60:.1f} min (start-up included), "
+                 f"{self.tokens_seen:,} tokens seen in total",
+                 f"  final train: {losses or '-'}" + (f"; {val}" if val else ""),
+                 f"  checkpoint: {os.path.join(output_dir, self.saved_tag) if self.saved_tag else 'none saved'}"
+                 + (" (continue with train.resume=auto)" if self.stopped_by else ""),
+                 f"  export: {self.export_dir or 'none (checkpoint.export_hf_at_end=false)'}",
+                 f"  TensorBoard: tensorboard --logdir {self.tensorboard_dir}"]
+        return "\n".join(lines)
 
 
 def _finite_step(figures: list) -> bool:
@@ -708,7 +794,9 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
     is local or cached); print it and its DeepSpeed config. Runs the trainer's own pre-build checks."""
     from deepspeed.accelerator import get_accelerator
 
-    world = world_size or int(os.environ.get("WORLD_SIZE", "0")) or cfg.parallel.tp_size
+    tp = cfg.parallel.tp_size
+    world = world_size or int(os.environ.get("WORLD_SIZE", "0")) or (tp if isinstance(tp, int) else 1)
+    tp_note = distributed.resolve_tp_size(cfg, world)
     # the user's JSON may set the TP size, which the default world size follows
     if not world_size and not int(os.environ.get("WORLD_SIZE", "0")):
         deepspeed_config(cfg, on_cpu=get_accelerator().device_name() == "cpu")
@@ -724,33 +812,48 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
     print(json.dumps(ds, indent=1))
     for line in eval_inputs:
         print(f"# evaluation input OK: {line}")
+    if tp_note:
+        print(f"# {tp_note}")
     print(f"# dry run OK: world {world} = dp {dp} x tp {cfg.parallel.tp_size}; global batch {global_batch} "
           f"sequences = {global_batch * cfg.data.seq_len} tokens per step")
     if problem is not None:
         print(f"warning: {problem} (here; the trainer refuses to start where this holds)", file=sys.stderr)
 
 
+def _report_error(error: BaseException) -> None:
+    """Print a start-up or run error once: errors every rank raises together (configuration, agreed by a
+    collective) are printed by global rank 0 only; anything else by the rank that hit it."""
+    shared = isinstance(error, (ConfigError, distributed.AgreedError))
+    if lifecycle.global_rank() == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    elif not shared:
+        print(f"error: [rank {lifecycle.global_rank()}] {error}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    trainer = None
     try:
-        cfg = load_config(args.config, args.overrides)
-        if args.dry_run:
-            dry_run(cfg, args.world_size)
-            return 0
-        trainer = Trainer(cfg)
-    except (ConfigError, DataError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        trainer.fit()
-    except (CheckpointError, TrainingDiverged) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    distributed.shutdown_distributed()
-    return 0
+        try:
+            cfg = load_config(args.config, args.overrides)
+            if args.dry_run:
+                dry_run(cfg, args.world_size)
+                return 0
+            trainer = Trainer(cfg)
+        except ValueError as error:  # ConfigError, DataError, CheckpointError, RunLockError, ...: exit 2
+            _report_error(error)
+            return 2
+        try:
+            trainer.fit()
+        except (CheckpointError, TrainingDiverged) as error:
+            _report_error(error)
+            return 2
+        lifecycle.report_to_supervisor("done", how="stopped" if trainer.stopped_by else "finished", step=trainer.step)
+        return 0
+    finally:
+        if trainer is not None:
+            trainer.lock.release()
+        distributed.shutdown_distributed()
 
 
 if __name__ == "__main__":

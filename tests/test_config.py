@@ -166,9 +166,12 @@ def test_every_shipped_config_passes_a_dry_run(config, world):
 
 
 def test_dry_run_rejects_tp_size_that_does_not_divide_the_world():
-    result = _dry_run(["--config", "configs/demo.yaml", "--world-size", "3"])
+    result = _dry_run(["--config", "configs/demo.yaml", "--world-size", "3", "parallel.tp_size=2"])
     assert result.returncode == 2
     assert "parallel.tp_size=2 does not divide the world size 3" in result.stderr
+    assert "set parallel.tp_size=1" in result.stderr
+    auto = _dry_run(["--config", "configs/demo.yaml", "--world-size", "3"])  # the demo's tp_size: auto
+    assert auto.returncode == 0 and "using tp_size=1 for world size 3" in auto.stdout, auto.stderr[-2000:]
 
 
 def test_every_key_has_a_doc_and_a_default():

@@ -1,0 +1,229 @@
+"""The life of one training process, outside the step: one run per output folder, bounded start-up waits,
+DeepSpeed's compiled CPU op and shared-memory buffers, and what a rank tells the launcher wrapper.
+
+- `RunLock`: an exclusive `fcntl.flock` on `train.output_dir/.run.lock`, held by global rank 0 for the
+  whole run. The kernel drops it when the process ends in any way (kill -9 included), so a crash never
+  leaves a stale lock; the file names the holder (pid, host, start time) for the refusal message.
+- `StartupWatchdog`: every start-up wait (rendezvous, first collective, rank 0 preparing files while the
+  others wait, the engine's set-up) ends within `train.startup_timeout_s` with an `error:` line that says
+  what was waited for, instead of a silent hang until the collective timeout.
+- `use_environment_extensions_dir` / `announce_shm_op_build`: DeepSpeed compiles its CPU shared-memory
+  all-reduce op on first use; the build goes into a folder of this Python environment (two virtualenvs
+  on one Python otherwise rebuild it alternately) and the first build is announced.
+- `remove_own_shm_buffer`: DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm and never
+  unlinks it; once every rank has mapped all of them (after the first collective) each rank unlinks its
+  own, so the memory is freed when the job ends, however it ends.
+- `report_to_supervisor`: when `bash launch/pretrain.sh` started the job (ntl_pretrain/supervisor.py),
+  each rank registers its pid (so a stop signal can be forwarded to it) and how it ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from typing import Iterator
+
+logger = logging.getLogger("ntl_pretrain")
+
+LOCK_NAME = ".run.lock"
+SUPERVISOR_DIR_ENV = "NTL_SUPERVISOR_DIR"  # set by ntl_pretrain/supervisor.py for the ranks it starts
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed csrc/cpu/comm/shm.cpp: <prefix>_<uid>_<addr>_<port>_<rank>
+
+
+def global_rank() -> int:
+    """This process's global rank from the launcher's environment (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_world_size() -> int:
+    """Processes on this node (DeepSpeed's launcher sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1")
+
+
+# ---------------------------------------------------------------------------------------------- run lock
+class RunLockError(ValueError):
+    """Another live process holds the output folder."""
+
+
+class RunLock:
+    """An exclusive lock on a run folder (`<output_dir>/.run.lock`), taken by global rank 0.
+
+    Args:
+        output_dir: the run folder (created if missing; removed again by `release(failed=True)` when this
+            lock created it and nothing else was written into it).
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self._fd: int | None = None
+        self._created_dir = False
+
+    def acquire(self) -> None:
+        """Take the lock or raise RunLockError naming the process that holds it."""
+        self._created_dir = not os.path.isdir(self.output_dir)
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as error:
+            raise RunLockError(f"train.output_dir={self.output_dir!r} cannot be written ({error.strerror}); "
+                               f"choose a folder you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunLockError(f"train.output_dir={self.output_dir!r} is in use by another run ({holder}); "
+                               f"wait for it to end, stop it, or choose another train.output_dir") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self, failed: bool = False) -> None:
+        """Drop the lock. After a failed start-up in a folder this lock created, remove the folder again
+        if it holds nothing else (an error leaves no run folder behind)."""
+        if self._fd is None:
+            return
+        if failed and self._created_dir and os.listdir(self.output_dir) == [LOCK_NAME]:
+            os.unlink(self.path)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.output_dir)
+        else:
+            os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return (f"pid {holder['pid']} on host {holder['host']}, started {holder['started']}: "
+                f"{holder.get('command', '?')}")
+    except (ValueError, KeyError, OSError):
+        return "a process that has not yet written its pid"
+
+
+# ---------------------------------------------------------------------------------------------- start-up waits
+class StartupWatchdog:
+    """Bounds each start-up wait: `with watchdog.waiting("what"):` ends the process with an `error:` line
+    naming `what` if the block has not finished within `timeout_s` (and prints a note at `notice_s`).
+
+    A Python timer thread prints the message (collectives and the rendezvous release the GIL); a
+    faulthandler timer a minute later ends the process even inside C code that holds the GIL.
+    """
+
+    def __init__(self, timeout_s: float, notice_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self.notice_s = notice_s
+
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        started = time.monotonic()
+        done = threading.Event()
+
+        def watch() -> None:
+            if self.notice_s < self.timeout_s and not done.wait(self.notice_s):
+                print(f"[rank {global_rank()}] still waiting for {what} after {self.notice_s:.0f} s "
+                      f"(limit train.startup_timeout_s={self.timeout_s:g})", file=sys.stderr, flush=True)
+            if not done.wait(max(self.timeout_s - (time.monotonic() - started), 0.0)):
+                print(f"error: rank {global_rank()} waited {self.timeout_s:g} s for {what}; it did not happen. "
+                      f"Look at the other ranks' output above, or raise train.startup_timeout_s if it is only slow",
+                      file=sys.stderr, flush=True)
+                os._exit(3)
+
+        thread = threading.Thread(target=watch, name="startup-watchdog", daemon=True)
+        thread.start()
+        faulthandler.dump_traceback_later(self.timeout_s + 60.0, exit=True)
+        try:
+            yield
+        finally:
+            done.set()
+            faulthandler.cancel_dump_traceback_later()
+            thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed's CPU op
+def environment_extensions_dir() -> str:
+    """Where this Python environment keeps its compiled torch/DeepSpeed extensions: inside the virtualenv
+    when there is one we can write to, else a per-environment folder of the user's cache."""
+    in_venv = sys.prefix != getattr(sys, "base_prefix", sys.prefix)
+    if in_venv and os.access(sys.prefix, os.W_OK):
+        return os.path.join(sys.prefix, "torch_extensions")
+    key = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "torch_extensions", f"env-{key}")
+
+
+def use_environment_extensions_dir() -> str:
+    """Set TORCH_EXTENSIONS_DIR to this environment's folder unless the user set it; return it."""
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", environment_extensions_dir())
+
+
+def announce_shm_op_build(local_rank: int) -> None:
+    """On local rank 0, say that DeepSpeed is about to compile its CPU communication op (when it is not
+    built yet in this environment), and what it needs."""
+    from deepspeed.accelerator import get_accelerator
+
+    if local_rank != 0 or get_accelerator().device_name() != "cpu":
+        return
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        return
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get(builder.name, False):
+        return  # pre-built into the DeepSpeed install
+    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", environment_extensions_dir()), builder.name)
+    if os.path.exists(os.path.join(folder, f"{builder.name}.so")):
+        return
+    compiler = os.environ.get("CXX", "c++")
+    need = "" if shutil.which(compiler) else (f" It needs a C++ compiler and `{compiler}` is not on PATH: install "
+                                              f"one (e.g. apt-get install g++) or set CXX.")
+    print(f"compiling DeepSpeed's CPU communication op ({builder.name}) into {folder}: first use in this "
+          f"environment only, ~1-4 min.{need}", file=sys.stderr, flush=True)
+
+
+def own_shm_buffer() -> str | None:
+    """The /dev/shm path of this rank's DeepSpeed CPU all-reduce buffer (None without a launcher's address)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    return f"/dev/shm/{SHM_BUFFER_PREFIX}_{os.getuid()}_{addr}_{port}_{global_rank()}"
+
+
+def remove_own_shm_buffer() -> None:
+    """Unlink this rank's buffer; call after a collective that every rank reached after DeepSpeed's
+    communication start-up (all ranks have mapped every buffer by then; the mappings stay valid)."""
+    path = own_shm_buffer()
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------------------------------------- the wrapper
+def report_to_supervisor(event: str, **fields: object) -> None:
+    """Tell `ntl_pretrain.supervisor` (when it started this job) about this rank: `started` (its pid, so
+    stop signals reach it) or `done` (it ended cleanly, with why). No-op otherwise."""
+    folder = os.environ.get(SUPERVISOR_DIR_ENV)
+    if not folder or not os.path.isdir(folder):
+        return
+    record = {"pid": os.getpid(), "rank": global_rank(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+              "local_world_size": local_world_size(), **fields}
+    path = os.path.join(folder, f"{event}.{record['local_rank']}.json")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(record, handle)
+    os.replace(tmp, path)

@@ -1,0 +1,191 @@
+"""`bash launch/pretrain.sh`: DeepSpeed's launcher under a parent that stays, so that a stop signal sent to
+any process of the job makes every rank save at its next step boundary, and the job exits 0.
+
+The tree is: this supervisor -> DeepSpeed's runner (`python -m deepspeed.launcher.runner`, what the
+`deepspeed` command runs) -> DeepSpeed's `launch.py` (one per node) -> one process per rank. DeepSpeed
+0.19's runner has no signal handler on one node (SIGTERM kills it with 143 and leaves the rest running),
+and its launch.py answers SIGINT/SIGTERM by sending SIGTERM to the ranks, killing them 30 s later and
+exiting 1. So:
+
+- SIGTERM or SIGINT (Ctrl-C) to the supervisor is forwarded to the ranks only, as SIGTERM (SIGUSR1 and
+  SIGUSR2 as themselves): they save at the next step boundary and exit 0, and the launchers follow. A
+  second SIGTERM / SIGINT ends the whole job at once, without saving.
+- The runner gets its own process group, so a terminal's Ctrl-C reaches the supervisor alone; it is
+  ended with the supervisor (PR_SET_PDEATHSIG), and the supervisor adopts the processes it leaves
+  behind (PR_SET_CHILD_SUBREAPER), so launch.py and the ranks are waited for even if the runner dies.
+- A signal sent to the runner or to launch.py directly still reaches the ranks (the runner's death is
+  forwarded as a stop, and the ranks watch their launchers too; launch.py forwards SIGTERM itself).
+  When every rank of this node has reported a clean stop (`lifecycle.report_to_supervisor`), the
+  supervisor exits 0 whatever the launchers returned.
+
+Usage: `python -m ntl_pretrain.supervisor [deepspeed launcher args] script [script args]`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+from .lifecycle import SUPERVISOR_DIR_ENV
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FORWARDED_AS_IS = (signal.SIGUSR1, signal.SIGUSR2)
+TICK_S = 0.25
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: no pdeath signal / subreaper; signals still forwarded
+        pass
+
+
+def _runner_setup() -> None:
+    """In the runner, before exec: its own process group; ended when the supervisor dies."""
+    os.setpgid(0, 0)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _say(text: str) -> None:
+    print(f"launch/pretrain.sh: {text}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Runs `command` (DeepSpeed's runner) and relays stop signals to the ranks it starts."""
+
+    def __init__(self, command: list[str], folder: str) -> None:
+        self.command = command
+        self.folder = folder
+        self.stop_reason: str | None = None  # why a stop was asked for (None: no stop)
+        self.forward_signal = signal.SIGTERM
+        self.signalled: set[int] = set()
+        self.runner: subprocess.Popen | None = None
+
+    # ------------------------------------------------------------------ what the ranks reported
+    def records(self, event: str) -> dict[int, dict[str, Any]]:
+        found = {}
+        for path in glob.glob(os.path.join(self.folder, f"{event}.*.json")):
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    record = json.load(handle)
+            except (OSError, ValueError):
+                continue
+            found[int(record["local_rank"])] = record
+        return found
+
+    def _all_local_ranks(self, event: str) -> dict[int, dict[str, Any]] | None:
+        """The records of every local rank if all of them wrote one, else None."""
+        records = self.records(event)
+        if not records:
+            return None
+        expected = max(int(r["local_world_size"]) for r in records.values())
+        return records if set(records) == set(range(expected)) else None
+
+    # ------------------------------------------------------------------ signals
+    def install(self) -> None:
+        for number in (*STOP_SIGNALS, *FORWARDED_AS_IS):
+            signal.signal(number, self._on_signal)
+
+    def _on_signal(self, number: int, frame: Any) -> None:
+        name = signal.Signals(number).name
+        if self.stop_reason is not None and number in STOP_SIGNALS:
+            _say(f"{name} again: ending the job now, without saving")
+            self._kill_all()
+            os._exit(128 + number)
+        if self.stop_reason is None:
+            self.stop_reason = name
+            self.forward_signal = signal.Signals(number) if number in FORWARDED_AS_IS else signal.SIGTERM
+            again = "Ctrl-C" if number == signal.SIGINT else name
+            _say(f"{name} received: every rank saves a checkpoint at its next step boundary and stops "
+                 f"({again} again ends the job at once, without saving)")
+        self.forward()
+
+    def forward(self) -> None:
+        """Send the stop signal to every registered rank of this node not yet sent one."""
+        if self.stop_reason is None:
+            return
+        descendants = {p.pid for p in psutil.Process().children(recursive=True)}
+        for record in self.records("started").values():
+            pid = int(record["pid"])
+            if pid in self.signalled or pid not in descendants:
+                continue
+            try:
+                os.kill(pid, self.forward_signal)
+                self.signalled.add(pid)
+            except ProcessLookupError:
+                continue
+
+    def _kill_all(self) -> None:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                continue
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        self.install()
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        env = dict(os.environ, **{SUPERVISOR_DIR_ENV: self.folder})
+        self.runner = subprocess.Popen(self.command, env=env, preexec_fn=_runner_setup)
+        while True:
+            try:
+                runner_rc = self.runner.wait(timeout=TICK_S)
+                break
+            except subprocess.TimeoutExpired:
+                self.forward()  # ranks that registered after the signal
+        if runner_rc < 0 and self.stop_reason is None:
+            self.stop_reason = f"the DeepSpeed runner ended by {signal.Signals(-runner_rc).name}"
+            _say(f"{self.stop_reason}: every rank saves a checkpoint at its next step boundary and stops")
+        self._wait_for_adopted()
+        return self.exit_code(runner_rc)
+
+    def _wait_for_adopted(self) -> None:
+        """Reap launch.py and ranks left behind by a runner that died first (they are ours: subreaper)."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                self.forward()
+                time.sleep(TICK_S)
+
+    def exit_code(self, runner_rc: int) -> int:
+        done = self._all_local_ranks("done")
+        stopped = done is not None and all(r.get("how") == "stopped" for r in done.values())
+        if done is not None and (stopped or runner_rc == 0):
+            if runner_rc != 0:
+                why = self.stop_reason or "a stop signal"
+                _say(f"every rank saved its checkpoint and exited 0 after {why}; exit 0 "
+                     f"(DeepSpeed's launcher returned {runner_rc})")
+            return 0
+        if runner_rc == 0:
+            return 0
+        return runner_rc if runner_rc > 0 else 128 - runner_rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    folder = tempfile.mkdtemp(prefix="ntl_supervisor_")
+    try:
+        return Supervisor([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *args], folder).run()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

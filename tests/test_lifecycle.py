@@ -1,0 +1,220 @@
+"""The process lifecycle outside the step (ntl_pretrain/lifecycle.py): the run-folder lock, bounded start-up
+waits, the TP size chosen for the world, errors printed once, DeepSpeed's compiled op per environment.
+
+The lock is held by a real second process (and then killed with SIGKILL); the start-up wait is a real
+rendezvous that one rank of two never joins; the error-once check starts the real entry point as two
+ranks. Two-run and signal tests with the launcher are in tests/test_signals.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ntl_pretrain import distributed, lifecycle
+from ntl_pretrain.config import ConfigError, load_config
+from ntl_pretrain.lifecycle import RunLock, RunLockError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs" / "demo.yaml")
+
+
+def _hold_lock(folder: Path) -> subprocess.Popen:
+    script = ("import sys, time; from ntl_pretrain.lifecycle import RunLock\n"
+              "lock = RunLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_run_lock_names_the_holder_and_is_free_after_kill_9(tmp_path):
+    out = tmp_path / "run"
+    holder = _hold_lock(out)
+    try:
+        with pytest.raises(RunLockError) as info:
+            RunLock(str(out)).acquire()
+        message = str(info.value)
+        assert f"train.output_dir={str(out)!r} is in use by another run (pid {holder.pid} on host " \
+               f"{socket.gethostname()}" in message and "choose another train.output_dir" in message
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    lock = RunLock(str(out))  # a killed holder leaves the file, not the lock
+    lock.acquire()
+    lock.release()
+    again = RunLock(str(out))
+    again.acquire()
+    again.release()
+
+
+def test_failed_start_leaves_no_folder_it_created(tmp_path):
+    lock = RunLock(str(tmp_path / "new"))
+    lock.acquire()
+    lock.release(failed=True)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    lock = RunLock(str(tmp_path / "old"))
+    lock.acquire()
+    lock.release(failed=True)
+    assert (tmp_path / "old").is_dir()  # the user's folder stays
+
+
+def _demo_cfg(*overrides: str):
+    return load_config(DEMO, list(overrides))
+
+
+@pytest.mark.parametrize("world,local,expected", [(1, 1, 1), (2, 2, 2), (3, 3, 1), (4, 4, 2), (8, 8, 2),
+                                                  (6, 3, 1), (16, 8, 2)])
+def test_demo_tp_size_auto_divides_the_world_and_the_heads(world, local, expected):
+    cfg = _demo_cfg()
+    assert cfg.parallel.tp_size == "auto"  # the demo runs on 1, 2, 3, 4 or 8 GPUs and on CPU
+    note = distributed.resolve_tp_size(cfg, world, local)
+    assert cfg.parallel.tp_size == expected
+    assert f"using tp_size={expected} for world size {world}" in note and f"dp={world // expected}" in note
+    distributed.check_tp_divides(world, cfg.parallel.tp_size)
+
+
+def test_tp_size_auto_reads_a_local_model_folder(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"num_attention_heads": 12, "num_key_value_heads": 4}')
+    cfg = _demo_cfg(f"model.name_or_path={tmp_path / 'm'}", "model.architecture={}", "parallel.tp_size=auto")
+    distributed.resolve_tp_size(cfg, 8, 8)
+    assert cfg.parallel.tp_size == 4
+    with pytest.raises(ConfigError, match="parallel.tp_size must be >= 1 or auto"):
+        _demo_cfg("parallel.tp_size=biggest")
+
+
+def test_tp_message_names_the_fix_for_gpus_and_cpus(monkeypatch):
+    monkeypatch.setattr(distributed, "_on_cpu", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        distributed.check_tp_divides(1, 2)
+    assert "set parallel.tp_size=1" in str(info.value) and "CPU processes" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        distributed.check_tp_divides(6, 4)
+    assert "set parallel.tp_size=3 (or another divisor of 6: 1, 2, 3, 6)" in str(info.value)
+    monkeypatch.setattr(distributed, "_on_cpu", lambda: True)
+    with pytest.raises(ConfigError) as info:
+        distributed.check_tp_divides(3, 2)
+    message = str(info.value)
+    assert "set parallel.tp_size=1" in message and "NTL_CPU_PROCS=2 bash launch/pretrain.sh" in message
+    assert "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launch/pretrain.sh" in message
+
+
+def test_extensions_folder_is_per_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    found = []
+    for venv in ("a", "b"):
+        (tmp_path / venv).mkdir()
+        monkeypatch.setattr(sys, "prefix", str(tmp_path / venv))
+        found.append(lifecycle.environment_extensions_dir())
+    assert found == [str(tmp_path / "a" / "torch_extensions"), str(tmp_path / "b" / "torch_extensions")]
+    monkeypatch.setattr(sys, "prefix", "/usr")  # no virtualenv: a per-prefix folder of the user's cache
+    plain = lifecycle.environment_extensions_dir()
+    monkeypatch.setattr(sys, "prefix", "/opt/other-python")
+    monkeypatch.setattr(sys, "base_prefix", "/opt/other-python")
+    assert plain != lifecycle.environment_extensions_dir() and "torch_extensions" in plain
+    assert lifecycle.use_environment_extensions_dir() == os.environ["TORCH_EXTENSIONS_DIR"]
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert lifecycle.use_environment_extensions_dir() == str(tmp_path / "mine")  # the user's setting wins
+
+
+def test_first_build_of_the_shm_op_is_announced(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lifecycle.announce_shm_op_build(local_rank=0)
+    assert "compiling DeepSpeed's CPU communication op (deepspeed_shm_comm)" in capsys.readouterr().err
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    lifecycle.announce_shm_op_build(local_rank=0)  # built: nothing to say
+    lifecycle.announce_shm_op_build(local_rank=1)
+    assert capsys.readouterr().err == ""
+
+
+def _ranks(world: int, ranks: list[int], overrides: list[str], tmp_path: Path,
+           port: int | None = None) -> list[subprocess.Popen]:
+    port = str(port or free_port())
+    procs = []
+    for rank in ranks:
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", DEMO,
+                                       f"train.output_dir={tmp_path / 'run'}", *overrides], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    try:
+        return [proc.communicate(timeout=timeout)[0] for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError("did not end: " + "\n---\n".join(proc.communicate()[0][-2000:] for proc in procs))
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_never_joins_fails_the_start_within_the_limit(tmp_path):
+    """Rank 1 of 2 is never started: rank 0 stops after train.startup_timeout_s with what it waited for."""
+    started = time.monotonic()
+    (proc,) = _ranks(2, [0], ["train.startup_timeout_s=5"], tmp_path)
+    (output,) = _outputs([proc], timeout=240)
+    assert proc.returncode != 0
+    assert "error: rank 0 waited 5 s for DeepSpeed's communication start-up" in output, output[-3000:]
+    assert "rendezvous of 2 processes at 127.0.0.1:" in output
+    assert time.monotonic() - started < 200
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("overrides,message,hint", [
+    (["parallel.tp_size=3"], "parallel.tp_size=3 does not divide the world size 2",
+     "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 3"),
+    (["data.sources.0.path=missing.jsonl", "data.sources.0.generate_arithmetic=0"],
+     "data.sources.0.path='missing.jsonl': no such file or folder", "working directory"),
+])
+def test_an_error_of_every_rank_is_printed_once_before_the_communication_start_up(tmp_path, overrides, message, hint):
+    procs = _ranks(2, [0, 1], overrides, tmp_path)
+    outputs = _outputs(procs, timeout=240)
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    joined = "".join(outputs)
+    assert joined.count(message) == 1, joined[-3000:]
+    assert hint in joined
+    assert "built successfully" not in joined  # refused before DeepSpeed's communication start-up
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_start_up_wait_that_never_ends_names_what_it_waited_for():
+    script = ("import time\nfrom ntl_pretrain.lifecycle import StartupWatchdog\n"
+              "with StartupWatchdog(1.0, notice_s=0.3).waiting('global rank 0 to prepare the corpus'):\n"
+              "    time.sleep(120)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, PYTHONPATH=str(REPO), RANK="1"))
+    assert result.returncode == 3
+    assert "[rank 1] still waiting for global rank 0 to prepare the corpus after 0 s" in result.stderr
+    assert "error: rank 1 waited 1 s for global rank 0 to prepare the corpus" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_finished_run_leaves_no_shared_memory_buffer(tmp_path):
+    """Two ranks started directly (no launcher): both exit 0 and DeepSpeed's 66 MiB /dev/shm buffers of
+    this rendezvous are gone."""
+    overrides = ["data.sources.0.generate_arithmetic=2000", "data.validation_documents=100", "train.max_steps=1",
+                 "train.val_every_n_steps=-1", "eval.at_end=false", "checkpoint.save_final=false",
+                 "monitor.progress_bar=never"]
+    port = free_port()
+    procs = _ranks(2, [0, 1], overrides, tmp_path, port)
+    outputs = _outputs(procs, timeout=400)
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-2000:] for o in outputs)
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
+    assert "run summary: finished at step 1" in outputs[0]
