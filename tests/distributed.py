@@ -57,7 +57,7 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
         for proc in procs:
             proc.kill()
         tails = [proc.communicate()[0][-3000:] for proc in procs]
-        raise AssertionError(f"{script} did not finish within {timeout:.0f}s (a hang?):\n" + "\n----\n".join(tails))
+        raise AssertionError(f"{script} did not finish within {timeout:.0f}s (a hang?):\n" + "\n----\n".join(tails)) from None
     failed = [(rank, proc.returncode) for rank, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
         raise AssertionError(f"{script} failed on ranks {failed}:\n" +

@@ -66,7 +66,7 @@ class LoggedRun:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"{self.process.args[:4]} did not end within {timeout:.0f} s (a hang?):\n"
-                                 f"{self.output[-4000:]}")
+                                 f"{self.output[-4000:]}") from None
         self._reader.join(timeout=30)
         return self.process.returncode
 

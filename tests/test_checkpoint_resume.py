@@ -315,7 +315,8 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
 
     # the fingerprint rebuilt from the checkpoint's own model config, tokenizer and number vocabulary matches
     assets = out / "global_step5" / "hf"
-    config, tokenizer, numbers = AutoConfig.from_pretrained(assets), AutoTokenizer.from_pretrained(assets), NumberVocab.load(assets)
+    config, tokenizer = AutoConfig.from_pretrained(assets), AutoTokenizer.from_pretrained(assets)
+    numbers = NumberVocab.load(assets)
     t2 = ParallelLayout(world_size=2, rank=0, local_rank=0, tp_size=2, tp_rank=0, dp_size=1, dp_rank=0)
     same = CheckpointManager(CheckpointConfig(), str(out), t2, 3, fingerprint(config, tokenizer, numbers), seed=1)
     assert same.plan_resume("global_step5") == "global_step5"

@@ -87,7 +87,7 @@ def test_help_lists_every_key_with_default_and_meaning():
     assert result.returncode == 0, result.stderr
     keys = [key for key, *_ in iter_keys()]
     assert len(keys) > 50
-    for key, _, default, doc in iter_keys():
+    for key, _, _default, doc in iter_keys():
         assert f"  {key} (" in result.stdout, key
         assert doc and doc.split("\n")[0][:40] in result.stdout.replace("\n      ", " "), key
 
@@ -175,7 +175,7 @@ def test_dry_run_rejects_tp_size_that_does_not_divide_the_world():
 
 
 def test_every_key_has_a_doc_and_a_default():
-    for key, hint, default, doc in iter_keys():
+    for key, _hint, _default, doc in iter_keys():
         assert doc, f"{key} has no one-line doc"
     assert dataclasses.asdict(Config())  # every section builds from defaults
 

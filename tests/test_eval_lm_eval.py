@@ -51,7 +51,8 @@ def test_default_prompts_equal_lm_eval_prompts_on_all_1319_questions(variant, gs
     theirs = lm_eval_prompts(variant)
     assert len(theirs) == len(ours) == 1319
     same = sum(a == b for a, b in zip(ours, theirs))
-    assert same == 1319, f"{same}/1319 prompts equal lm-eval's; first difference at {next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}"
+    first_difference = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    assert same == 1319, f"{same}/1319 prompts equal lm-eval's; first difference at {first_difference}"
 
 
 def test_limited_prompts_are_lm_evals_limited_prompts_and_ranks_do_not_change_ours(gsm8k_rows):

@@ -161,7 +161,7 @@ def _outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        raise AssertionError("did not end: " + "\n---\n".join(proc.communicate()[0][-2000:] for proc in procs))
+        raise AssertionError("did not end: " + "\n---\n".join(proc.communicate()[0][-2000:] for proc in procs)) from None
 
 
 @pytest.mark.multiprocess

@@ -99,7 +99,7 @@ def _run_until_step(command: list[str], env: dict, step: int, on_step, lines: li
         job.wait(timeout=TIMEOUT)
         reader.join(timeout=60)
     except subprocess.TimeoutExpired:
-        raise AssertionError("the job did not end after the signal:\n" + "".join(lines)[-3000:])
+        raise AssertionError("the job did not end after the signal:\n" + "".join(lines)[-3000:]) from None
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

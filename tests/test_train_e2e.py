@@ -177,7 +177,8 @@ def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
     scalars, _ = _scalars(out / "tensorboard")
     assert sorted({s for s, _ in scalars["train/loss"]}) == list(range(1, 19))  # continues, no duplicate step
     assert (out / "latest").read_text().strip() == "global_step18"
-    state = torch.load(out / "global_step18" / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    state = torch.load(out / "global_step18" / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
+                       weights_only=False)
     assert state["step"] == 18 and state["data"]["position"] == 18 * 8  # 8 sequences per step, none repeated
     # resuming a finished run does nothing and leaves its checkpoints alone
     before = {str(p): p.stat().st_mtime_ns for p in (out / "global_step18").iterdir()}

@@ -132,7 +132,8 @@ def build_methods(tp: int, names: list[str]):
             hidden, module.weight, labels, tp_group=ctx["group"], vocab_start_index=ctx["start"],
             vocab_end_index=ctx["start"] + module.weight.shape[0], **options)
 
-    table = {"ce": ce, "ds_fused_ce": deepspeed_fused_ce, "ours_ce_only": ours(None), "ours_was": ours("was"), "ours_was_reweigh": ours("was", True),
+    table = {"ce": ce, "ds_fused_ce": deepspeed_fused_ce, "ours_ce_only": ours(None), "ours_was": ours("was"),
+             "ours_was_reweigh": ours("was", True),
              "ours_mse": ours("mse"), "ours_number_level": ours("number_level")}
     for kind, build in (("head", head), ("chunked", chunked)):
         table.update({f"{kind}_ce_only": build(None), f"{kind}_was": build("was"),
@@ -293,7 +294,7 @@ def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
                    MASTER_PORT=str(port), DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
-    for proc, (out, err) in zip(procs, outputs):
+    for proc, (_out, err) in zip(procs, outputs):
         if proc.returncode != 0:
             raise SystemExit(f"benchmark child failed:\n{err[-3000:]}")
     line = next(line for line in outputs[0][0].splitlines() if line.startswith("RESULT "))

@@ -164,7 +164,7 @@ def run_case(tmp: str, name: str, overrides: list[str], timeout: float, no_step:
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        raise SystemExit(f"{name}: the ranks did not finish within {timeout:.0f}s")
+        raise SystemExit(f"{name}: the ranks did not finish within {timeout:.0f}s") from None
     if any(proc.returncode for proc in procs):
         raise SystemExit(f"{name} failed:\n" + "\n----\n".join(out[-3000:] for out in outputs))
     result = []

@@ -120,7 +120,8 @@ class Sizes:
     loss_reps: int  # loss_bench warm repetitions per method
 
 
-FULL = Sizes(QWEN25_05B, QWEN25_05B_VOCAB, 512, 20000, seq_len=1024, micro_batch_size=8, grad_accum_steps=1, lr=6e-4, warmup_steps=20,
+FULL = Sizes(QWEN25_05B, QWEN25_05B_VOCAB, 512, 20000, seq_len=1024, micro_batch_size=8, grad_accum_steps=1, lr=6e-4,
+             warmup_steps=20,
              curve_steps=250, flash_steps=40, chunk_tokens=4096, chunked_steps=8, ntl_steps=40, ntl_warmup=5,
              eval_prompts=64, loss_tokens=16384, loss_vocab=128256, loss_hidden=896, loss_chunk_tokens=4096,
              loss_reps=5)
@@ -643,7 +644,8 @@ def measure_sync_debug(trainer: Any) -> dict:
     sites: dict[str, int] = {}
     for warning, sync in zip(caught, is_sync):
         if sync:
-            site = f"{os.path.relpath(warning.filename, REPO) if str(REPO) in warning.filename else warning.filename}:{warning.lineno}"
+            where = os.path.relpath(warning.filename, REPO) if str(REPO) in warning.filename else warning.filename
+            site = f"{where}:{warning.lineno}"
             sites[site] = sites.get(site, 0) + 1
     # 2. one step with syncs inside each micro-batch's forward/backward raising (last: an error leaves the step half done)
     error = None

@@ -9,5 +9,6 @@ from .parallel import shard_reductions
 
 __all__ = [
     "VARIANTS", "NTLSettings", "NTLoss", "NTLossDotProduct", "NumberLevelLoss", "ObjectiveSums", "StepCounts",
-    "ce_ntl_loss", "ce_ntl_sums", "chunked_ce_ntl_sums", "chunked_model_ce_ntl_sums", "count_step", "number_token_loss", "scaled_micro_batch_loss", "shard_reductions",
+    "ce_ntl_loss", "ce_ntl_sums", "chunked_ce_ntl_sums", "chunked_model_ce_ntl_sums", "count_step", "number_token_loss",
+    "scaled_micro_batch_loss", "shard_reductions",
 ]

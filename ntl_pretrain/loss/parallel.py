@@ -81,7 +81,7 @@ def check_shard_layout(local_width: int, vocab_start_index: int, tp_group: dist.
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=tp_group)
     shards = sorted((start, width, rank) for rank, (start, width) in enumerate(table.tolist()))
     end = 0
-    for start, width, rank in shards:
+    for start, width, _rank in shards:
         if start != end or width < 1:
             held = ", ".join(f"rank {r}: [{a}, {a + w})" for a, w, r in sorted(shards, key=lambda t: t[2]))
             raise ValueError(

@@ -125,7 +125,7 @@ def main() -> None:
     tp_group, tp_rank = groups[rank // tp_size], rank % tp_size
 
     worst = 0.0
-    for (placement, ids), settings in itertools.product(PLACEMENTS.items(), SETTINGS):
+    for (_placement, ids), settings in itertools.product(PLACEMENTS.items(), SETTINGS):
         worst = max(worst, check_case(ids, settings, tp_group, tp_rank, tp_size, uneven=False, seed=rank // tp_size))
     for settings in (NTLSettings(variant="was", reweigh=True), NTLSettings(variant="number_level")):
         worst = max(worst, check_case(PLACEMENTS["split"], settings, tp_group, tp_rank, tp_size, uneven=True, seed=3))
