@@ -112,6 +112,9 @@ def test_tp_message_names_the_fix_for_gpus_and_cpus(monkeypatch):
 
 
 def test_extensions_folder_is_per_environment(monkeypatch, tmp_path):
+    # use_environment_extensions_dir() writes os.environ itself; on a copy, nothing leaks into later tests
+    # (a leaked folder of a made-up prefix sent every later DeepSpeed start to wait on a stale build lock)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setattr(sys, "base_prefix", "/usr")
     found = []
