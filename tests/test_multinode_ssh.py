@@ -74,7 +74,8 @@ def single_node(assets, tmp_path_factory) -> tuple[Path, LoggedRun]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     run = LoggedRun(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh",
                      "--config", "configs/demo.yaml",
-                     *demo_overrides(assets, out, "train.max_steps=6", "checkpoint.save_final=false")], env)
+                     *demo_overrides(assets, out, "parallel.tp_size=2", "train.max_steps=6",
+                                    "checkpoint.save_final=false")], env)
     assert run.wait(TIMEOUT) == 0, run.output[-4000:]
     return out, run
 
@@ -123,7 +124,9 @@ def _rank_process(out: Path, rank: int) -> psutil.Process | None:
 def killed_and_resumed(cluster, assets, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("killed") / "run"
     info: dict = {"out": out}
-    extra = ("train.max_steps=6", "checkpoint.every_n_steps=1", f"train.dist_timeout_minutes={DIST_TIMEOUT_MINUTES}")
+    # T=2 across the nodes, said explicitly: the demo's tp_size=auto would choose T=1 with one process per node
+    extra = ("parallel.tp_size=2", "train.max_steps=6", "checkpoint.every_n_steps=1",
+             f"train.dist_timeout_minutes={DIST_TIMEOUT_MINUTES}")
     run = _two_nodes(cluster, assets, out, *extra)
     try:
         info["first_step_s"] = run.wait_for_line("step 1:", TIMEOUT)
