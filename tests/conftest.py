@@ -97,5 +97,5 @@ def bpe_tokenizer():
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder {SHARED_DATA} is absent")
+        pytest.fail(f"shared data folder {SHARED_DATA} is absent: the tests need ../shared/data beside the clone")
     return SHARED_DATA

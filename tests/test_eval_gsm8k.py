@@ -102,7 +102,7 @@ def test_missing_train_split_is_reported(tmp_path: Path):
 
 def test_real_gsm8k_gold_solutions_score_one_under_both_filters():
     if not (SHARED_GSM8K / "test.jsonl").is_file():
-        pytest.skip(f"{SHARED_GSM8K} is absent")
+        pytest.fail(f"{SHARED_GSM8K} is absent: the tests need ../shared/data beside the clone")
     rows = load_gsm8k(str(SHARED_GSM8K), "test")
     assert len(rows) == 1319
     accuracy, _ = score([row["answer"] for row in rows], [gold_answer(row["answer"]) for row in rows])

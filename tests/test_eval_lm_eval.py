@@ -37,7 +37,7 @@ def lm_eval_prompts(variant: str, limit: int | None = None, rank: int = 0, world
 @pytest.fixture(scope="module")
 def gsm8k_rows():
     if not (GSM8K / "test.jsonl").is_file():
-        pytest.skip(f"{GSM8K} is absent")
+        pytest.fail(f"{GSM8K} is absent: the tests need ../shared/data beside the clone")
     return load_gsm8k(str(GSM8K), "test"), load_gsm8k(str(GSM8K), "train")
 
 

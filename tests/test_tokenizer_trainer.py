@@ -43,7 +43,7 @@ def _tiny_llama(folder: Path, vocab_size: int = 512) -> Path:
 def test_sentencepiece_model_file_is_accepted(which, tmp_path):
     if which == "llama2":
         if not LLAMA2_MODEL.is_file():
-            pytest.skip("shared Llama-2 tokenizer absent")
+            pytest.fail("shared Llama-2 tokenizer absent: the tests need ../shared/data beside the clone")
         model_file = LLAMA2_MODEL
     else:
         model_file = build_spm(tmp_path / "spm", split_digits=True) / "tokenizer.model"
