@@ -53,7 +53,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .fs import apply_umask_modes
+from .fs import apply_umask_modes, fsync_dir, write_text_atomic
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -413,26 +413,6 @@ def _read_latest(output_dir: str) -> str | None:
         return None
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def folder_bytes(path: str) -> int:
@@ -774,11 +754,11 @@ def convert_to_universal(checkpoint_path: str, output_path: str | None = None, w
     sizes = _file_sizes(staging)
     universal_manifest = dict(manifest, format=FORMAT_VERSION, universal_of=os.path.basename(checkpoint_path.rstrip("/")),
                               files=sizes, **{HASH_ALGORITHM: hash_files(staging, sorted(sizes), sizes)})
-    _write_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(universal_manifest, indent=1))
+    write_text_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(universal_manifest, indent=1))
     os.rename(staging, output_path)
     pointer = os.path.join(os.path.dirname(output_path), "latest_universal")  # ds_to_universal's, naming the staging folder
     if os.path.isfile(pointer):
-        _write_atomic(pointer, os.path.basename(output_path))
+        write_text_atomic(pointer, os.path.basename(output_path))
     logger.info("converted %s to a universal checkpoint %s in %.1f s", checkpoint_path, output_path,
                 time.perf_counter() - started)
     return output_path
@@ -1136,15 +1116,15 @@ class CheckpointManager:
                 raise CheckpointError(self._with_previous(
                     f"saving checkpoint {tag}: files in {staging!r} changed while it was being saved (another "
                     f"process writing into train.output_dir?)"))
-            _write_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(manifest, indent=1))
-            _fsync_dir(staging)
+            write_text_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(manifest, indent=1))
+            fsync_dir(staging)
             replaced = None
             if os.path.exists(final):  # the same step saved again (a resume from an older checkpoint)
                 replaced = final + REPLACED_SUFFIX
                 os.rename(final, replaced)
             os.rename(staging, final)
-            _fsync_dir(self.output_dir)
-            _write_atomic(os.path.join(self.output_dir, LATEST_NAME), tag)
+            fsync_dir(self.output_dir)
+            write_text_atomic(os.path.join(self.output_dir, LATEST_NAME), tag)
             if replaced:
                 shutil.rmtree(replaced, ignore_errors=True)
                 stale = universal_path(final)

@@ -51,7 +51,8 @@ def apply_umask_modes(root: str) -> None:
                 os.chmod(path, files)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a folder so a rename inside it is durable (best effort: some file systems cannot)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -85,7 +86,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None 
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> str:
@@ -126,7 +127,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 def writable_problem(path: str | os.PathLike, key: str) -> str | None:
