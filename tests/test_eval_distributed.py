@@ -43,6 +43,7 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from ntl_pretrain import distributed
     from ntl_pretrain.eval.generate import greedy_generate, resolve_layout
     from ntl_pretrain.eval.hooks import run_evaluation
 
@@ -64,6 +65,7 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
     dist.barrier()
+    distributed.shutdown_distributed()
 
 
 @pytest.fixture(scope="module")

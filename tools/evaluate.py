@@ -196,7 +196,15 @@ def _write_json(path: str, data: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from ntl_pretrain.distributed import shutdown_distributed
+
+    try:
+        return _evaluate(parse_args(sys.argv[1:] if argv is None else argv))
+    finally:
+        shutdown_distributed()  # left to interpreter exit, gloo sometimes aborts a run that succeeded (rc -6)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     from ntl_pretrain.eval.hooks import run_evaluation
 
     try:

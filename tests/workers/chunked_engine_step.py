@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
 from ntl_pretrain.loss.chunked import chunked_model_ce_ntl_sums
+from ntl_pretrain import distributed
 from ntl_pretrain.numbers import NumberVocab
 
 
@@ -113,4 +114,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        distributed.shutdown_distributed()

@@ -19,6 +19,7 @@ from deepspeed.utils import groups
 from transformers import AutoModelForCausalLM
 
 from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
+from ntl_pretrain import distributed
 from ntl_pretrain.numbers import NumberVocab
 
 
@@ -102,4 +103,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        distributed.shutdown_distributed()

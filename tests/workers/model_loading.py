@@ -18,6 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ntl_pretrain.config import ModelConfig
+from ntl_pretrain import distributed
 from ntl_pretrain.model import build_model
 
 
@@ -56,4 +57,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        distributed.shutdown_distributed()
