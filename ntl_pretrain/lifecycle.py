@@ -9,7 +9,8 @@ DeepSpeed's compiled CPU op and shared-memory buffers, and what a rank tells the
   what was waited for, instead of a silent hang until the collective timeout.
 - `use_environment_extensions_dir` / `announce_shm_op_build`: DeepSpeed compiles its CPU shared-memory
   all-reduce op on first use; the build goes into a folder of this Python environment (two virtualenvs
-  on one Python otherwise rebuild it alternately) and the first build is announced.
+  on one Python otherwise rebuild it alternately), the first build is announced, and a build lock left by a
+  killed build (which makes every later start wait forever) is removed.
 - `remove_own_shm_buffer`: DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm and never
   unlinks it; once every rank has mapped all of them (after the first collective) each rank unlinks its
   own, so the memory is freed when the job ends, however it ends.
@@ -172,9 +173,71 @@ def use_environment_extensions_dir() -> str:
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", environment_extensions_dir())
 
 
+# Filesystems whose folders other machines may build into at the same time: a build lock there can be held
+# by a compile on another node, invisible from here.
+SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "glusterfs", "fuse",
+                      "9p", "afs", "panfs", "wekafs", "virtiofs")
+STALE_SHARED_BUILD_LOCK_S = 1800.0  # no compile of the op takes half an hour
+
+
+def filesystem_type(path: str) -> str:
+    """The type (ext4, nfs4, ...) of the filesystem holding `path`, from /proc/mounts ("" if unknown)."""
+    real, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def _local_process_works_in(folder: str) -> bool:
+    """Whether a process of this machine has `folder` as its working directory (torch runs ninja and the
+    compiler there while it builds an extension)."""
+    real = os.path.realpath(folder)
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                if os.path.realpath(os.readlink(f"/proc/{pid}/cwd")) == real:
+                    return True
+    return False
+
+
+def clear_stale_build_lock(folder: str, min_age_s: float = 30.0) -> str | None:
+    """Remove the torch build lock of an extension folder when it was left by a killed build; return what was
+    done or found (None when there is no lock).
+
+    torch's FileBaton makes every later start wait, without a word and without limit, on a `lock` file that a
+    build interrupted by Ctrl-C or kill -9 left behind. On a local filesystem a lock older than `min_age_s` with
+    no process working in the folder is stale and removed. On a shared one (NFS, Lustre, ...) a compile on
+    another node may hold it: it is removed only after STALE_SHARED_BUILD_LOCK_S, and named until then.
+    """
+    lock = os.path.join(folder, "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except OSError:
+        return None
+    shared = filesystem_type(folder).lower().startswith(SHARED_FILESYSTEMS)
+    if age < min_age_s or _local_process_works_in(folder):
+        return f"waiting for the build of {os.path.basename(folder)} that another process runs (lock {lock})"
+    if shared and age < STALE_SHARED_BUILD_LOCK_S:
+        return (f"{lock} exists ({age:.0f} s old) on a shared filesystem and no build runs on this machine: if no "
+                f"other node is compiling, it was left by a killed build and every start waits on it: remove it "
+                f"(rm {lock})")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    return f"removed {lock}, left {age:.0f} s ago by a build that was killed (no process was building)"
+
+
 def announce_shm_op_build(local_rank: int) -> None:
-    """On local rank 0, say that DeepSpeed is about to compile its CPU communication op (when it is not
-    built yet in this environment), and what it needs."""
+    """On local rank 0, clear a build lock left by a killed build, and say that DeepSpeed is about to compile
+    its CPU communication op (when it is not built yet in this environment), and what it needs."""
     from deepspeed.accelerator import get_accelerator
 
     if local_rank != 0 or get_accelerator().device_name() != "cpu":
@@ -187,6 +250,9 @@ def announce_shm_op_build(local_rank: int) -> None:
     if installed_ops.get(builder.name, False):
         return  # pre-built into the DeepSpeed install
     folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", environment_extensions_dir()), builder.name)
+    lock_note = clear_stale_build_lock(folder)
+    if lock_note:
+        print(f"note: {lock_note}", file=sys.stderr, flush=True)
     if os.path.exists(os.path.join(folder, f"{builder.name}.so")):
         return
     compiler = os.environ.get("CXX", "c++")

@@ -144,6 +144,38 @@ def test_first_build_of_the_shm_op_is_announced(monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    assert lifecycle.clear_stale_build_lock(str(folder)) is None  # no lock, nothing to do
+    lock = folder / "lock"
+    lock.write_bytes(b"")
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    # a build in progress: ninja and the compiler work in the folder (here a stand-in process)
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=folder)
+    try:
+        deadline = time.time() + 10
+        while not lifecycle._local_process_works_in(str(folder)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert "waiting for the build" in lifecycle.clear_stale_build_lock(str(folder)) and lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
+    monkeypatch.setattr(lifecycle, "filesystem_type", lambda path: "nfs4")  # another node may be compiling
+    note = lifecycle.clear_stale_build_lock(str(folder))
+    assert "shared filesystem" in note and f"rm {lock}" in note and lock.exists()
+    monkeypatch.setattr(lifecycle, "filesystem_type", lambda path: "ext4")
+    assert "removed" in lifecycle.clear_stale_build_lock(str(folder)) and not lock.exists()
+    lock.write_bytes(b"")  # just created: a build that has not started its compiler yet
+    assert "waiting for the build" in lifecycle.clear_stale_build_lock(str(folder)) and lock.exists()
+
+
+def test_filesystem_type_reads_the_mount_table(tmp_path):
+    assert lifecycle.filesystem_type("/proc") == "proc"
+    assert lifecycle.filesystem_type(str(tmp_path)) not in ("", "proc")
+
+
 def _ranks(world: int, ranks: list[int], overrides: list[str], tmp_path: Path,
            port: int | None = None) -> list[subprocess.Popen]:
     port = str(port or free_port())
