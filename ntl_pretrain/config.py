@@ -84,7 +84,13 @@ class DataSourceConfig:
                      default="")
     name: str | None = _doc("hub dataset configuration name", default=None)
     split: str = _doc("dataset split to read", default="train")
-    text_field: str = _doc("column that holds the document text", default="text")
+    text_field: str = _doc("column that holds the document text (unused when prompt_field and completion_field "
+                           "are set)", default="text")
+    prompt_field: str | None = _doc(
+        "column of the prompt; with completion_field, a document is prompt + completion and only the completion's "
+        "tokens (and the EOS after it) are targets: the prompt's labels are ignored (null: every token is trained)",
+        default=None)
+    completion_field: str | None = _doc("column of the completion (set together with prompt_field)", default=None)
     weight: float = _doc("sampling weight in the mixture (normalised over sources)", default=1.0)
     streaming: bool = _doc("stream instead of downloading/tokenizing everything first (large corpora)",
                            default=False)
@@ -92,7 +98,8 @@ class DataSourceConfig:
         "> 0: when path does not exist, write this many generated arithmetic and number-rich documents "
         "there first (the demo's self-made corpus)", default=0)
     generate_options: dict[str, Any] = _doc(
-        "more arguments of ntl_pretrain.eval.arithmetic.write_training_corpus (text_share, ops, train_digits)",
+        "settings of the generated corpus (seed, text_share, ops, train_digits, extrapolation_digits); with "
+        "generate_arithmetic they are its whole identity (recorded beside it; a file generated otherwise is refused)",
         default_factory=dict)
 
 
@@ -606,6 +613,14 @@ def validate(config: Config) -> None:
             raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight}")
         if source.generate_arithmetic < 0:
             raise ConfigError(f"data.sources.{i}.generate_arithmetic must be >= 0")
+        if (source.prompt_field is None) != (source.completion_field is None):
+            given, missing = ("prompt_field", "completion_field") if source.completion_field is None else \
+                ("completion_field", "prompt_field")
+            raise ConfigError(f"data.sources.{i}.{given} is set but data.sources.{i}.{missing} is not: set both (loss "
+                              f"on the completion only) or neither (loss on every token of text_field)")
+        if source.prompt_field is not None and source.prompt_field == source.completion_field:
+            raise ConfigError(f"data.sources.{i}.prompt_field and completion_field are both {source.prompt_field!r}; "
+                              f"name two different columns")
     try:  # the generated corpus's options, and the arithmetic benchmark's digits against them
         corpora = [(f"data.sources.{i}.generate_options", source.generate_options)
                    for i, source in enumerate(config.data.sources) if source.generate_arithmetic > 0]

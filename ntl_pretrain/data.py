@@ -8,6 +8,14 @@ one token, none is lost). A sample gives `input_ids = s[:-1]` and `labels = s[1:
 with the logits, so the trainer never slices the `[B, S, V]` logits; the label after each EOS (a new
 document's first token, which the previous document cannot predict) is ignored (-100).
 
+A source with `prompt_field` and `completion_field` (supervised continued pretraining: loss on the answer
+only) packs each row as its prompt's tokens, its completion's tokens and EOS, tokenized separately (the
+completion's tokens are exactly what a model prompted with the prompt should generate). Beside the tokens
+each sample keeps a same-length `targets` mask, true on completion and EOS tokens: the label of a
+position is ignored when the token it predicts is not a target. The mask is cut with the same windows as
+the tokens, so it is exact across sample boundaries (a completion split over two samples keeps every
+target token). CE and NTL are normalised over the labels that are not ignored, as everywhere.
+
 The global sample stream is a pure function of the seed: global sample g comes from the source a
 seeded draw (by weight) assigns to it, and is that source's next sample in a per-epoch seeded
 permutation (streamed sources are read in order). A step takes the next `micro_batch * dp * grad_accum`
@@ -32,6 +40,7 @@ from .config import DataConfig, DataSourceConfig
 logger = logging.getLogger(__name__)
 
 TOKENS = "tokens"  # column of packed samples
+TARGETS = "targets"  # column of prompt/completion samples: True where the token is a loss target
 IGNORE_INDEX = -100  # label of positions without a target
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
              ".jsonl.gz": "json", ".json.gz": "json"}
@@ -132,10 +141,45 @@ def _cause_of_type(error: BaseException, kind: type) -> Any:
     return None
 
 
+def completion_only(source: DataSourceConfig) -> bool:
+    """Whether the source's rows are prompt + completion with the loss on the completion only."""
+    return source.prompt_field is not None and source.completion_field is not None
+
+
+def text_columns(source: DataSourceConfig) -> dict[str, str]:
+    """The config key (under the source) of each column the source reads -> the column name."""
+    if completion_only(source):
+        return {"prompt_field": source.prompt_field, "completion_field": source.completion_field}
+    return {"text_field": source.text_field}
+
+
+def document_texts(documents: Any, source: DataSourceConfig) -> Iterator[str]:
+    """Each document's whole text (prompt + completion for a completion-only source), e.g. to train a tokenizer."""
+    for row in documents:
+        if completion_only(source):
+            yield row[source.prompt_field] + row[source.completion_field]
+        else:
+            yield row[source.text_field]
+
+
+def _check_columns(documents: Any, columns: list[str], source: DataSourceConfig, key: str) -> None:
+    """Every column the source reads exists and (when declared) holds strings."""
+    features = getattr(documents, "features", None) or {}
+    for setting, column in text_columns(source).items():
+        if column not in columns:
+            raise DataError(f"{key}: the dataset {source.path!r} has no column {column!r} (columns: {columns}); "
+                            f"set {key}.{setting} to one of them")
+        dtype = getattr(features.get(column), "dtype", "string")
+        if dtype not in ("string", "large_string"):
+            raise DataError(f"{key}.{setting}={column!r}: the column holds {dtype}, not text; store it as strings "
+                            f"(e.g. \"357\", not 357)")
+
+
 def _check_has_text(documents: Any, source: DataSourceConfig, key: str, streaming_probe: int = 1000) -> None:
     """Refuse a source whose documents are all empty or whitespace (it would train CE on blanks with
-    NTL 0 and no warning). Reads until the first real document; a stream only its first documents."""
-    field = source.text_field
+    NTL 0 and no warning). Reads until the first real document; a stream only its first documents.
+    A completion-only source is checked on its completions (the only tokens it trains on)."""
+    setting, field = list(text_columns(source).items())[-1]
 
     def blank(text: Any) -> bool:
         return not isinstance(text, str) or not text.strip()
@@ -154,7 +198,7 @@ def _check_has_text(documents: Any, source: DataSourceConfig, key: str, streamin
         if not all(blank(text) for text in batch[field]):
             return
     raise DataError(f"{key}.path={source.path!r}: all {len(documents)} documents are empty or whitespace in column "
-                    f"{field!r}; set {key}.text_field to the column that holds the text, or fix the files")
+                    f"{field!r}; set {key}.{setting} to the column that holds the text, or fix the files")
 
 
 def generate_missing_corpus(source: DataSourceConfig, seed: int) -> bool:
@@ -197,9 +241,7 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
         columns = list(first) if first is not None else []
         if first is None:
             raise DataError(f"{key}.path={source.path!r} holds no documents")
-    if source.text_field not in columns:
-        raise DataError(f"{key}: the dataset {source.path!r} has no column {source.text_field!r} "
-                        f"(columns: {columns}); set {key}.text_field to the column that holds the text")
+    _check_columns(documents, columns, source, key)
     if not source.streaming and len(documents) == 0:
         raise DataError(f"{key}.path={source.path!r} holds no documents (empty dataset)")
     try:
@@ -209,30 +251,53 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
     return documents
 
 
-def _packer(tokenizer: Any, text_field: str, seq_len: int):
+def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
     eos = tokenizer.eos_token_id
 
+    def windows(flat: list) -> list[list]:
+        return [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range((len(flat) - 1) // seq_len)]
+
     def pack(batch: dict) -> dict:
-        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(batch[source.text_field], add_special_tokens=False)["input_ids"]
         flat: list[int] = []
         for doc in ids:
             flat.extend(doc)
             flat.append(eos)
-        count = (len(flat) - 1) // seq_len
-        return {TOKENS: [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range(count)]}
+        return {TOKENS: windows(flat)}
 
-    return pack
+    def pack_completions(batch: dict) -> dict:
+        prompts = tokenizer(batch[source.prompt_field], add_special_tokens=False)["input_ids"]
+        completions = tokenizer(batch[source.completion_field], add_special_tokens=False)["input_ids"]
+        flat: list[int] = []
+        targets: list[bool] = []
+        for prompt, completion in zip(prompts, completions):
+            flat.extend(prompt)
+            flat.extend(completion)
+            flat.append(eos)
+            targets.extend([False] * len(prompt) + [True] * (len(completion) + 1))
+        return {TOKENS: windows(flat), TARGETS: windows(targets)}
+
+    return pack_completions if completion_only(source) else pack
 
 
-def pack_documents(documents: Any, tokenizer: Any, text_field: str, seq_len: int, num_proc: int,
+def pack_documents(documents: Any, tokenizer: Any, source: DataSourceConfig, seq_len: int, num_proc: int,
                    description: str) -> Any:
-    """Tokenize and pack documents into samples of seq_len + 1 tokens (batches of 1000 documents)."""
+    """Tokenize and pack documents into samples of seq_len + 1 tokens (batches of 1000 documents); a
+    completion-only source's samples also get their `targets` mask."""
     import datasets
 
     kwargs: dict[str, Any] = dict(batched=True, batch_size=1000, remove_columns=documents.column_names)
     if isinstance(documents, datasets.Dataset):
         kwargs.update(num_proc=num_proc if num_proc > 1 else None, desc=description)
-    return documents.map(_packer(tokenizer, text_field, seq_len), **kwargs)
+    return documents.map(_packer(tokenizer, source, seq_len), **kwargs)
+
+
+Sample = tuple[np.ndarray, "np.ndarray | None"]  # (seq_len + 1 tokens, their targets mask or None: all targets)
+
+
+def _sample_of(row: dict) -> Sample:
+    targets = row.get(TARGETS)
+    return np.asarray(row[TOKENS]), None if targets is None else np.asarray(targets, dtype=bool)
 
 
 # ---------------------------------------------------------------------------------------------- ordering
@@ -284,13 +349,13 @@ class _MapSource:
         self.seed, self.index = seed, index
         self._permutations: dict[int, np.ndarray] = {}
 
-    def get(self, j: int) -> np.ndarray:
+    def get(self, j: int) -> Sample:
         epoch, position = divmod(j, self.size)
         permutation = self._permutations.get(epoch)
         if permutation is None:
             self._permutations = {epoch: np.random.default_rng([self.seed, self.index, epoch]).permutation(self.size)}
             permutation = self._permutations[epoch]
-        return np.asarray(self.samples[int(permutation[position])][TOKENS])
+        return _sample_of(self.samples[int(permutation[position])])
 
 
 class _StreamSource:
@@ -302,7 +367,7 @@ class _StreamSource:
         self._next = 0  # index of the sample the iterator yields next
         self._yielded_this_pass = 0
 
-    def get(self, j: int) -> np.ndarray:
+    def get(self, j: int) -> Sample:
         if self._iterator is None or j < self._next:  # (re)start: the stream is read in order only
             self._iterator, self._next, self._yielded_this_pass = iter(self.samples), 0, 0
         while True:
@@ -320,7 +385,7 @@ class _StreamSource:
             self._yielded_this_pass += 1
             index, self._next = self._next, self._next + 1
             if index == j:
-                return np.asarray(sample[TOKENS])
+                return _sample_of(sample)
 
 
 @dataclass
@@ -331,13 +396,17 @@ class MicroBatch:
     labels: torch.Tensor  # [micro_batch_size, seq_len] long
 
 
-def _to_micro_batch(samples: list[np.ndarray], boundary_id: int | None) -> MicroBatch:
+def _to_micro_batch(samples: list[Sample], boundary_id: int | None) -> MicroBatch:
     """Inputs and shifted labels; with `boundary_id` (EOS), the label after it is ignored (-100): the first
-    token of a document cannot be predicted from the document before it."""
-    stacked = torch.from_numpy(np.stack(samples).astype(np.int64))
+    token of a document cannot be predicted from the document before it. A label whose token is not a
+    target (a prompt token of a completion-only source) is ignored too."""
+    stacked = torch.from_numpy(np.stack([tokens for tokens, _ in samples]).astype(np.int64))
     input_ids, labels = stacked[:, :-1].clone(), stacked[:, 1:].clone()  # own storage: labels are edited below
     if boundary_id is not None:
         labels[input_ids == boundary_id] = IGNORE_INDEX
+    if any(targets is not None for _, targets in samples):
+        targets = np.stack([np.ones(len(tokens), dtype=bool) if mask is None else mask for tokens, mask in samples])
+        labels[~torch.from_numpy(targets[:, 1:])] = IGNORE_INDEX
     return MicroBatch(input_ids=input_ids, labels=labels)
 
 
@@ -348,7 +417,7 @@ class PretrainingData:
     same streams, so the split of each batch over data-parallel ranks is consistent.
     """
 
-    def __init__(self, cfg: DataConfig, sources: list[Any], validation: list[np.ndarray], *, dp_rank: int,
+    def __init__(self, cfg: DataConfig, sources: list[Any], validation: list[Sample], *, dp_rank: int,
                  dp_size: int, eos_id: int) -> None:
         self.cfg = cfg
         self.boundary_id = eos_id if cfg.mask_document_start else None
@@ -365,7 +434,7 @@ class PretrainingData:
         The trainer runs this on local rank 0 first, which fills the `datasets` cache the others then read.
         """
         sources: list[Any] = []
-        validation: list[np.ndarray] = []
+        validation: list[Sample] = []
         for i, source in enumerate(cfg.sources):
             key = f"data.sources.{i}"
             documents = load_documents(source, key, cfg.cache_dir)
@@ -379,7 +448,7 @@ class PretrainingData:
                 documents = documents.shuffle(seed=cfg.seed)
                 held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
             try:
-                packed = pack_documents(training, tokenizer, source.text_field, cfg.seq_len, cfg.num_proc,
+                packed = pack_documents(training, tokenizer, source, cfg.seq_len, cfg.num_proc,
                                         f"packing {key}")
             except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
                 raise _encoding_error(source, key, error) from None
@@ -391,15 +460,20 @@ class PretrainingData:
                                     f"tokens after tokenization; add data or lower data.seq_len")
                 sources.append(_MapSource(packed, cfg.seed, i))
             if n_val:
-                held_packed = pack_documents(held_out, tokenizer, source.text_field, cfg.seq_len, cfg.num_proc,
+                held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, cfg.num_proc,
                                              f"packing {key} (validation)")
-                validation.extend(np.asarray(s[TOKENS]) for s in held_packed)
+                validation.extend(_sample_of(s) for s in held_packed)
         return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size, eos_id=tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------ training
-    def sample(self, g: int) -> np.ndarray:
+    def sample_with_targets(self, g: int) -> Sample:
+        """Global sample g: its tokens and their targets mask (None: every token is a target)."""
         source, j = self.mixture.locate(g)
         return self.sources[source].get(j)
+
+    def sample(self, g: int) -> np.ndarray:
+        """The tokens of global sample g."""
+        return self.sample_with_targets(g)[0]
 
     def next_step(self, grad_accum_steps: int) -> list[MicroBatch]:
         """This rank's micro-batches of the next optimizer step; advances the stream position."""
@@ -408,7 +482,8 @@ class PretrainingData:
         batches = []
         for m in range(grad_accum_steps):
             first = base + (m * dp + self.dp_rank) * mbs
-            batches.append(_to_micro_batch([self.sample(first + i) for i in range(mbs)], self.boundary_id))
+            batches.append(_to_micro_batch([self.sample_with_targets(first + i) for i in range(mbs)],
+                                           self.boundary_id))
         self.position = base + grad_accum_steps * dp * mbs
         return batches
 

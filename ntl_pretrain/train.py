@@ -28,7 +28,7 @@ from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, 
                          fingerprint, lr_schedule_description, purge_tensorboard_after, resolve_resume, run_on_main,
                          write_hf_assets)
 from .config import Config, ConfigError, help_text, load_config, ntl_settings, to_yaml, write_resolved
-from .data import DataError, PretrainingData, generate_missing_corpus, load_documents, resolve_files
+from .data import DataError, PretrainingData, document_texts, generate_missing_corpus, load_documents, resolve_files
 from .eval.config import save_eval_settings, validate_eval_inputs
 from .loss import ce_ntl_sums, count_step, scaled_micro_batch_loss
 from .loss.chunked import chunked_model_ce_ntl_sums
@@ -299,7 +299,7 @@ def _prepare_assets(cfg: Config) -> None:
     if needs_training(cfg.tokenizer, cfg.model):
         source = cfg.data.sources[0]
         documents = load_documents(source, "data.sources.0", cfg.data.cache_dir)
-        texts = (row[source.text_field] for row in documents)
+        texts = document_texts(documents, source)
         out = train_digit_bpe(texts, cfg.tokenizer.train_vocab_size, tokenizer_source(cfg.tokenizer, cfg.model))
         logger.info("trained a digit-level BPE tokenizer (%d tokens) into %s", cfg.tokenizer.train_vocab_size, out)
 

@@ -204,3 +204,171 @@ def test_fewer_documents_than_held_out(tokenizer, tmp_path):
     cfg = _cfg([DataSourceConfig(path=str(path))], tmp_path, validation_documents=10)
     with pytest.raises(DataError, match="lower data.validation_documents"):
         PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+
+
+# ---------------------------------------------------------------------------------------------- completion only
+def _problems(n: int, seed: int = 0) -> list[dict]:
+    """Prompt/completion rows of varied lengths; one in ten has an empty prompt (a plain document)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        a, b = int(rng.integers(0, 10 ** int(rng.integers(1, 5)))), int(rng.integers(0, 1000))
+        rows.append({"prompt": "" if i % 10 == 9 else f"Q: {a}+{b}=", "completion": f" {a + b}", "id": i})
+    return rows
+
+
+def _gpt2(shared_data):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(shared_data / "tokenizers" / "gpt2" / "tokenizer.json"),
+                                   eos_token="<|endoftext|>")
+
+
+def _reference_stream(tokenizer, rows: list[dict]) -> tuple[list[int], list[bool]]:
+    """Tokens and target flags of the rows in this order: prompt (no target), completion + EOS (targets)."""
+    tokens: list[int] = []
+    targets: list[bool] = []
+    for row in rows:
+        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        tokens += prompt + completion + [tokenizer.eos_token_id]
+        targets += [False] * len(prompt) + [True] * (len(completion) + 1)
+    return tokens, targets
+
+
+def _completion_source(path: Path) -> DataSourceConfig:
+    return DataSourceConfig(path=str(path), prompt_field="prompt", completion_field="completion")
+
+
+@pytest.mark.parametrize("seq_len", [5, 8])
+def test_completion_only_labels_are_exact_at_every_packing_boundary(shared_data, tmp_path, seq_len):
+    import datasets
+
+    tokenizer = _gpt2(shared_data)
+    eos = tokenizer.eos_token_id
+    rows = _problems(80)
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg([_completion_source(path)], tmp_path, seq_len=seq_len, micro_batch_size=1, validation_documents=0)
+    data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    source = data.sources[0]
+
+    # reference: the rows in the split's seeded order as one stream, cut into windows of seq_len + 1
+    order = datasets.Dataset.from_list(rows).shuffle(seed=cfg.seed).to_list()
+    tokens, targets = _reference_stream(tokenizer, order)
+    count = (len(tokens) - 1) // seq_len
+    windows = [slice(i * seq_len, (i + 1) * seq_len + 1) for i in range(count)]
+    packed = [source.samples[i] for i in range(source.size)]
+    assert [p["tokens"].tolist() for p in packed] == [tokens[w] for w in windows]
+    assert [p["targets"].tolist() for p in packed] == [targets[w] for w in windows]
+    # the cases the masking must get right do occur: a completion cut by a sample boundary, a sample that
+    # ends inside a prompt, one that ends on the EOS, and a sample that holds no target at all
+    ends = [(targets[w][-1], tokens[w][-1]) for w in windows]
+    assert any(t and tok != eos for t, tok in ends) and any(not t for t, _ in ends) and any(tok == eos for _, tok in ends)
+
+    # one epoch of micro-batches: label t is token t+1 when that token is a target (completion or EOS) and
+    # the input is not an EOS (data.mask_document_start), else ignored; every target in the stream except
+    # the untrainable ones is trained exactly once
+    seen_targets = 0
+    for step in range(source.size):
+        (batch,) = data.next_step(1)
+        window, flags = data.sample_with_targets(step)
+        want = [nxt if flag and prev != eos else -100
+                for prev, nxt, flag in zip(window[:-1].tolist(), window[1:].tolist(), flags[1:].tolist())]
+        assert batch.input_ids[0].tolist() == window[:-1].tolist() and batch.labels[0].tolist() == want
+        seen_targets += int((batch.labels != -100).sum())
+    covered = range(1, count * seq_len + 1)  # stream positions some sample has as a label
+    assert seen_targets == sum(targets[p] and tokens[p - 1] != eos for p in covered)
+    # what the loss is normalised over: the completion tokens (and EOS), never a prompt token
+    completion_ids = {t for row in rows for t in tokenizer(row["completion"], add_special_tokens=False)["input_ids"]}
+    data.position = 0
+    labelled = [t for _ in range(source.size) for t in data.next_step(1)[0].labels[0].tolist() if t != -100]
+    assert set(labelled) <= completion_ids | {eos} and tokenizer.encode("Q")[0] not in labelled
+
+
+def test_completion_only_counts_only_completion_tokens_in_the_loss_normaliser(tokenizer, tmp_path):
+    from ntl_pretrain.loss.ntl import NTLSettings
+    from ntl_pretrain.loss.normalize import count_step
+    from ntl_pretrain.numbers import NumberVocab
+
+    rows = [{"prompt": f"{i}+{i * 7}=", "completion": str(i * 8)} for i in range(200)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg([_completion_source(path)], tmp_path, validation_documents=0, mask_document_start=False)
+    data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    batches = data.next_step(3)
+    counts = count_step([b.labels for b in batches], NumberVocab.from_tokenizer(tokenizer), NTLSettings())
+    targets = sum(int(data.sample_with_targets(g)[1][1:].sum()) for g in range(3 * cfg.micro_batch_size))
+    assert float(counts.tokens) == targets < sum(b.labels.numel() for b in batches)
+
+
+def test_completion_only_dp_ranks_split_and_tp_ranks_agree(tokenizer, tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _problems(150)))
+    single = PretrainingData.build(_cfg([_completion_source(path)], tmp_path), tokenizer, dp_rank=0, dp_size=1)
+    cfg_mb1 = _cfg([_completion_source(path)], tmp_path, micro_batch_size=1)
+    ranks = [PretrainingData.build(cfg_mb1, tokenizer, dp_rank=r, dp_size=2) for r in range(2)]
+    tp_twin = PretrainingData.build(cfg_mb1, tokenizer, dp_rank=1, dp_size=2)
+    for _ in range(4):
+        whole = single.next_step(2)
+        parts = [r.next_step(2) for r in ranks]
+        twin = tp_twin.next_step(2)
+        rows = lambda batches: sorted((tuple(i), tuple(lab)) for mb in batches  # noqa: E731
+                                      for i, lab in zip(mb.input_ids.tolist(), mb.labels.tolist()))
+        assert rows([mb for p in parts for mb in p]) == rows(whole)
+        assert [mb.labels.tolist() for mb in twin] == [mb.labels.tolist() for mb in parts[1]]
+        assert any((mb.labels == -100).any() for mb in whole)
+    # the validation split is masked the same way
+    assert all((mb.labels == -100).any() for mb in single.validation_micro_batches(2))
+
+
+def test_completion_only_mixes_with_a_plain_source(tokenizer, tmp_path):
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(r) + "\n" for r in _problems(100)))
+    plain = _write_jsonl(tmp_path / "plain.jsonl", _documents(100))
+    cfg = _cfg([_completion_source(qa), DataSourceConfig(path=str(plain))], tmp_path, mask_document_start=False)
+    data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    kinds = set()
+    for g in range(40):
+        tokens, targets = data.sample_with_targets(g)
+        kinds.add(targets is None)
+    assert kinds == {True, False}
+    for _ in range(20):  # a plain sample is trained on every token, a completion sample on its targets only
+        (batch,) = data.next_step(1)
+        g = data.position - cfg.micro_batch_size
+        for row in range(cfg.micro_batch_size):
+            _, targets = data.sample_with_targets(g + row)
+            ignored = (batch.labels[row] == -100).tolist()
+            assert ignored == ([False] * SEQ if targets is None else (~targets[1:]).tolist())
+
+
+@pytest.mark.parametrize("setting, column", [("prompt_field", "question"), ("completion_field", "answer")])
+def test_completion_only_bad_field_names_the_key_and_the_columns(tokenizer, tmp_path, setting, column):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _problems(30)))
+    source = _completion_source(path)
+    setattr(source, setting, column)
+    with pytest.raises(DataError, match=rf"no column '{column}' \(columns: \['prompt', 'completion', 'id'\]\); "
+                                        rf"set data.sources.0.{setting} to one of them"):
+        PretrainingData.build(_cfg([source], tmp_path), tokenizer, dp_rank=0, dp_size=1)
+
+
+def test_completion_only_numbers_stored_as_numbers_are_refused(tokenizer, tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": i + 1}) + "\n" for i in range(30)))
+    with pytest.raises(DataError, match=r"data.sources.0.completion_field='completion': the column holds int64, "
+                                        r"not text"):
+        PretrainingData.build(_cfg([_completion_source(path)], tmp_path), tokenizer, dp_rank=0, dp_size=1)
+
+
+def test_completion_only_needs_both_fields():
+    from ntl_pretrain.config import ConfigError, load_config
+
+    base = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", "data.sources=[{path: qa.jsonl}]"]
+    with pytest.raises(ConfigError, match="data.sources.0.prompt_field is set but data.sources.0.completion_field "
+                                          "is not"):
+        load_config(None, base + ["data.sources.0.prompt_field=prompt"])
+    with pytest.raises(ConfigError, match="both 'x'"):
+        load_config(None, base + ["data.sources.0.prompt_field=x", "data.sources.0.completion_field=x"])
+    cfg = load_config(None, base + ["data.sources.0.prompt_field=p", "data.sources.0.completion_field=c"])
+    assert (cfg.data.sources[0].prompt_field, cfg.data.sources[0].completion_field) == ("p", "c")
