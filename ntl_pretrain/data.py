@@ -201,14 +201,27 @@ def _check_has_text(documents: Any, source: DataSourceConfig, key: str, streamin
                     f"{field!r}; set {key}.{setting} to the column that holds the text, or fix the files")
 
 
-def generate_missing_corpus(source: DataSourceConfig, seed: int) -> bool:
-    """Write the generated arithmetic corpus of a source that asks for one and is missing; True if written."""
-    if source.generate_arithmetic <= 0 or os.path.exists(source.path):
-        return False
-    from .eval.arithmetic import write_training_corpus
+def prepare_generated_corpus(source: DataSourceConfig, key: str) -> bool:
+    """Write the generated arithmetic corpus of a source that asks for one when it is missing (True), or
+    check that the one there was generated with exactly this source's settings (else a DataError).
 
-    write_training_corpus(source.path, n=source.generate_arithmetic, seed=seed, **source.generate_options)
-    logger.info("wrote %d generated documents to %s", source.generate_arithmetic, source.path)
+    The corpus depends on `generate_arithmetic` and `generate_options` alone (its seed is
+    `generate_options.seed`, never `data.seed`), so every run of a config trains on the same file,
+    whichever run wrote it."""
+    if source.generate_arithmetic <= 0:
+        return False
+    from .eval.arithmetic import CORPUS_SEED, check_training_corpus, write_training_corpus
+
+    if os.path.exists(source.path):
+        try:
+            check_training_corpus(source.path, source.generate_arithmetic, source.generate_options, f"{key}.path")
+        except ValueError as error:
+            raise DataError(f"{key}: {error}") from None
+        return False
+    options = dict(source.generate_options)
+    seed = options.pop("seed", CORPUS_SEED)
+    write_training_corpus(source.path, n=source.generate_arithmetic, seed=seed, **options)
+    logger.info("wrote %d generated documents to %s (corpus seed %d)", source.generate_arithmetic, source.path, seed)
     return True
 
 

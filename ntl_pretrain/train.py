@@ -28,7 +28,7 @@ from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, 
                          fingerprint, lr_schedule_description, purge_tensorboard_after, resolve_resume, run_on_main,
                          write_hf_assets)
 from .config import Config, ConfigError, help_text, load_config, ntl_settings, to_yaml, write_resolved
-from .data import DataError, PretrainingData, document_texts, generate_missing_corpus, load_documents, resolve_files
+from .data import DataError, PretrainingData, document_texts, load_documents, prepare_generated_corpus, resolve_files
 from .eval.config import save_eval_settings, validate_eval_inputs
 from .loss import ce_ntl_sums, count_step, scaled_micro_batch_loss
 from .loss.chunked import chunked_model_ce_ntl_sums
@@ -294,8 +294,8 @@ def _setup_logging(is_main: bool) -> None:
 
 def _prepare_assets(cfg: Config) -> None:
     """Generate the demo corpus and train the demo tokenizer if the config asks and they are missing."""
-    for source in cfg.data.sources:
-        generate_missing_corpus(source, cfg.data.seed)
+    for index, source in enumerate(cfg.data.sources):
+        prepare_generated_corpus(source, f"data.sources.{index}")
     if needs_training(cfg.tokenizer, cfg.model):
         source = cfg.data.sources[0]
         documents = load_documents(source, "data.sources.0", cfg.data.cache_dir)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -372,3 +374,77 @@ def test_completion_only_needs_both_fields():
         load_config(None, base + ["data.sources.0.prompt_field=x", "data.sources.0.completion_field=x"])
     cfg = load_config(None, base + ["data.sources.0.prompt_field=p", "data.sources.0.completion_field=c"])
     assert (cfg.data.sources[0].prompt_field, cfg.data.sources[0].completion_field) == ("p", "c")
+
+
+# ---------------------------------------------------------------------------------------------- generated corpus
+def _corpus_config(path: Path, *overrides: str):
+    from ntl_pretrain.config import load_config
+
+    return load_config(None, ["model.architecture.model_type=llama", "tokenizer.name_or_path=unused",
+                              "tokenizer.train_vocab_size=0", f"data.sources.0.path={path}",
+                              "data.sources.0.generate_arithmetic=300",
+                              "data.sources.0.generate_options={train_digits: [1, 2], ops: ['+', '*']}", "eval.arithmetic_n=0",
+                              *overrides])
+
+
+def test_generated_corpus_depends_only_on_its_settings_not_on_the_run_seed(tmp_path):
+    from ntl_pretrain.train import _prepare_assets
+
+    for seed in (1, 2):  # two runs of one config with other data seeds, each the first to start
+        _prepare_assets(_corpus_config(tmp_path / f"run{seed}" / "arith.jsonl", f"data.seed={seed}"))
+    first, second = ((tmp_path / f"run{seed}" / "arith.jsonl").read_bytes() for seed in (1, 2))
+    assert first == second and len(first.splitlines()) == 300
+    # the corpus's own seed does change it
+    _prepare_assets(_corpus_config(tmp_path / "other" / "arith.jsonl", "data.sources.0.generate_options.seed=7"))
+    assert (tmp_path / "other" / "arith.jsonl").read_bytes() != first
+    # a second run with the same settings reuses the file as it is
+    before = os.stat(tmp_path / "run1" / "arith.jsonl").st_mtime_ns
+    _prepare_assets(_corpus_config(tmp_path / "run1" / "arith.jsonl", "data.seed=3"))
+    assert os.stat(tmp_path / "run1" / "arith.jsonl").st_mtime_ns == before
+
+
+@pytest.mark.parametrize("override, differ", [
+    ("data.sources.0.generate_arithmetic=400", "n 300 (this config: 400)"),
+    ("data.sources.0.generate_options.seed=9", "seed 1234 (this config: 9)"),
+    ("data.sources.0.generate_options.ops=['+']", "ops ['+', '*'] (this config: ['+'])"),
+    ("data.sources.0.generate_options.text_share=0.0", "text_share 0.2 (this config: 0.0)"),
+])
+def test_a_corpus_generated_with_other_settings_is_refused_never_reused(tmp_path, override, differ):
+    from ntl_pretrain.train import _prepare_assets
+
+    path = tmp_path / "arith.jsonl"
+    _prepare_assets(_corpus_config(path))
+    content = path.read_bytes()
+    with pytest.raises(DataError, match=rf"data.sources.0: {re.escape(str(path))} was generated with other settings: "
+                                        rf"{re.escape(differ)}; delete {re.escape(str(path))}"):
+        _prepare_assets(_corpus_config(path, override))
+    assert path.read_bytes() == content
+
+
+def test_a_corpus_without_settings_or_edited_since_is_refused(tmp_path):
+    from ntl_pretrain.train import _prepare_assets
+
+    path = tmp_path / "arith.jsonl"
+    _write_jsonl(path, ["1+1=2"] * 300)  # by hand, or by a version that wrote no settings
+    with pytest.raises(DataError, match=r"has no arith.jsonl.settings beside it, so its generation settings are unknown"):
+        _prepare_assets(_corpus_config(path))
+    path.unlink()
+    _prepare_assets(_corpus_config(path))
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": "1+1=2", "prompt": "1+1=", "completion": "2"}) + "\n")
+    with pytest.raises(DataError, match="its SHA-256 does not match arith.jsonl.settings"):
+        _prepare_assets(_corpus_config(path))
+
+
+def test_generated_corpus_trains_completion_only(tokenizer, tmp_path):
+    from ntl_pretrain.train import _prepare_assets
+
+    path = tmp_path / "arith.jsonl"
+    _prepare_assets(_corpus_config(path, "data.sources.0.generate_options.text_share=0.0"))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(r["text"] == r["prompt"] + r["completion"] and r["prompt"].endswith("=") for r in rows)
+    cfg = _cfg([_completion_source(path)], tmp_path, mask_document_start=False)
+    data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    (batch,) = data.next_step(1)
+    text = tokenizer.decode([t for t in batch.labels.reshape(-1).tolist() if t != -100])
+    assert set(text) <= set("0123456789-" + tokenizer.eos_token) and "=" not in text and "+" not in text

@@ -71,8 +71,10 @@ def test_bad_arguments_name_the_problem():
 def test_training_corpus_is_written_atomically_and_holds_only_train_problems(tmp_path: Path):
     path = write_training_corpus(str(tmp_path / "corpus" / "demo.jsonl"), n=500, seed=2)
     lines = [json.loads(line) for line in open(path, encoding="utf-8")]
-    assert len(lines) == 500 and all(set(line) == {"text"} for line in lines)
-    assert os.listdir(tmp_path / "corpus") == ["demo.jsonl"]  # no temporary file left behind
+    assert len(lines) == 500 and all(set(line) == {"text", "prompt", "completion"} for line in lines)
+    assert all(line["text"] == line["prompt"] + line["completion"] for line in lines)
+    # no temporary file left behind; the settings beside the corpus
+    assert sorted(os.listdir(tmp_path / "corpus")) == ["demo.jsonl", "demo.jsonl.settings"]
     arithmetic = [line["text"] for line in lines if re.fullmatch(r"[\d+\-*=]+", line["text"])]
     sentences = [line["text"] for line in lines if line["text"] not in arithmetic]
     assert len(sentences) == 100  # text_share 0.2
@@ -87,7 +89,7 @@ def test_training_corpus_is_written_atomically_and_holds_only_train_problems(tmp
     (tmp_path / "taken").mkdir()
     with pytest.raises(OSError):
         write_training_corpus(str(tmp_path / "taken"), n=10, seed=2)
-    assert os.listdir(tmp_path / "taken") == []
+    assert os.listdir(tmp_path / "taken") == [] and not (tmp_path / "taken.settings").exists()
     with pytest.raises(ValueError, match="text_share=1.5"):
         write_training_corpus(str(tmp_path / "x.jsonl"), n=10, seed=2, text_share=1.5)
 

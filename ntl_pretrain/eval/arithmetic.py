@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 from dataclasses import dataclass
@@ -238,7 +239,11 @@ def held_out_problems_in(path: str) -> tuple[int, str | None]:
     return count, first
 
 
-CORPUS_OPTIONS = ("text_share", "ops", "train_digits", "extrapolation_digits")
+CORPUS_OPTIONS = ("seed", "text_share", "ops", "train_digits", "extrapolation_digits")
+CORPUS_SEED = 1234  # the generated corpus's seed when its options give none (never a run's data.seed)
+# Bumped whenever the same settings would write other bytes (a file written by an older version is refused).
+CORPUS_FORMAT = 2  # 2: rows {"text", "prompt", "completion"}
+SETTINGS_SUFFIX = ".settings"  # the sidecar beside a generated corpus: its settings and content hash
 
 
 def check_corpus_options(options: dict[str, Any], where: str = "generate_options") -> None:
@@ -251,6 +256,9 @@ def check_corpus_options(options: dict[str, Any], where: str = "generate_options
             nearest = difflib.get_close_matches(str(key), CORPUS_OPTIONS, n=1, cutoff=0.0)
             raise ValueError(f"{where}.{key} is not a corpus option; did you mean {where}.{nearest[0]}? "
                              f"Valid keys: {', '.join(CORPUS_OPTIONS)}")
+    seed = options.get("seed", CORPUS_SEED)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{where}.seed={seed!r} must be an integer (the corpus's own seed, independent of data.seed)")
     share = options.get("text_share", 0.2)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
         raise ValueError(f"{where}.text_share={share!r} must be a number in [0, 1] (share of plain-text documents)")
@@ -270,24 +278,80 @@ def check_corpus_options(options: dict[str, Any], where: str = "generate_options
         raise ValueError(f"{where}: {error}") from None
 
 
+def corpus_settings(n: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Everything the content of a generated corpus depends on, defaults filled in (its identity)."""
+    check_corpus_options(options)
+    return {"format": CORPUS_FORMAT, "n": int(n), "seed": int(options.get("seed", CORPUS_SEED)),
+            "text_share": float(options.get("text_share", 0.2)), "ops": list(options.get("ops", BINARY_OPS)),
+            "train_digits": [int(d) for d in options.get("train_digits", (1, 4))],
+            "extrapolation_digits": [int(d) for d in options.get("extrapolation_digits", (5, 6))]}
+
+
+def _sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_training_corpus(path: str, n: int, seed: int, text_share: float = 0.2,
                           **problem_kwargs: Any) -> str:
-    """Write `n` training documents as jsonl (`{"text": ...}` per line) to `path`; return the path.
+    """Write `n` training documents as jsonl to `path`, and its settings beside it; return the path.
 
     About `1 - text_share` of the documents are "train"-split arithmetic problems (never an
-    interpolation or extrapolation problem), the rest template sentences rich in numbers.
-    `problem_kwargs` go to `generate_problems` (ops, train_digits, extrapolation_digits). The file
-    appears complete or not at all (written to a temporary name, then renamed).
+    interpolation or extrapolation problem), the rest template sentences rich in numbers. Each line is
+    `{"text": prompt + completion, "prompt": ..., "completion": ...}`: a problem's prompt is "12+3=" and
+    its completion "15"; a sentence has an empty prompt. So the file serves plain training (text) and
+    completion-only training (prompt, completion). `problem_kwargs` go to `generate_problems` (ops,
+    train_digits, extrapolation_digits). The content is a function of the arguments alone.
+
+    `PATH.settings` records the settings and the content's SHA-256 (`check_training_corpus` compares
+    them). Both appear complete or not at all: written to temporary names, then renamed, the settings
+    first (a corpus never exists without them; settings without a corpus mean "generate it").
     """
     if not 0.0 <= text_share <= 1.0:
         raise ValueError(f"text_share={text_share} must be in [0, 1] (share of plain-text documents)")
-    check_corpus_options({"text_share": text_share, **problem_kwargs})
+    settings = corpus_settings(n, {"seed": seed, "text_share": text_share, **problem_kwargs})
     rng = random.Random(f"ntl-corpus:{seed}")
     n_text = round(n * text_share)
     problems = generate_problems("train", n - n_text, seed, **problem_kwargs)
-    documents = [p.text for p in problems] + [template_sentence(rng) for _ in range(n_text)]
-    rng.shuffle(documents)
-    with atomic_write(path) as handle:
-        for document in documents:
-            handle.write(json.dumps({"text": document}) + "\n")
+    rows = [(p.prompt, p.completion) for p in problems] + [("", template_sentence(rng)) for _ in range(n_text)]
+    rng.shuffle(rows)
+    content = "".join(json.dumps({"text": prompt + completion, "prompt": prompt, "completion": completion}) + "\n"
+                      for prompt, completion in rows).encode("utf-8")
+    sidecar = path + SETTINGS_SUFFIX
+    with atomic_write(sidecar) as handle:
+        json.dump({"settings": settings, "sha256": hashlib.sha256(content).hexdigest()}, handle, indent=1)
+    try:
+        with atomic_write(path, "wb") as handle:
+            handle.write(content)
+    except BaseException:
+        os.remove(sidecar)
+        raise
     return path
+
+
+def check_training_corpus(path: str, n: int, options: dict[str, Any], where: str = "the corpus") -> None:
+    """Raise ValueError unless the corpus at `path` is exactly what `write_training_corpus` writes with
+    these settings (its sidecar says so and its content hash matches): a corpus generated with other
+    settings, by an older version or edited since is never silently trained on."""
+    wanted = corpus_settings(n, options)
+    sidecar = path + SETTINGS_SUFFIX
+    fix = f"delete {path} (and a tokenizer trained on it) to generate it again, or point {where} at another file"
+    try:
+        with open(sidecar, encoding="utf-8") as handle:
+            recorded = json.load(handle)
+        found, sha256 = recorded["settings"], recorded["sha256"]
+    except FileNotFoundError:
+        raise ValueError(f"{path} has no {os.path.basename(sidecar)} beside it, so its generation settings are "
+                         f"unknown (written by hand or by an older version); {fix}") from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{sidecar} is unreadable ({error}); {fix}") from None
+    if found != wanted:
+        differ = ", ".join(f"{key} {found.get(key)!r} (this config: {wanted[key]!r})"
+                           for key in wanted if found.get(key) != wanted[key])
+        raise ValueError(f"{path} was generated with other settings: {differ}; {fix}")
+    if _sha256_of(path) != sha256:
+        raise ValueError(f"{path} differs from what was generated there (its SHA-256 does not match "
+                         f"{os.path.basename(sidecar)}: edited since?); {fix}")
