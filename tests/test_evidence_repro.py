@@ -1,10 +1,13 @@
-"""The reproduction: its three configs differ only in the loss, and tools/run_repro.py runs real (tiny)
-training runs through `launch/pretrain.sh`, then writes a results JSON, a markdown block and a PNG that
-agree with the runs' own prediction files."""
+"""The reproduction: its four configs differ only in the loss and train on the answer only; tools/run_repro.py
+runs the whole pipeline (scratch arms, the CE checkpoint exported, continued arms from it, report) at toy
+size through `launch/pretrain.sh` (--quick), skips finished runs on a restart, and writes a results JSON, a
+markdown block and a PNG that agree with the runs' own prediction files; its statistics match scipy."""
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict
@@ -19,90 +22,121 @@ import run_repro  # noqa: E402
 
 from ntl_pretrain.config import load_config  # noqa: E402
 
-REPRO_CONFIGS = ("ce", "ntl_was", "ntl_mse")
+REPRO_CONFIGS = ("ce", "ntl_was", "ntl_mse", "ntl_mse015")
 
 
 def test_repro_configs_differ_only_in_the_loss_and_output_dir():
+    assert tuple(run_repro.DEFAULT_CONFIGS) == REPRO_CONFIGS and len(run_repro.DEFAULT_SEEDS) >= 3
     configs = {name: asdict(load_config(REPO_ROOT / "configs" / "repro" / f"{name}.yaml")) for name in REPRO_CONFIGS}
     assert configs["ce"]["loss"]["enabled"] is False
-    assert (configs["ntl_was"]["loss"]["enabled"], configs["ntl_was"]["loss"]["variant"]) == (True, "was")
-    assert (configs["ntl_mse"]["loss"]["enabled"], configs["ntl_mse"]["loss"]["variant"]) == (True, "mse")
-    assert configs["ntl_was"]["loss"]["ntl_weight"] == configs["ntl_mse"]["loss"]["ntl_weight"] > 0
+    losses = {name: (c["loss"]["enabled"], c["loss"]["variant"], c["loss"]["ntl_weight"]) for name, c in configs.items()
+              if name != "ce"}
+    assert losses == {"ntl_was": (True, "was", 0.3), "ntl_mse": (True, "mse", 0.3), "ntl_mse015": (True, "mse", 0.15)}
     for config in configs.values():
         config.pop("loss")
         config["train"].pop("output_dir")
-    assert configs["ce"] == configs["ntl_was"] == configs["ntl_mse"]
-    # the evaluation's operand lengths are the training corpus's
-    options = configs["ce"]["data"]["sources"][0]["generate_options"]
+    assert all(config == configs["ce"] for config in configs.values())
+    source = configs["ce"]["data"]["sources"][0]
+    # the loss on the answer only, on a corpus whose identity is its own settings
+    assert (source["prompt_field"], source["completion_field"]) == ("prompt", "completion")
+    assert source["generate_arithmetic"] > 0 and "seed" in source["generate_options"]
+    # the evaluation's operand lengths are the training corpus's; extrapolation is one digit longer
+    options = source["generate_options"]
     assert list(options["train_digits"]) == configs["ce"]["eval"]["arithmetic_train_digits"]
+    assert configs["ce"]["eval"]["arithmetic_extrapolation_digits"][0] == options["train_digits"][1] + 1
     assert list(options["ops"]) == configs["ce"]["eval"]["arithmetic_ops"]
 
 
-def test_sign_test_matches_scipy():
+def test_sign_test_wilcoxon_and_spread_match_scipy():
     import scipy.stats as scipy_stats  # a dev dependency: missing, the test fails (never skips)
     for wins, losses in ((0, 0), (0, 5), (3, 9), (12, 10), (40, 22)):
         expected = scipy_stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
         assert run_repro.sign_test_p(wins, losses) == pytest.approx(expected, rel=1e-12)
+    differences = [3.0, -1.0, 0.0, 7.0, 2.5, -4.0, 11.0, 0.0, 6.0, -0.5, 9.0]
+    assert run_repro.wilcoxon_p(differences) == pytest.approx(
+        scipy_stats.wilcoxon([d for d in differences if d], zero_method="wilcox").pvalue, rel=1e-12)
+    # an unparseable answer (infinite error) ranks above every finite difference, on its side
+    with_inf = differences + [math.inf, -math.inf, math.inf]
+    finite = differences + [23.0, -23.0, 23.0]
+    assert run_repro.wilcoxon_p(with_inf) == pytest.approx(run_repro.wilcoxon_p(finite), rel=1e-12)
+    assert run_repro.wilcoxon_p([0.0, 0.0]) == 1.0
+    values = [0.31, 0.52, 0.47]
+    assert run_repro.mean_std(values) == pytest.approx((statistics.mean(values), statistics.stdev(values)))
+    assert math.isnan(run_repro.mean_std([0.4])[1]) and run_repro.mean_std([0.4])[0] == 0.4
+
+
+def _distance(record):
+    return float("inf") if record["extracted"] is None else abs(record["extracted"] - record["gold"])
 
 
 @pytest.mark.multiprocess
-def test_run_repro_tiny_runs_write_table_json_and_png(tmp_path):
+def test_run_repro_quick_runs_every_stage_and_restarts_without_training(tmp_path):
     import matplotlib  # noqa: F401  (a dev dependency: missing, the test fails)
+    out = tmp_path / "runs"
     results_md = tmp_path / "results.md"
     results_md.write_text("# Results\n\nText the script keeps.\n")
-    tiny = [f"data.sources.0.path={tmp_path / 'arith.jsonl'}", "data.sources.0.generate_arithmetic=400",
-            f"tokenizer.name_or_path={tmp_path / 'tok'}", "tokenizer.train_vocab_size=300",
-            "model.architecture.hidden_size=32", "model.architecture.intermediate_size=64",
-            "model.architecture.num_hidden_layers=1", "data.seq_len=32", "data.micro_batch_size=2",
-            "data.validation_documents=20", "train.max_steps=2", "train.val_every_n_steps=-1",
-            "eval.every_n_steps=0", "eval.arithmetic_n=4", "eval.batch_size=8", "eval.arithmetic_max_new_tokens=4"]
-    command = [sys.executable, str(REPO_ROOT / "tools" / "run_repro.py"), "--configs", "ce", "ntl_was",
-               "--out-dir", str(tmp_path / "runs"), "--results-md", str(results_md), "--figure",
-               str(tmp_path / "repro.png"), "--nice", "0", *tiny]
-    subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=240, capture_output=True, text=True)
+    command = [sys.executable, str(REPO_ROOT / "tools" / "run_repro.py"), "--quick", "--out-dir", str(out),
+               "--results-md", str(results_md), "--figure", str(tmp_path / "repro.png"), "--nice", "0"]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=600, capture_output=True, text=True)
 
-    report = json.loads((tmp_path / "runs" / "results.json").read_text())
-    assert [(run["config"], run["seed"]) for run in report["runs"]] == [("ce", 1234), ("ntl_was", 1234)]
+    report = json.loads((out / "results.json").read_text())
+    names = ["ce", "ntl_was", "cpt_ce", "cpt_ntl_was"]
+    assert [(run["config"], run["seed"], run["steps"]) for run in report["runs"]] == [
+        ("ce", 1234, 4), ("ntl_was", 1234, 4), ("cpt_ce", 1234, 2), ("cpt_ntl_was", 1234, 2)]
+    seed_dir = out / "seed1234"
+    # the CE run kept its checkpoint at half its steps; every continued arm started from its export
+    assert (seed_dir / "ce" / "global_step2").is_dir() and (seed_dir / "cpt_base_step2" / "config.json").is_file()
+    for name in names:
+        resolved = load_config(seed_dir / name / "config.yaml")
+        assert resolved.data.sources[0].prompt_field == "prompt"  # loss on the answer only
+        assert resolved.model.name_or_path == (str(seed_dir / "cpt_base_step2") if name.startswith("cpt_") else None)
     records = {}
     for run in report["runs"]:
-        lines = (tmp_path / "runs" / "seed1234" / run["config"] / "eval" / "step_0000002.jsonl").read_text()
+        lines = (seed_dir / run["config"] / "eval" / f"step_{run['steps']:07d}.jsonl").read_text()
         records[run["config"]] = [json.loads(line) for line in lines.splitlines()]
         for split in ("interpolation", "extrapolation"):
             mine = [r for r in records[run["config"]] if r["split"] == split]
-            assert len(mine) == 4
-            assert run["scores"][split]["accuracy"] == pytest.approx(sum(r["correct"] for r in mine) / 4)
-            assert run["scores"][split]["parseable"] == pytest.approx(
-                sum(r["extracted"] is not None for r in mine) / 4)
-        assert run["steps"] == 2 and run["wall_s"] > 0
-    def distance(record):
-        return float("inf") if record["extracted"] is None else abs(record["extracted"] - record["gold"])
-
-    for split in ("interpolation", "extrapolation"):
-        base = {r["prompt"]: r for r in records["ce"] if r["split"] == split}
-        ntl = [r for r in records["ntl_was"] if r["split"] == split]
-        versus = report["runs"][1]["vs_ce"][split]
-        assert versus["wins"] == sum(r["correct"] and not base[r["prompt"]]["correct"] for r in ntl)
-        assert versus["losses"] == sum(base[r["prompt"]]["correct"] and not r["correct"] for r in ntl)
-        assert versus["closer"] == sum(distance(r) < distance(base[r["prompt"]]) for r in ntl)
-        assert versus["farther"] == sum(distance(r) > distance(base[r["prompt"]]) for r in ntl)
-    assert report["means"]["ce"]["seeds"] == 1
+            assert len(mine) == 6
+            assert run["scores"][split]["accuracy"] == pytest.approx(sum(r["correct"] for r in mine) / 6)
+            assert run["scores"][split]["parseable"] == pytest.approx(sum(r["extracted"] is not None for r in mine) / 6)
+        assert run["wall_s"] > 0
+    for arm, baseline in (("ntl_was", "ce"), ("cpt_ntl_was", "cpt_ce")):
+        run = next(r for r in report["runs"] if r["config"] == arm)
+        for split in ("interpolation", "extrapolation"):
+            base = {r["prompt"]: r for r in records[baseline] if r["split"] == split}
+            ntl = [r for r in records[arm] if r["split"] == split]
+            versus = run["vs_ce"][split]
+            assert versus["n"] == len(ntl) == 6
+            assert versus["wins"] == sum(r["correct"] and not base[r["prompt"]]["correct"] for r in ntl)
+            assert versus["losses"] == sum(base[r["prompt"]]["correct"] and not r["correct"] for r in ntl)
+            assert versus["closer"] == sum(_distance(r) < _distance(base[r["prompt"]]) for r in ntl)
+            assert versus["farther"] == sum(_distance(r) > _distance(base[r["prompt"]]) for r in ntl)
+            assert report["pooled"][arm][split] == versus  # one seed: pooled = that seed's
+        assert report["pooled"][arm]["baseline"] == baseline
+    assert set(report["means"]) == set(names) and report["means"]["ce"]["seeds"] == 1
     assert (tmp_path / "repro.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     text = results_md.read_text()
     assert text.startswith("# Results\n\nText the script keeps.\n")
-    assert text.count(run_repro.BEGIN_MARK) == 1 and "| ntl_was | 1234 |" in text
+    assert text.count(run_repro.BEGIN_MARK) == 1 and "| cpt_ntl_was | 1234 |" in text
+    assert "| cpt_ntl_was | cpt_ce | 1 | interpolation |" in text
     assert "NTL_CPU_PROCS=1 OMP_NUM_THREADS=1 bash launch/pretrain.sh --config configs/repro/ce.yaml" in text
+    assert f"python tools/export_hf.py {seed_dir / 'ce'}/global_step2 {seed_dir / 'cpt_base_step2'}" in text
 
     # restart: finished runs are not trained again, the block is replaced, not appended
     results_md.write_text(text + "\nA closing paragraph.\n")
     done = subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=120, capture_output=True, text=True)
-    assert "launch/pretrain.sh" not in done.stderr and "] NTL_CPU_PROCS" not in done.stdout
+    assert "] NTL_CPU_PROCS" not in done.stdout and "exported" not in done.stdout
     again = results_md.read_text()
     assert again.count(run_repro.BEGIN_MARK) == 1 and again.endswith("A closing paragraph.\n")
 
 
-def test_run_repro_refuses_unknown_config_names(tmp_path):
-    completed = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "run_repro.py"), "--configs", "nope",
-                                "--out-dir", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
-                               timeout=60)
+def test_run_repro_refuses_unknown_config_names_and_a_continued_phase_without_ce(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "run_repro.py"), *args, "--out-dir",
+                               str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+    completed = run("--configs", "nope")
     assert completed.returncode == 2 and "configs/repro/nope.yaml" in completed.stderr
+    completed = run("--configs", "ntl_was")
+    assert completed.returncode == 2 and "add ce to --configs or pass --continue-at 0" in completed.stderr

@@ -1,24 +1,35 @@
 #!/usr/bin/env python
 """Run the arithmetic reproduction (configs/repro/*.yaml) and write its results table and figure.
 
-    python tools/run_repro.py                      # CE, CE + NTL-WAS, CE + NTL-MSE with seed 1234
-    python tools/run_repro.py --seeds 1234 5678    # a second seed of each
+    python tools/run_repro.py                      # every arm, seeds 1234 2345 3456, both phases, the table
+    python tools/run_repro.py --jobs 2             # two runs at a time (one thread each)
     python tools/run_repro.py --report-only        # rebuild the table and figure from finished runs
+    python tools/run_repro.py --quick --out-dir /tmp/repro   # the whole pipeline at toy size (a smoke test)
 
-Each (seed, config) pair is one training run, started one after the other as
+Arms: CE (`ce`), CE + 0.3 x NTL-WAS (`ntl_was`), CE + 0.3 / 0.15 x NTL-MSE (`ntl_mse`, `ntl_mse015`), each
+trained from scratch on generated arithmetic with the loss on the answer only (prompt "a+b=", completion
+"c"). The continued-pretraining phase (`--continue-at`, default 0.5): the CE run of each seed saves a
+checkpoint at that fraction of its steps, which is exported as a Hugging Face folder
+(`OUT/seedS/cpt_base_stepH`); every arm then starts from it (`cpt_ce`, `cpt_ntl_was`, ...: the same config
+with `model.name_or_path` = that folder, a fresh optimizer) and trains the remaining steps, so all
+continued arms see the same start and the same number of steps.
+
+Each (seed, arm) pair is one training run,
 `NTL_CPU_PROCS=1 OMP_NUM_THREADS=1 nice -n 10 bash launch/pretrain.sh --config configs/repro/NAME.yaml
-train.output_dir=OUT/seedS/NAME model.init_seed=S train.seed=S data.seed=S [overrides]` with its output in
-`OUT/seedS/NAME.log`. The seed sets the
-weight initialisation, the data order and the validation split; the generated corpus and the evaluation
-problems are the same for every run, so runs are compared on identical problems. A run whose final
-evaluation file exists is not run again (the script can be restarted after an interruption; a run cut
-off midway is started afresh in a new folder).
+train.output_dir=OUT/seedS/ARM model.init_seed=S train.seed=S data.seed=S [overrides]` with its output in
+`OUT/seedS/ARM.log`. The seed sets the weight initialisation, the data order and the validation split;
+the generated corpus (its own settings, `generate_options`) and the evaluation problems are the same for
+every run, so runs are compared on identical problems. A run whose final evaluation file exists is not
+run again (the script can be restarted after an interruption; a run cut off midway is started afresh in
+a new folder).
 
-The report is built from each run's final predictions (`eval/step_N.jsonl`): accuracy, MAE, sMAPE,
-parseable share and digit accuracy per split (and accuracy per operation), the mean over seeds, and a
-paired comparison with the CE run of the same seed on the same problems (problems only NTL solves vs
-only CE solves, with an exact two-sided sign test). It goes to `--results-json`, to a marked block of
-`--results-md` (text outside the markers is kept) and, with `--figure`, to a PNG of the runs' curves.
+The report is built from each run's final predictions (`eval/step_N.jsonl`): accuracy (exact match), MAE,
+sMAPE, parseable share and digit accuracy per split (and accuracy per operation); per arm the mean and
+standard deviation over seeds; and paired per-problem tests against the CE arm of the same phase, per seed
+and pooled over seeds: an exact McNemar test on exact match (the two-sided binomial test of the problems
+only one of the two solves), an exact sign test and a Wilcoxon signed-rank test (scipy) on the absolute
+error (an unparseable answer is farther than any number). It goes to `--results-json`, to a marked block
+of `--results-md` (text outside the markers is kept) and, with `--figure`, to a PNG of the runs' curves.
 """
 
 from __future__ import annotations
@@ -33,7 +44,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,16 +58,48 @@ from ntl_pretrain.config import load_config  # noqa: E402
 from ntl_pretrain.eval.metrics import arithmetic_scores  # noqa: E402
 from ntl_pretrain.fs import write_text_atomic  # noqa: E402
 
-DEFAULT_CONFIGS = ("ce", "ntl_was", "ntl_mse")
-BASELINE = "ce"
+DEFAULT_CONFIGS = ("ce", "ntl_was", "ntl_mse", "ntl_mse015")
+DEFAULT_SEEDS = (1234, 2345, 3456)
+BASELINE = "ce"  # the config of the baseline arm of each phase, and of the continued phase's start
+CONTINUED = "cpt_"  # prefix of the continued-pretraining arms' names
 SPLITS = ("interpolation", "extrapolation")
+METRICS = ("accuracy", "mae", "smape", "digit_accuracy", "parseable")
 OP_NAMES = {"+": "add", "-": "sub", "*": "mul", "+*": "add_mul", "-*": "sub_mul"}
 BEGIN_MARK = "<!-- repro-results:begin (written by tools/run_repro.py) -->"
 END_MARK = "<!-- repro-results:end -->"
+# --quick: the whole pipeline at toy size (a smoke test of the script, no result); {assets} is OUT/assets
+QUICK = dict(configs=["ce", "ntl_was"], seeds=[1234], jobs=2, overrides=[
+    "data.sources.0.path={assets}/arithmetic.jsonl", "data.sources.0.generate_arithmetic=400",
+    "tokenizer.name_or_path={assets}/tokenizer", "tokenizer.train_vocab_size=300",
+    "model.architecture.hidden_size=32", "model.architecture.intermediate_size=64",
+    "model.architecture.num_hidden_layers=1", "data.seq_len=32", "data.micro_batch_size=2",
+    "data.validation_documents=20", "train.max_steps=4", "optim.warmup_steps=1", "train.val_every_n_steps=-1",
+    "eval.every_n_steps=0", "eval.arithmetic_n=6", "eval.batch_size=12", "eval.arithmetic_max_new_tokens=4"])
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the experiment: a config trained from scratch, or continued from the CE checkpoint."""
+
+    config: str  # the config's name under --config-dir
+    continued: bool = False
+
+    @property
+    def name(self) -> str:
+        return CONTINUED + self.config if self.continued else self.config
+
+    @property
+    def baseline(self) -> str:
+        return Arm(BASELINE, self.continued).name
 
 
 def run_dir(out_dir: str, seed: int, name: str) -> str:
     return os.path.join(out_dir, f"seed{seed}", name)
+
+
+def base_dir(out_dir: str, seed: int, step: int) -> str:
+    """The Hugging Face export of the CE run's checkpoint at `step`: where every continued arm starts."""
+    return os.path.join(out_dir, f"seed{seed}", f"cpt_base_step{step}")
 
 
 def final_predictions(output_dir: str, max_steps: int) -> str:
@@ -69,6 +115,10 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+_LIVE: set[subprocess.Popen] = set()  # runs in progress, stopped when this script stops
+_LIVE_LOCK = threading.Lock()
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -109,6 +159,8 @@ def run_one(config: str, output_dir: str, seed: int, overrides: Sequence[str], p
         # Its own process group, so that stopping this script (Ctrl-C, SIGTERM, timeout) stops the whole run.
         process = subprocess.Popen(launched, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
+        with _LIVE_LOCK:
+            _LIVE.add(process)
         try:
             returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -117,10 +169,47 @@ def run_one(config: str, output_dir: str, seed: int, overrides: Sequence[str], p
         except BaseException:
             _stop(process)
             raise
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(process)
     if returncode != 0:
         raise SystemExit(f"error: {shown} failed with exit code {returncode}; see {log_path}")
     return {"command": shown, "wall_s": time.time() - started, "load_before": load_before,
             "load_after": os.getloadavg()[0]}
+
+
+def run_all(tasks: Sequence[Any], jobs: int) -> None:
+    """Call every task (a function of no arguments), `jobs` at a time; the first failure stops the rest."""
+    if jobs <= 1:
+        for task in tasks:
+            task()
+        return
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for future in [pool.submit(task) for task in tasks]:
+            future.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        with _LIVE_LOCK:
+            live = list(_LIVE)
+        for process in live:
+            _stop(process)
+        raise
+    pool.shutdown(wait=True)
+
+
+def export_base(checkpoint: str, out: str) -> None:
+    """Export the CE checkpoint every continued arm starts from (skipped when it exists: the export is atomic)."""
+    if os.path.isdir(out):
+        return
+    if not os.path.isdir(checkpoint):
+        raise SystemExit(f"error: {checkpoint} does not exist: the CE run that the continued arms start from has no "
+                         f"checkpoint there (finished with another --continue-at or train.max_steps?); delete its "
+                         f"folder to train it again, or pass --continue-at 0 to skip the continued phase")
+    from ntl_pretrain.checkpoint import export_hf
+
+    report = export_hf(checkpoint, out)
+    print(f"[{time.strftime('%H:%M:%S')}] exported {checkpoint} to {out} ({report['seconds']:.1f} s)", flush=True)
 
 
 # ------------------------------------------------------------------------------------ report
@@ -129,11 +218,15 @@ def read_records(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def _split_rows(records: Sequence[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("benchmark") == "arith" and r["split"] == split]
+
+
 def scores_of(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """split -> metrics (plus accuracy per op) of one run's arithmetic predictions."""
     result = {}
     for split in SPLITS:
-        rows = [r for r in records if r.get("benchmark") == "arith" and r["split"] == split]
+        rows = _split_rows(records, split)
         if not rows:
             continue
         scores = arithmetic_scores([r["extracted"] for r in rows], [r["gold"] for r in rows])
@@ -145,7 +238,8 @@ def scores_of(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def sign_test_p(wins: int, losses: int) -> float:
-    """Exact two-sided sign test: how likely a split of discordant pairs at least this uneven is by chance."""
+    """Exact two-sided sign test: how likely a split of discordant pairs at least this uneven is by chance.
+    On the problems only one of two runs solves it is the exact McNemar test."""
     n = wins + losses
     if n == 0:
         return 1.0
@@ -158,57 +252,105 @@ def _distance(record: dict[str, Any]) -> float:
     return math.inf if record["extracted"] is None else abs(record["extracted"] - record["gold"])
 
 
-def paired(records: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], split: str) -> dict[str, float]:
-    """This run against the baseline on the same problems: problems only it solves (wins) or only the
-    baseline solves (losses), and problems where its answer is numerically closer to the gold one (closer)
-    or farther (farther) than the baseline's; each pair of counts with its sign-test p."""
-    base = {r["prompt"]: r for r in baseline if r.get("benchmark") == "arith" and r["split"] == split}
+def wilcoxon_p(differences: Sequence[float]) -> float | None:
+    """Two-sided Wilcoxon signed-rank p of paired differences of absolute errors (zeros dropped), or None
+    without scipy. Infinite differences (one answer unparseable) rank above every finite one."""
+    try:
+        from scipy.stats import wilcoxon
+    except ImportError:
+        return None
+    finite = [abs(d) for d in differences if math.isfinite(d)]
+    big = 2 * max(finite, default=0.0) + 1.0
+    values = [d if math.isfinite(d) else math.copysign(big, d) for d in differences if d != 0 and not math.isnan(d)]
+    if not values:
+        return 1.0
+    return float(wilcoxon(values, zero_method="wilcox").pvalue)
+
+
+def _pairs(records: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], split: str) -> list[tuple[dict, dict]]:
+    """(this run's record, the baseline's record) of each problem both answered, matched by prompt."""
+    base = {r["prompt"]: r for r in _split_rows(baseline, split)}
+    return [(r, base[r["prompt"]]) for r in _split_rows(records, split) if r["prompt"] in base]
+
+
+def compare(pairs: Sequence[tuple[dict, dict]]) -> dict[str, Any]:
+    """Paired tests of a run against the baseline over (mine, baseline) record pairs: problems only it
+    solves (wins) or only the baseline solves (losses) with the exact McNemar p; problems where its answer
+    is closer to the gold one (closer) or farther (farther) with the exact sign-test p; and the Wilcoxon
+    signed-rank p of the absolute errors."""
     wins = losses = closer = farther = 0
-    for record in records:
-        if record.get("benchmark") != "arith" or record["split"] != split or record["prompt"] not in base:
-            continue
-        other = base[record["prompt"]]
-        wins += record["correct"] and not other["correct"]
-        losses += other["correct"] and not record["correct"]
-        closer += _distance(record) < _distance(other)
-        farther += _distance(record) > _distance(other)
-    return {"wins": wins, "losses": losses, "sign_test_p": sign_test_p(wins, losses),
-            "closer": closer, "farther": farther, "closer_sign_test_p": sign_test_p(closer, farther)}
+    differences = []
+    for mine, other in pairs:
+        wins += mine["correct"] and not other["correct"]
+        losses += other["correct"] and not mine["correct"]
+        a, b = _distance(mine), _distance(other)
+        closer += a < b
+        farther += a > b
+        differences.append(0.0 if a == b else a - b)
+    return {"n": len(pairs), "wins": wins, "losses": losses, "sign_test_p": sign_test_p(wins, losses),
+            "closer": closer, "farther": farther, "closer_sign_test_p": sign_test_p(closer, farther),
+            "wilcoxon_p": wilcoxon_p(differences)}
 
 
-def build_report(out_dir: str, seeds: Sequence[int], names: Sequence[str], max_steps: dict[str, int],
+def paired(records: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], split: str) -> dict[str, Any]:
+    """This run against the baseline on the same problems of one split (see `compare`)."""
+    return compare(_pairs(records, baseline, split))
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1) of the finite values; std is nan for fewer than two."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return float("nan"), float("nan")
+    mean = sum(finite) / len(finite)
+    if len(finite) < 2:
+        return mean, float("nan")
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1))
+
+
+def build_report(out_dir: str, seeds: Sequence[int], arms: Sequence[Arm], max_steps: dict[str, int],
                  runs_meta: dict[str, Any]) -> dict[str, Any]:
-    """Scores of every finished run, means over seeds, paired comparisons with the CE run of each seed."""
+    """Scores of every finished run, mean and std over seeds per arm, and paired per-problem tests against
+    the CE arm of the same phase: per seed (`runs[i].vs_ce`) and pooled over seeds (`pooled`)."""
     runs = []
     records_of: dict[tuple[int, str], list] = {}
     for seed in seeds:
-        for name in names:
-            path = final_predictions(run_dir(out_dir, seed, name), max_steps[name])
-            if not os.path.exists(path):
+        for arm in arms:
+            path = final_predictions(run_dir(out_dir, seed, arm.name), max_steps[arm.name])
+            if os.path.exists(path):
+                records_of[(seed, arm.name)] = read_records(path)
+    for seed in seeds:
+        for arm in arms:
+            if (seed, arm.name) not in records_of:
                 continue
-            records_of[(seed, name)] = read_records(path)
-            run = {"seed": seed, "config": name, "predictions": path,
-                   "scores": scores_of(records_of[(seed, name)]),
-                   **runs_meta.get(run_dir(out_dir, seed, name), {})}
-            if name != BASELINE and (seed, BASELINE) in records_of:
-                run["vs_ce"] = {split: paired(records_of[(seed, name)], records_of[(seed, BASELINE)], split)
+            run = {"seed": seed, "config": arm.name, "phase": "continued" if arm.continued else "scratch",
+                   "predictions": final_predictions(run_dir(out_dir, seed, arm.name), max_steps[arm.name]),
+                   "scores": scores_of(records_of[(seed, arm.name)]), "steps": max_steps[arm.name],
+                   **runs_meta.get(run_dir(out_dir, seed, arm.name), {})}
+            if arm.name != arm.baseline and (seed, arm.baseline) in records_of:
+                run["vs_ce"] = {split: paired(records_of[(seed, arm.name)], records_of[(seed, arm.baseline)], split)
                                 for split in SPLITS}
             runs.append(run)
-    means = {}
-    for name in names:
-        mine = [run for run in runs if run["config"] == name]
+    means, stds, pooled = {}, {}, {}
+    for arm in arms:
+        mine = [run for run in runs if run["config"] == arm.name]
         if not mine:
             continue
-        means[name] = {split: {metric: _mean([run["scores"][split][metric] for run in mine])
-                               for metric in mine[0]["scores"].get(split, {})}
-                       for split in SPLITS if split in mine[0]["scores"]}
-        means[name]["seeds"] = len(mine)
-    return {"runs": runs, "means": means}
-
-
-def _mean(values: Sequence[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return sum(finite) / len(finite) if finite else float("nan")
+        means[arm.name], stds[arm.name] = {"seeds": len(mine)}, {"seeds": len(mine)}
+        for split in SPLITS:
+            if split not in mine[0]["scores"]:
+                continue
+            stats = {metric: mean_std([run["scores"][split][metric] for run in mine])
+                     for metric in mine[0]["scores"][split]}
+            means[arm.name][split] = {metric: stat[0] for metric, stat in stats.items()}
+            stds[arm.name][split] = {metric: stat[1] for metric, stat in stats.items()}
+        paired_seeds = [run["seed"] for run in mine if "vs_ce" in run]
+        if paired_seeds:
+            pooled[arm.name] = {"seeds": len(paired_seeds), "baseline": arm.baseline, **{
+                split: compare([pair for seed in paired_seeds for pair in
+                                _pairs(records_of[(seed, arm.name)], records_of[(seed, arm.baseline)], split)])
+                for split in SPLITS}}
+    return {"runs": runs, "means": means, "stds": stds, "pooled": pooled}
 
 
 def _fmt(value: float, metric: str) -> str:
@@ -219,22 +361,42 @@ def _fmt(value: float, metric: str) -> str:
     return f"{value:.3f}"
 
 
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2g}"
+
+
 def markdown(report: dict[str, Any], machine: dict[str, Any], commands: Sequence[str]) -> str:
     """The results block of docs/results.md."""
     lines = [BEGIN_MARK, ""]
-    metrics = ("accuracy", "mae", "smape", "parseable", "digit_accuracy")
-    header = "| run | seeds | " + " | ".join(f"{split[:6]}. {m}" for split in SPLITS for m in metrics) + " |"
+    header = "| arm | seeds | " + " | ".join(f"{split[:6]}. {m}" for split in SPLITS for m in METRICS) + " |"
     problems = sorted({int(scores["n"]) for run in report["runs"] for scores in run["scores"].values()})
-    lines += [f"Mean over seeds of the final evaluation ({' / '.join(map(str, problems))} problems per split; "
-              "MAE and sMAPE over parseable answers only):", "", header, "|" + "---|" * (2 + len(SPLITS) * len(metrics))]
+    lines += [f"Mean +- standard deviation over seeds of the final evaluation ({' / '.join(map(str, problems))} "
+              "problems per split; accuracy = exact match; MAE and sMAPE over parseable answers only; `cpt_` arms "
+              "start from the CE run's checkpoint):", "", header, "|" + "---|" * (2 + len(SPLITS) * len(METRICS))]
     for name, mean in report["means"].items():
-        cells = [_fmt(mean.get(split, {}).get(m, float("nan")), m) for split in SPLITS for m in metrics]
+        std = report["stds"][name]
+        cells = []
+        for split in SPLITS:
+            for m in METRICS:
+                value, spread = mean.get(split, {}).get(m, float("nan")), std.get(split, {}).get(m, float("nan"))
+                cells.append(_fmt(value, m) + ("" if math.isnan(spread) else f" +- {_fmt(spread, m)}"))
         lines.append(f"| {name} | {mean['seeds']} | " + " | ".join(cells) + " |")
-    lines += ["", "Every run, with accuracy per operation, and paired with the CE run of the same seed on the same "
-              "problems: *solved* = problems only this run solves / only CE solves; *closer* = problems where "
-              "this run's answer is nearer the true one / farther than CE's (ties left out); each with an exact "
-              "two-sided sign-test p:", "",
-              "| run | seed | interp. acc. | per op | extrap. acc. | per op | interp. solved vs CE | "
+    lines += ["", "Paired per-problem tests against the CE arm of the same phase, pooled over seeds (each seed's "
+              "problems paired with the CE run of that seed): *solved* = problems only this arm solves / only CE "
+              "solves, with the exact McNemar p; *closer* = problems where this arm's answer is nearer the true one "
+              "/ farther than CE's, with the exact sign-test p; *Wilcoxon p*: signed-rank test of the absolute "
+              "errors (an unparseable answer is farther than any number):", "",
+              "| arm | vs | seeds | split | solved vs CE | McNemar p | closer vs CE | sign p | Wilcoxon p |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, versus in report["pooled"].items():
+        for split in SPLITS:
+            v = versus[split]
+            lines.append(f"| {name} | {versus['baseline']} | {versus['seeds']} | {split} | +{v['wins']} / -{v['losses']} "
+                         f"| {_p(v['sign_test_p'])} | {v['closer']} / {v['farther']} | {_p(v['closer_sign_test_p'])} "
+                         f"| {_p(v['wilcoxon_p'])} |")
+    lines += ["", "Every run, with accuracy per operation and the same paired tests against the CE run of its seed "
+              "and phase:", "",
+              "| arm | seed | interp. acc. | per op | extrap. acc. | per op | interp. solved vs CE | "
               "interp. closer vs CE | extrap. solved vs CE | extrap. closer vs CE | steps | wall time | "
               "load avg before/after |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
@@ -253,6 +415,8 @@ def markdown(report: dict[str, Any], machine: dict[str, Any], commands: Sequence
         load = f"{run['load_before']:.1f} / {run['load_after']:.1f}" if "load_before" in run else "-"
         lines.append(f"| {run['config']} | {run['seed']} | " + " | ".join(cells)
                      + f" | {run.get('steps', '-')} | {wall} | {load} |")
+    if report.get("wall_s") is not None:
+        lines += ["", f"Wall time of this invocation (runs trained in it): {report['wall_s'] / 60:.1f} min."]
     lines += ["", f"Machine: {machine['description']}.", "", "Commands (in the repository root):", "", "```bash"]
     lines += list(commands) + ["```", "", END_MARK]
     return "\n".join(lines)
@@ -292,54 +456,129 @@ def machine_description() -> dict[str, Any]:
             "cpu_count": os.cpu_count()}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
-                        help="names under --config-dir; each run is paired with the 'ce' run of its seed")
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help=f"names under --config-dir (default: {' '.join(DEFAULT_CONFIGS)}); each run is paired "
+                             f"with the '{BASELINE}' run of its seed and phase")
     parser.add_argument("--config-dir", default="configs/repro")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1234])
-    parser.add_argument("--out-dir", default="runs/repro", help="runs go to OUT/seedS/NAME")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help=f"default: {' '.join(map(str, DEFAULT_SEEDS))}")
+    parser.add_argument("--continue-at", type=float, default=0.5,
+                        help="the continued arms start from the CE run's checkpoint at this fraction of its steps "
+                             "and train the rest (0: no continued phase)")
+    parser.add_argument("--out-dir", default="runs/repro", help="runs go to OUT/seedS/ARM")
+    parser.add_argument("--jobs", type=int, default=None, help="runs trained at a time (default 1; --quick 2)")
     parser.add_argument("--procs", type=int, default=1, help="CPU processes per run (NTL_CPU_PROCS)")
     parser.add_argument("--nice", type=int, default=10, help="nice level of the runs (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds one run may take before it is failed")
+    parser.add_argument("--quick", action="store_true",
+                        help="toy sizes, seed 1234, arms ce and ntl_was, assets under OUT/assets: checks the whole "
+                             "pipeline in about a minute; its numbers mean nothing")
     parser.add_argument("--report-only", action="store_true", help="train nothing; report the finished runs")
     parser.add_argument("--results-json", default=None, help="default: OUT/results.json")
-    parser.add_argument("--results-md", default="docs/results.md", help="markdown file whose results block is "
-                        "rewritten ('' to skip)")
-    parser.add_argument("--figure", default="docs/figures/repro.png", help="PNG of the runs' curves ('' to skip)")
+    parser.add_argument("--results-md", default=None, help="markdown file whose results block is rewritten ('' to "
+                        "skip; default docs/results.md, with --quick OUT/results.md)")
+    parser.add_argument("--figure", default=None, help="PNG of the runs' curves ('' to skip; default "
+                        "docs/figures/repro.png, with --quick OUT/repro.png)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
     args = parser.parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the run in progress is stopped with this script.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    configs = {name: os.path.join(args.config_dir, f"{name}.yaml") for name in args.configs}
-    missing = [path for path in configs.values() if not os.path.exists(os.path.join(REPO, path))]
+    if args.quick:
+        assets = os.path.join(os.path.abspath(args.out_dir), "assets")
+        args.overrides = [o.format(assets=assets) for o in QUICK["overrides"]] + list(args.overrides)
+    defaults = QUICK if args.quick else dict(configs=list(DEFAULT_CONFIGS), seeds=list(DEFAULT_SEEDS), jobs=1)
+    for key in ("configs", "seeds", "jobs"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    if args.results_md is None:
+        args.results_md = os.path.join(args.out_dir, "results.md") if args.quick else "docs/results.md"
+    if args.figure is None:
+        args.figure = os.path.join(args.out_dir, "repro.png") if args.quick else "docs/figures/repro.png"
+    if not 0.0 <= args.continue_at < 1.0:
+        parser.error(f"--continue-at {args.continue_at} must be in [0, 1)")
+    missing = [name for name in args.configs
+               if not os.path.exists(os.path.join(REPO, args.config_dir, f"{name}.yaml"))]
     if missing:
-        parser.error(f"config files {missing} do not exist; --configs names files under --config-dir")
-    max_steps = {name: load_config(os.path.join(REPO, path), list(args.overrides)).train.max_steps
-                 for name, path in configs.items()}
+        parser.error(f"config files {[os.path.join(args.config_dir, f'{n}.yaml') for n in missing]} do not exist; "
+                     f"--configs names files under --config-dir")
+    if args.continue_at > 0 and BASELINE not in args.configs:
+        parser.error(f"the continued phase starts from the '{BASELINE}' run: add {BASELINE} to --configs or pass "
+                     f"--continue-at 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the runs in progress are stopped with this script.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    started = time.time()
+    configs = {name: os.path.join(args.config_dir, f"{name}.yaml") for name in args.configs}
+    steps_of = {name: load_config(os.path.join(REPO, path), list(args.overrides)).train.max_steps
+                for name, path in configs.items()}
+    arms = [Arm(name) for name in configs]
+    max_steps = {arm.name: steps_of[arm.config] for arm in arms}
+    start_step = round(steps_of.get(BASELINE, 0) * args.continue_at)
+    if args.continue_at > 0:
+        if not 0 < start_step < steps_of[BASELINE]:
+            raise SystemExit(f"error: --continue-at {args.continue_at} of {steps_of[BASELINE]} steps is step {start_step}"
+                             f"; choose a fraction that falls strictly inside the CE run")
+        arms += [Arm(name, continued=True) for name in configs]
+        max_steps.update({Arm(name, True).name: steps_of[BASELINE] - start_step for name in configs})
     results_json = args.results_json or os.path.join(args.out_dir, "results.json")
     meta_path = os.path.join(args.out_dir, "runs_meta.json")
     runs_meta: dict[str, Any] = json.loads(Path(meta_path).read_text()) if os.path.exists(meta_path) else {}
+    meta_lock = threading.Lock()
 
-    commands = []
-    for seed in args.seeds:
-        for name, config in configs.items():
-            output_dir = run_dir(args.out_dir, seed, name)
-            command = train_command(config, output_dir, seed, args.overrides)
-            nice = ["nice", "-n", str(args.nice)] if args.nice else []
-            commands.append(f"NTL_CPU_PROCS={args.procs} OMP_NUM_THREADS={args.threads} " + shlex.join(nice + command))
-            if args.report_only or os.path.exists(final_predictions(output_dir, max_steps[name])):
-                continue
-            meta = run_one(config, output_dir, seed, args.overrides, args.procs, args.nice, args.threads,
-                           args.timeout)
-            runs_meta[output_dir] = {**meta, "steps": max_steps[name]}
-            write_atomic(meta_path, json.dumps(runs_meta, indent=1))
+    def overrides_of(arm: Arm, seed: int) -> list[str]:
+        if arm.continued:
+            return [*args.overrides, f"model.name_or_path={base_dir(args.out_dir, seed, start_step)}",
+                    "model.architecture={}", f"train.max_steps={max_steps[arm.name]}"]
+        if arm.config == BASELINE and args.continue_at > 0:  # keep the checkpoint the continued arms start from
+            return [*args.overrides, f"checkpoint.every_n_steps={start_step}", "checkpoint.keep_last=0"]
+        return list(args.overrides)
 
-    report = build_report(args.out_dir, args.seeds, list(configs), max_steps, runs_meta)
+    # three stages, each finished before the next: the scratch runs, the exports of the CE checkpoints, the
+    # continued runs (every task is a function of no arguments; finished runs and exports are left out)
+    commands: list[str] = []
+    scratch: list[Any] = []
+    exports: list[Any] = []
+    continued_runs: list[Any] = []
+    for continued in (False, True):
+        for seed in args.seeds:
+            if continued and args.continue_at > 0:
+                checkpoint = f"{run_dir(args.out_dir, seed, BASELINE)}/global_step{start_step}"
+                base = base_dir(args.out_dir, seed, start_step)
+                commands.append(f"python tools/export_hf.py {checkpoint} {base}")
+                exports.append(lambda checkpoint=checkpoint, base=base: export_base(checkpoint, base))
+            for arm in (a for a in arms if a.continued == continued):
+                output_dir, overrides = run_dir(args.out_dir, seed, arm.name), overrides_of(arm, seed)
+                nice = ["nice", "-n", str(args.nice)] if args.nice else []
+                commands.append(f"NTL_CPU_PROCS={args.procs} OMP_NUM_THREADS={args.threads} "
+                                + shlex.join(nice + train_command(configs[arm.config], output_dir, seed, overrides)))
+                if args.report_only or os.path.exists(final_predictions(output_dir, max_steps[arm.name])):
+                    continue
+
+                def train(arm=arm, seed=seed, output_dir=output_dir, overrides=overrides) -> None:
+                    meta = run_one(configs[arm.config], output_dir, seed, overrides, args.procs, args.nice,
+                                   args.threads, args.timeout)
+                    with meta_lock:
+                        runs_meta[output_dir] = {**meta, "steps": max_steps[arm.name]}
+                        write_atomic(meta_path, json.dumps(runs_meta, indent=1))
+
+                (continued_runs if continued else scratch).append(train)
+    if not args.report_only:
+        run_all(scratch, args.jobs)
+        if continued_runs:
+            run_all(exports, 1)
+        run_all(continued_runs, args.jobs)
+    trained = 0 if args.report_only else len(scratch) + len(continued_runs)
+
+    report = build_report(args.out_dir, args.seeds, arms, max_steps, runs_meta)
     if not report["runs"]:
         raise SystemExit(f"error: no finished runs under {args.out_dir} for seeds {args.seeds}; run without "
                          f"--report-only first")
+    report["wall_s"] = time.time() - started if trained else None
     machine = machine_description()
     report["machine"] = machine
     report["commands"] = commands
@@ -354,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finished = report["runs"]
         plot_runs([run_dir(args.out_dir, run["seed"], run["config"]) for run in finished], args.figure,
                   labels=[run["config"] for run in finished],
-                  title=f"Arithmetic from scratch: CE vs CE + NTL, same steps and data; "
+                  title=f"Arithmetic, loss on the answer only: CE vs CE + NTL, same steps and data; "
                         f"{len({run['seed'] for run in finished})} seed(s), one line each")
     return 0
 
