@@ -266,12 +266,15 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
 
 def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
     eos = tokenizer.eos_token_id
+    # the closures hold the column names only: `datasets` fingerprints them for its cache (a source's weight
+    # or path does not change how it is packed)
+    text_field, prompt_field, completion_field = source.text_field, source.prompt_field, source.completion_field
 
     def windows(flat: list) -> list[list]:
         return [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range((len(flat) - 1) // seq_len)]
 
     def pack(batch: dict) -> dict:
-        ids = tokenizer(batch[source.text_field], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
         flat: list[int] = []
         for doc in ids:
             flat.extend(doc)
@@ -279,8 +282,8 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
         return {TOKENS: windows(flat)}
 
     def pack_completions(batch: dict) -> dict:
-        prompts = tokenizer(batch[source.prompt_field], add_special_tokens=False)["input_ids"]
-        completions = tokenizer(batch[source.completion_field], add_special_tokens=False)["input_ids"]
+        prompts = tokenizer(batch[prompt_field], add_special_tokens=False)["input_ids"]
+        completions = tokenizer(batch[completion_field], add_special_tokens=False)["input_ids"]
         flat: list[int] = []
         targets: list[bool] = []
         for prompt, completion in zip(prompts, completions):
