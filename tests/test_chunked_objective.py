@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ntl_pretrain.loss import NTLSettings, ce_ntl_sums
+from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums
 from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums, chunked_model_ce_ntl_sums
 from ntl_pretrain.numbers import NumberVocab
 
@@ -275,8 +275,9 @@ def test_errors_name_the_problem():
         chunked_ce_ntl_sums(hidden, head, labels[:, :-1], number_vocab(), chunk_tokens=4)
     with pytest.raises(ValueError, match="hidden size 8 does not match"):
         chunked_ce_ntl_sums(hidden[..., :8], head, labels, number_vocab(), chunk_tokens=4)
-    with pytest.raises(ValueError, match="vocab_start_index=3 without a tensor-parallel group"):
-        chunked_ce_ntl_sums(hidden, head, labels, number_vocab(), chunk_tokens=4, vocab_start_index=3)
+    with pytest.raises(ValueError, match=f"the LM head's weight rows hold {head.weight.shape[0]} vocabulary columns"):
+        chunked_ce_ntl_sums(hidden, head, labels, number_vocab(), chunk_tokens=4,
+                            shard=VocabShard(width=head.weight.shape[0] - 1))
     out_of_vocab = labels.clone()
     out_of_vocab[1, 5] = VOCAB + 2
     with pytest.raises(ValueError, match=f"label {VOCAB + 2} is outside the vocabulary"):

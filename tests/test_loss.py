@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ntl_pretrain.loss import (NTLoss, NTLossDotProduct, NTLSettings, NumberLevelLoss, ce_ntl_loss, ce_ntl_sums,
-                               number_token_loss)
+from ntl_pretrain.loss import (NTLoss, NTLossDotProduct, NTLSettings, NumberLevelLoss, ObjectiveSums, VocabShard,
+                               ce_ntl_loss, ce_ntl_sums, number_token_loss, vocab_shard_of)
 from ntl_pretrain.numbers import NumberVocab
 
 RTOL = 1e-6
@@ -249,12 +249,42 @@ def test_bad_arguments_name_the_problem():
         number_token_loss(logits, labels, vocab, variant="mse", squash_factor=3.0)
     with pytest.raises(ValueError, match="model's vocabulary is smaller than the tokenizer's"):
         number_token_loss(logits[..., :14], labels, vocab)
-    with pytest.raises(ValueError, match="vocab_start_index=4 without a tensor-parallel group"):
-        number_token_loss(logits, labels, vocab, vocab_start_index=4)
+    with pytest.raises(ValueError, match=r"VocabShard\(start=4\) without a tensor-parallel group"):
+        number_token_loss(logits, labels, vocab, shard=VocabShard(start=4))
+    # a shard whose width is known is checked against the logits' columns with no device work
+    with pytest.raises(ValueError, match="the logits hold 16 vocabulary columns but this rank's shard has 12"):
+        ce_ntl_sums(logits, labels, vocab, shard=VocabShard(width=12), check_inputs=False)
     with pytest.raises(ValueError, match="label 99 is outside the vocabulary"):
         ce_ntl_loss(logits, torch.full((2, 6), 99), vocab)
     with pytest.raises(ValueError, match="loss_function 'poisson_nll_loss' is not supported"):
         NTLossDotProduct(_DigitsTokenizer(), loss_function=F.poisson_nll_loss)
+
+
+def test_vocab_shard_of_a_full_head_and_sums_stack_round_trip():
+    """A model without a vocabulary-parallel head has one shard, the whole vocabulary (its width known from the
+    head), and passing it changes nothing; `ObjectiveSums.stack`/`unstack` keep every field and the gradient."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    shard = vocab_shard_of(model)
+    assert shard == VocabShard(width=16) == vocab_shard_of(model.get_output_embeddings())
+    assert (shard.size, shard.is_split, shard.check_tiling()) == (1, False, 16)
+    vocab = _digit_vocab()
+    logits, labels, weights = _batch(16, list(vocab.token_ids))
+    logits.requires_grad_()
+    sums = ce_ntl_sums(logits, labels, vocab, NTLSettings(reweigh=True), shard=shard, loss_weights=weights)
+    plain = ce_ntl_sums(logits, labels, vocab, NTLSettings(reweigh=True), loss_weights=weights)
+    assert torch.equal(sums.stack(), plain.stack())
+    again = ObjectiveSums.unstack(sums.stack())
+    for name in ("ce_sum", "ntl_sum", "token_count", "ntl_count", "number_tokens", "abs_error_sum"):
+        assert torch.equal(getattr(again, name), getattr(sums, name)), name
+    stacked = torch.stack([sums.ce_sum, sums.ntl_sum])
+    unstacked = ObjectiveSums.unstack(torch.cat([stacked, sums.stack()[2:]]))
+    (grad,) = torch.autograd.grad(unstacked.ce_sum + 2 * unstacked.ntl_sum, logits)
+    (expected,) = torch.autograd.grad(plain.ce_sum + 2 * plain.ntl_sum, logits)
+    assert torch.equal(grad, expected)
+    assert not unstacked.token_count.requires_grad
 
 
 class _DigitsTokenizer:

@@ -6,9 +6,10 @@ from .normalize import StepCounts, count_step, scaled_micro_batch_loss
 from .ntl import VARIANTS, NTLSettings
 from .objective import ObjectiveSums, ce_ntl_loss, ce_ntl_sums, number_token_loss
 from .parallel import shard_reductions
+from .shard import VocabShard, vocab_shard_of
 
 __all__ = [
     "VARIANTS", "NTLSettings", "NTLoss", "NTLossDotProduct", "NumberLevelLoss", "ObjectiveSums", "StepCounts",
-    "ce_ntl_loss", "ce_ntl_sums", "chunked_ce_ntl_sums", "chunked_model_ce_ntl_sums", "count_step", "number_token_loss",
-    "scaled_micro_batch_loss", "shard_reductions",
+    "VocabShard", "ce_ntl_loss", "ce_ntl_sums", "chunked_ce_ntl_sums", "chunked_model_ce_ntl_sums", "count_step",
+    "number_token_loss", "scaled_micro_batch_loss", "shard_reductions", "vocab_shard_of",
 ]

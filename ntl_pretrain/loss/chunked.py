@@ -19,11 +19,12 @@ has the gradient `dL/dce_sum * dce_sum + dL/dntl_sum * dntl_sum`, which backward
 two scalars it receives (loss scale, NTL weight and normalisation included).
 
 Collectives (TP group, every rank, every chunk, whatever the labels): forward one all-reduce MAX of
-`c` floats and one all-reduce SUM of `c * (K + 2)` floats per chunk of `c` rows; backward one
-all-reduce SUM of the `[n, H]` hidden gradient (the vocabulary-parallel head's own backward would do
-the same). With T = 1 there is no collective. With `check_inputs=True` (the default) the shard layout
-is checked first (`parallel.check_shard_layout`, one small all-reduce and a host read); with False
-nothing reads a tensor on the host, except the row count of the reweigh recompute (reweigh only).
+`c` floats and one all-reduce SUM of `c * (K + 2)` floats per chunk of `c` rows (the reduction of
+`parallel.reduce_shard_rows`, shared with the full-logits path); backward one all-reduce SUM of the
+`[n, H]` hidden gradient (the vocabulary-parallel head's own backward would do the same). With T = 1
+there is no collective. With `check_inputs=True` (the default) the shard layout is checked first
+(`VocabShard.check_tiling`, one small all-reduce and a host read); with False nothing reads a tensor on
+the host, except the row count of the reweigh recompute (reweigh only).
 
 DeepSpeed: the objective runs inside the LM head module's own call (`head(hidden)`), through hooks
 installed for that one call, so ZeRO-3 gathers the head weight for the forward and again for the
@@ -46,13 +47,9 @@ import torch.nn.functional as F
 
 from ..numbers import NumberVocab
 from .ntl import NTLSettings
-from .objective import (ObjectiveSums, check_labels_in_vocabulary, check_vocabulary_covers_numbers, sums_from_stats,
-                        validate_loss_weights)
-from .parallel import ShardLayout, ShardStats, check_shard_layout, compute_dtype, group_size
-
-# Layout of the packed objective tensor the head returns in place of its logits.
-CE_SUM, NTL_SUM, TOKEN_COUNT, NTL_COUNT, NUMBER_TOKENS, ABS_ERROR_SUM = range(6)
-PACKED_WIDTH = 6
+from .objective import ObjectiveSums, check_loss_inputs, check_on_host, sums_from_stats
+from .parallel import NumberColumns, ShardStats, compute_dtype, reduce_shard_rows
+from .shard import VocabShard, vocab_shard_of
 
 
 @dataclass
@@ -65,13 +62,13 @@ class _Plan:
     settings: NTLSettings
     with_ntl: bool
     chunk_tokens: int
-    tp_group: dist.ProcessGroup | None
-    vocab_start_index: int
+    shard: VocabShard  # where the head's rows sit in the vocabulary
     check_inputs: bool  # host checks (shard layout, labels in the vocabulary); False: no host sync
 
 
 class _ChunkedHeadObjective(torch.autograd.Function):
-    """`(hidden [n, H], weight [V_local, H], bias [V_local] | None) -> packed [6]` (see module docstring).
+    """`(hidden [n, H], weight [V_local, H], bias [V_local] | None) -> ObjectiveSums.stack() [6]` (see the
+    module docstring).
 
     Forward: per chunk, one all-reduce MAX (`c` floats) and one all-reduce SUM (`c * (K + 2)` floats)
     over the TP group. Backward: one all-reduce SUM of the `[n, H]` hidden gradient over the
@@ -83,69 +80,47 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                 need_grads: tuple[bool, bool, bool]) -> torch.Tensor:
         n, width = hidden.shape[0], weight.shape[0]
         device, dtype = hidden.device, compute_dtype(hidden.dtype)
-        number_vocab, settings, tp_group = plan.number_vocab, plan.settings, plan.tp_group
-        parallel = group_size(tp_group) > 1
-        num_numbers = len(number_vocab)
-        layout = ShardLayout.build(number_vocab, plan.vocab_start_index, width, device)
+        number_vocab, settings, shard = plan.number_vocab, plan.settings, plan.shard
+        columns = NumberColumns.build(number_vocab, shard.start, width, device)
         flat_labels = plan.labels.reshape(-1).long()
         valid = flat_labels != settings.ignore_index
-        shifted = flat_labels - plan.vocab_start_index
-        target_owned = valid & (shifted >= 0) & (shifted < width)
-        target_local = shifted.clamp(0, width - 1)
+        target_cols, target_owned = shard.local_targets(flat_labels, width, settings.ignore_index)
         need_hidden_grad, need_weight_grad, need_bias_grad = need_grads
         need_any_grad = any(need_grads)
 
         shift = torch.empty(n, dtype=dtype, device=device)
         sum_exp = torch.empty(n, dtype=dtype, device=device)
         target_logit = torch.empty(n, dtype=dtype, device=device)
-        number_logits = torch.empty(n, num_numbers, dtype=dtype, device=device)
+        number_logits = torch.empty(n, len(number_vocab), dtype=dtype, device=device)
         # Gradient accumulators in the compute dtype (float32 for bf16/fp16 heads): summing one partial
         # product per chunk into a bf16 buffer would round after every chunk (error growing with the
         # chunk count); each is cast to its parameter's dtype once, at the end of backward.
         hidden_grad_ce = torch.empty(hidden.shape, dtype=dtype, device=device) if need_hidden_grad else None
         weight_grad = torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight_grad else None
         bias_grad = torch.zeros(width, dtype=dtype, device=device) if need_bias_grad else None
-        total_width = None
-        if plan.check_inputs:  # while ZeRO-3 has the head gathered: its width is known here
-            total_width = check_shard_layout(width, plan.vocab_start_index, tp_group, device)
-            check_vocabulary_covers_numbers(total_width, number_vocab)
-            check_labels_in_vocabulary(flat_labels, total_width, settings.ignore_index)
+        shard.check_width(width, "the LM head's weight rows")  # the width is known while ZeRO-3 has it gathered
+        if plan.check_inputs:
+            check_on_host(shard, width, flat_labels, number_vocab, settings.ignore_index, device)
 
         for first in range(0, n, plan.chunk_tokens):
-            last = min(first + plan.chunk_tokens, n)
-            rows = slice(first, last)
+            rows = slice(first, min(first + plan.chunk_tokens, n))
             chunk = hidden[rows]
-            logits = F.linear(chunk, weight, bias)
-            # Row max over the whole vocabulary (exact, so every TP layout shifts alike).
-            row_max = logits.amax(dim=-1).to(dtype)
-            if parallel:
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-            chunk_shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
-            table = torch.zeros(last - first, num_numbers + 2, dtype=dtype, device=device)
-            picked = logits.gather(1, target_local[rows].unsqueeze(1)).squeeze(1)
-            table[:, 1] = torch.where(target_owned[rows], picked.to(dtype), 0.0)
-            if layout.local_number_cols.numel():
-                table[:, 2 + layout.owned_number_slots] = logits.index_select(1, layout.local_number_cols).to(dtype)
-            # exp(z - shift), in place when the logits are already in the compute dtype
-            probs = logits.sub_(chunk_shift.unsqueeze(1)) if logits.dtype == dtype else logits.to(dtype).sub_(
-                chunk_shift.unsqueeze(1))
-            del logits
-            probs.exp_()
-            table[:, 0] = probs.sum(-1)
-            if parallel:
-                dist.all_reduce(table, op=dist.ReduceOp.SUM, group=tp_group)
-            shift[rows], sum_exp[rows] = chunk_shift, table[:, 0]
-            target_logit[rows], number_logits[rows] = table[:, 1], table[:, 2:]
+            # the chunk's logits become exp(z - shift) in place: they exist once, for the reduction and the gradient
+            chunk_shift, table, probs = reduce_shard_rows(
+                F.linear(chunk, weight, bias), columns, len(number_vocab), target_cols[rows], target_owned[rows],
+                shard.tp_group, exp_in_place=True)
+            shift[rows], sum_exp[rows], target_logit[rows], number_logits[rows] = (
+                chunk_shift, table[:, 0], table[:, 1], table[:, 2:])
             if need_any_grad:
                 # logit gradient of ce_sum: valid * softmax - onehot(target), written over probs
                 probs.mul_((valid[rows].to(dtype) / table[:, 0]).unsqueeze(1))
-                probs.scatter_add_(1, target_local[rows].unsqueeze(1), target_owned[rows].to(dtype).neg().unsqueeze(1))
+                probs.scatter_add_(1, target_cols[rows].unsqueeze(1), target_owned[rows].to(dtype).neg().unsqueeze(1))
                 _accumulate_grads(probs, chunk, weight, rows, hidden_grad_ce, weight_grad, bias_grad)
             del probs
 
-        stats = ShardStats(shift, sum_exp, target_logit, number_logits, total_width)
+        stats = ShardStats(shift, sum_exp, target_logit, number_logits)
         result, ntl_grads = _objective_from_stats(stats, plan, need_any_grad)
-        ctx.plan, ctx.layout, ctx.need_grads = plan, layout, need_grads
+        ctx.plan, ctx.columns, ctx.need_grads = plan, columns, need_grads
         ctx.grads_ce = (hidden_grad_ce, weight_grad, bias_grad)
         ctx.ntl_grads = ntl_grads
         ctx.weight, ctx.bias = weight, bias  # parameters: gathered again by ZeRO-3 before backward
@@ -161,19 +136,20 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                                "a single backward pass (do not use retain_graph=True through it)")
         ctx.used = True
         hidden, shift = ctx.saved_tensors
-        weight, bias, layout, plan = ctx.weight, ctx.bias, ctx.layout, ctx.plan
+        weight, bias, columns, plan = ctx.weight, ctx.bias, ctx.columns, ctx.plan
         hidden_grad, weight_grad, bias_grad = ctx.grads_ce
         ctx.grads_ce = (None, None, None)
-        grad_ce, grad_ntl = grad_packed[CE_SUM], grad_packed[NTL_SUM]
+        grads_of = ObjectiveSums.unstack(grad_packed)  # only ce_sum and ntl_sum are differentiable
+        grad_ce, grad_ntl = grads_of.ce_sum, grads_of.ntl_sum
         for grad in (hidden_grad, weight_grad, bias_grad):
             if grad is not None:
                 grad.mul_(grad_ce.to(grad.dtype))
         if ctx.ntl_grads is not None:
             number_grad, reweigh_rows, reweigh_grad = ctx.ntl_grads
-            if layout.local_number_cols.numel():
+            if columns.local_cols.numel():
                 # the number-token columns this shard owns
-                grad_cols = number_grad.index_select(1, layout.owned_number_slots) * grad_ntl
-                cols = layout.local_number_cols
+                grad_cols = number_grad.index_select(1, columns.slots) * grad_ntl
+                cols = columns.local_cols
                 if hidden_grad is not None:
                     hidden_grad.add_(_matmul(grad_cols, weight.index_select(0, cols), hidden_grad.dtype))
                 if weight_grad is not None:
@@ -190,9 +166,9 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                     probs.mul_((reweigh_grad[first:first + plan.chunk_tokens] * grad_ntl).unsqueeze(1))
                     _accumulate_grads(probs, chunk, weight, rows, hidden_grad, weight_grad, bias_grad)
                     del probs  # before the next chunk's logits exist
-        if hidden_grad is not None and group_size(plan.tp_group) > 1:
+        if hidden_grad is not None and plan.shard.is_split:
             # each rank holds the contribution of its vocabulary shard
-            dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.tp_group)
+            dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.shard.tp_group)
         if bias_grad is not None:
             bias_grad = bias_grad.to(bias.dtype)
         if weight_grad is not None:
@@ -245,21 +221,17 @@ def _has_low_precision_gemm_into_float32(device: torch.device) -> bool:
 
 
 def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
-    """CE and NTL sums (`objective.sums_from_stats`) from the reduced statistics, packed; and, when
-    gradients are wanted, the gradient of `ntl_sum` w.r.t. the statistics."""
+    """CE and NTL sums (`objective.sums_from_stats`) from the reduced statistics, stacked
+    (`ObjectiveSums.stack`); and, when gradients are wanted, the gradient of `ntl_sum` w.r.t. the statistics."""
     settings = plan.settings
     want_ntl_grads = need_grads and plan.with_ntl
     with torch.enable_grad():
         number_logits = stats.number_logits.detach().requires_grad_(want_ntl_grads)
         sum_exp = stats.sum_exp.detach().requires_grad_(want_ntl_grads and settings.reweigh)
-        leaf_stats = ShardStats(stats.shift, sum_exp, stats.target_logit, number_logits, stats.vocab_size)
+        leaf_stats = ShardStats(stats.shift, sum_exp, stats.target_logit, number_logits)
         sums = sums_from_stats(leaf_stats, plan.labels, plan.number_vocab, settings, loss_weights=plan.loss_weights,
                                with_ntl=plan.with_ntl)
-    packed = torch.zeros(PACKED_WIDTH, dtype=number_logits.dtype, device=number_logits.device)
-    for index, value in ((CE_SUM, sums.ce_sum), (NTL_SUM, sums.ntl_sum), (TOKEN_COUNT, sums.token_count),
-                         (NTL_COUNT, sums.ntl_count), (NUMBER_TOKENS, sums.number_tokens),
-                         (ABS_ERROR_SUM, sums.abs_error_sum)):
-        packed[index] = value.detach()
+    packed = sums.stack()
     if not want_ntl_grads or not sums.ntl_sum.requires_grad:
         return packed, None
     inputs = [number_logits, sum_exp] if settings.reweigh else [number_logits]
@@ -271,12 +243,6 @@ def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
     # every row instead would cost a second full head pass)
     reweigh_rows = torch.nonzero(grads[1]).flatten()
     return packed, (number_grad, reweigh_rows, grads[1][reweigh_rows])
-
-
-def _sums_from_packed(packed: torch.Tensor) -> ObjectiveSums:
-    return ObjectiveSums(ce_sum=packed[CE_SUM], ntl_sum=packed[NTL_SUM], token_count=packed[TOKEN_COUNT].detach(),
-                         ntl_count=packed[NTL_COUNT].detach(), number_tokens=packed[NUMBER_TOKENS].detach(),
-                         abs_error_sum=packed[ABS_ERROR_SUM].detach())
 
 
 # ------------------------------------------------------------------------------------ the head call
@@ -356,40 +322,29 @@ def _armed(head: torch.nn.Module, plan: _Plan) -> Iterator[_HeadCall]:
 
 
 def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings,
-               chunk_tokens: int, tp_group: dist.ProcessGroup | None, vocab_start_index: int,
-               loss_weights: torch.Tensor | None, with_ntl: bool, check_inputs: bool) -> _Plan:
-    if not isinstance(number_vocab, NumberVocab):
-        raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
+               chunk_tokens: int, shard: VocabShard | None, loss_weights: torch.Tensor | None, with_ntl: bool,
+               check_inputs: bool) -> _Plan:
+    check_loss_inputs(labels, number_vocab, loss_weights, check_values=check_inputs)
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive number of tokens per chunk, got {chunk_tokens!r}")
     if not isinstance(head, torch.nn.Module) or not hasattr(head, "weight"):
         raise TypeError(f"head must be the model's LM head module (nn.Linear or DeepSpeed's VocabParallelLinear), "
                         f"got {type(head).__name__}")
-    if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
-        raise TypeError(f"labels must be a non-empty integer tensor, got {labels.dtype} with shape "
-                        f"{tuple(labels.shape)}")
-    validate_loss_weights(labels, loss_weights, check_values=check_inputs)
-    head_group = getattr(head, "mp_group", None)
-    if getattr(head, "is_vocab_parallel_lm_head", False) and group_size(head_group) > 1:
-        same_group = group_size(tp_group) > 1 and (
-            dist.get_process_group_ranks(tp_group) == dist.get_process_group_ranks(head_group))
-        if not same_group or vocab_start_index != head.vocab_start_index:
-            raise ValueError(f"the head is vocabulary-parallel (DeepSpeed VocabParallelLinear); pass "
-                             f"tp_group=head.mp_group and vocab_start_index=head.vocab_start_index "
-                             f"({head.vocab_start_index}), got vocab_start_index={vocab_start_index}")
-    if group_size(tp_group) == 1 and vocab_start_index != 0:
-        raise ValueError(f"vocab_start_index={vocab_start_index} without a tensor-parallel group; pass the tp_group "
-                         f"that shards the vocabulary, or 0 for a full head")
-    if vocab_start_index < 0:
-        raise ValueError(f"vocab_start_index must be >= 0, got {vocab_start_index}")
+    head_shard = vocab_shard_of(head)
+    if shard is None:
+        shard = head_shard
+    elif head_shard.is_split and (
+            not shard.is_split or shard.start != head_shard.start
+            or dist.get_process_group_ranks(shard.tp_group) != dist.get_process_group_ranks(head_shard.tp_group)):
+        raise ValueError(f"the head is vocabulary-parallel (DeepSpeed VocabParallelLinear, columns from "
+                         f"{head_shard.start}); pass no shard (the head's own) or shard=vocab_shard_of(model), got "
+                         f"{shard}")
     return _Plan(labels=labels, loss_weights=loss_weights, number_vocab=number_vocab, settings=settings,
-                 with_ntl=with_ntl, chunk_tokens=chunk_tokens, tp_group=tp_group, vocab_start_index=vocab_start_index,
-                 check_inputs=check_inputs)
+                 with_ntl=with_ntl, chunk_tokens=chunk_tokens, shard=shard, check_inputs=check_inputs)
 
 
 def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab,
-                        settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
-                        tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
+                        settings: NTLSettings = NTLSettings(), *, chunk_tokens: int, shard: VocabShard | None = None,
                         loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
                         check_inputs: bool = True) -> ObjectiveSums:
     """`ce_ntl_sums(head(hidden), labels, ...)` without ever holding more than `chunk_tokens` rows of logits.
@@ -409,25 +364,25 @@ def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: tor
         number_vocab, settings, loss_weights, with_ntl: as in `ce_ntl_sums`.
         chunk_tokens: rows of logits computed at a time (memory: `chunk_tokens x V_local` floats, a few
             times over).
-        tp_group, vocab_start_index: the vocabulary-parallel layout of the head (`head.mp_group`,
-            `head.vocab_start_index`); None and 0 for a full head.
+        shard: where the head's rows sit in the vocabulary; None: the head's own (`vocab_shard_of(head)`:
+            AutoTP's VocabParallelLinear knows its shard, any other head is the full vocabulary). Give it
+            for a head that holds one shard without knowing it (a plain `nn.Linear` of the shard's rows).
         check_inputs: as in `ce_ntl_sums` (False: no host sync, except the one of reweigh, see
             docs/chunked.md).
     """
-    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, tp_group, vocab_start_index, loss_weights,
-                      with_ntl, check_inputs)
+    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs)
     with _armed(head, plan) as call:
         packed = head(hidden)
     if call.computed is None:
         raise RuntimeError("the LM head's hooks did not run; chunked_ce_ntl_sums needs a head module whose forward "
                            "hooks are honoured")
-    return _sums_from_packed(packed)
+    return ObjectiveSums.unstack(packed)
 
 
 def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, labels: torch.Tensor,
                               number_vocab: NumberVocab, settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
-                              tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
-                              loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
+                              shard: VocabShard | None = None, loss_weights: torch.Tensor | None = None,
+                              with_ntl: bool = True,
                               check_inputs: bool = True) -> ObjectiveSums:
     """Forward of a causal LM (a DeepSpeed engine or a HF model) with its head replaced by the chunked
     CE + NTL objective; the replacement for `ce_ntl_sums(model(**inputs).logits, labels, ...)`.
@@ -446,8 +401,7 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
     if "labels" in inputs:
         raise ValueError("do not pass labels to the model: it would compute its own loss on the head's output; "
                          "pass them to chunked_model_ce_ntl_sums")
-    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, tp_group, vocab_start_index, loss_weights,
-                      with_ntl, check_inputs)
+    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs)
     with _armed(head, plan) as call:
         output = model(**inputs)
     if call.computed is None:
@@ -462,4 +416,4 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
         raise ValueError(f"{type(model).__name__} transforms its LM head's output before returning it as logits "
                          f"(e.g. final logit soft-capping); chunk_tokens needs a model that returns the head's "
                          f"output unchanged. Set chunk_tokens to 0 for this model.")
-    return _sums_from_packed(packed)
+    return ObjectiveSums.unstack(packed)

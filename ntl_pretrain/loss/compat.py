@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..numbers import NumberVocab
 from .ntl import NTLSettings, distance_table, max_distance
-from .objective import number_token_loss
+from .objective import ntl_with_settings
 from .parallel import shard_reductions
 
 _LP_VARIANTS: dict[Callable, str] = {F.mse_loss: "mse", F.l1_loss: "mae", F.huber_loss: "huber",
@@ -39,7 +39,8 @@ _LP_VARIANTS: dict[Callable, str] = {F.mse_loss: "mse", F.l1_loss: "mae", F.hube
 
 
 class _NTLossBase:
-    """Common front-end: holds the number vocabulary and the settings, calls `number_token_loss`."""
+    """Common front-end: holds the number vocabulary and the settings, calls `number_token_loss`'s maths
+    (`ntl_with_settings`) with them."""
 
     def __init__(self, tokenizer: Any, vocab_size: int | None, digit_level: bool, settings: NTLSettings) -> None:
         self.tokenizer = tokenizer
@@ -65,11 +66,8 @@ class _NTLossBase:
                 reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
         """NTL of `[B, T, V]` logits against `[B, T]` labels (already aligned with the logits)."""
         self._check_logits(logits)
-        s = self.settings
-        return number_token_loss(logits, labels, self.number_vocab, variant=s.variant, reweigh=s.reweigh,
-                                 squash_factor=s.squash_factor, loss_weights=loss_weights, reduction=reduction,
-                                 ignore_index=ignore_index, float_level=s.float_level,
-                                 max_number_digits=s.max_number_digits)
+        return ntl_with_settings(logits, labels, self.number_vocab, self.settings, loss_weights=loss_weights,
+                                 reduction=reduction, ignore_index=ignore_index)
 
     __call__ = forward
 

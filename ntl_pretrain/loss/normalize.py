@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..numbers import NumberVocab
 from .ntl import NTLSettings, term_positions
 from .objective import ObjectiveSums
-from .parallel import group_size
+from .shard import group_size
 
 
 @dataclass(frozen=True)

@@ -2,25 +2,26 @@
 
 The heavy `[n, V]` work happens once in `parallel.shard_reductions` (one log-sum-exp serves CE and
 the reweigh mass, and the number-token columns travel in the same SUM collective); the rest is
-replicated `[n, K]` math in `ntl.py`. On one device pass `tp_group=None` (the default).
+replicated `[n, K]` math in `ntl.py`. On one device pass no shard (the default); on a vocabulary-
+parallel head pass this rank's `VocabShard` (`vocab_shard_of(engine)`).
 
 Host syncs: with `check_inputs=True` (the default) each call checks what only the host can check
 (the shard layout over the TP group, labels inside the vocabulary, loss weights >= 0), which reads
 tensor values on the host. With `check_inputs=False` nothing reads a tensor value on the host: what
 a training step should call, once the layout has been checked at start-up
-(`parallel.check_shard_layout`), as the trainer does.
+(`VocabShard.check_tiling`), as the trainer does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.distributed as dist
 
 from ..numbers import NumberVocab
 from .ntl import NTLSettings, ntl_terms
-from .parallel import ShardStats, group_size, shard_reductions
+from .parallel import ShardStats, shard_reductions
+from .shard import VocabShard
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -39,9 +40,31 @@ class ObjectiveSums:
     number_tokens: torch.Tensor  # label positions that hold a number token
     abs_error_sum: torch.Tensor  # detached: sum over those of |expected number - true value|
 
+    def stack(self) -> torch.Tensor:
+        """The six values, detached, as one `[6]` vector in field order (to add up over micro-batches and
+        all-reduce in one collective); `unstack` reads it back."""
+        return torch.stack([getattr(self, field.name).detach() for field in fields(self)])
 
-def validate_loss_weights(labels: torch.Tensor, loss_weights: torch.Tensor | None, check_values: bool = True) -> None:
-    """NTL loss weights must match the labels' shape and (`check_values`: a host sync) be non-negative."""
+    @classmethod
+    def unstack(cls, packed: torch.Tensor) -> "ObjectiveSums":
+        """The sums of a `[6]` vector in `stack`'s order; `ce_sum` and `ntl_sum` keep its gradient, the counts
+        are detached."""
+        ce_sum, ntl_sum, *counts = packed.unbind()
+        return cls(ce_sum, ntl_sum, *(count.detach() for count in counts))
+
+
+SUMS_WIDTH = len(fields(ObjectiveSums))  # entries of ObjectiveSums.stack()
+
+
+def check_loss_inputs(labels: torch.Tensor, number_vocab: NumberVocab, loss_weights: torch.Tensor | None,
+                      check_values: bool = True) -> None:
+    """What every entry point checks before any device work: the number vocabulary, integer labels and NTL
+    loss weights of the labels' shape (`check_values`: a host sync, also non-negative)."""
+    if not isinstance(number_vocab, NumberVocab):
+        raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
+    if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
+        raise TypeError(f"labels must be a non-empty integer tensor, got {labels.dtype} with shape "
+                        f"{tuple(labels.shape)}")
     if loss_weights is None:
         return
     if loss_weights.shape != labels.shape:
@@ -51,13 +74,21 @@ def validate_loss_weights(labels: torch.Tensor, loss_weights: torch.Tensor | Non
         raise ValueError("loss_weights must be >= 0")
 
 
-def check_labels_in_vocabulary(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Every label is `ignore_index` or a token id below `vocab_size` (a host sync)."""
+def check_on_host(shard: VocabShard, local_width: int, labels: torch.Tensor, number_vocab: NumberVocab,
+                  ignore_index: int, device: torch.device) -> int:
+    """The checks that read values on the host (`check_inputs=True`); returns the vocabulary size V.
+
+    The shards of the TP group tile `[0, V)` (one small all-reduce), V covers the number vocabulary, and
+    every label is `ignore_index` or a token id below V.
+    """
+    vocab_size = shard.check_tiling(device, local_width)
+    check_vocabulary_covers_numbers(vocab_size, number_vocab)
     flat = labels.reshape(-1)
     bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
     if bool(bad.any()):
         raise ValueError(f"label {int(flat[bad][0])} is outside the vocabulary [0, {vocab_size}) and is not "
                          f"ignore_index={ignore_index}")
+    return vocab_size
 
 
 def check_vocabulary_covers_numbers(vocab_size: int, number_vocab: NumberVocab) -> None:
@@ -68,10 +99,10 @@ def check_vocabulary_covers_numbers(vocab_size: int, number_vocab: NumberVocab) 
                          f"smaller than the tokenizer's; resize its embeddings")
 
 
-def _validate(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, tp_group,
-              vocab_start_index: int, loss_weights: torch.Tensor | None, check_inputs: bool) -> None:
-    if not isinstance(number_vocab, NumberVocab):
-        raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
+def _logit_stats(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, shard: VocabShard,
+                 loss_weights: torch.Tensor | None, need_lse: bool, need_target: bool, ignore_index: int,
+                 check_inputs: bool) -> ShardStats:
+    """Checked inputs reduced over the vocabulary (`parallel.shard_reductions`)."""
     if not torch.is_floating_point(logits):
         raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
     if logits.dim() < 2 or logits.numel() == 0:
@@ -79,63 +110,46 @@ def _validate(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVo
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match the logits' leading dims "
                          f"{tuple(logits.shape[:-1])}; labels must be aligned with the logits (already shifted)")
-    if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16):
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    validate_loss_weights(labels, loss_weights, check_values=check_inputs)
-    if group_size(tp_group) == 1:
-        if vocab_start_index != 0:
-            raise ValueError(f"vocab_start_index={vocab_start_index} without a tensor-parallel group; pass the "
-                             f"tp_group that shards the vocabulary, or 0 for full logits")
-        if logits.shape[-1] < number_vocab.vocab_size:
-            raise ValueError(
-                f"the logits have {logits.shape[-1]} columns but the number vocabulary was built for "
-                f"vocab_size={number_vocab.vocab_size}: the model's vocabulary is smaller than the tokenizer's. "
-                f"Resize the model's embeddings (tools/tokenizer.py resize-model), or pass tp_group and "
-                f"vocab_start_index if these are one shard of vocabulary-parallel logits.")
-    elif vocab_start_index < 0:
-        raise ValueError(f"vocab_start_index must be >= 0, got {vocab_start_index}")
-
-
-def _reduce_stats(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, need_lse: bool,
-                  need_target: bool, tp_group, vocab_start_index: int, ignore_index: int,
-                  check_inputs: bool) -> ShardStats:
+    check_loss_inputs(labels, number_vocab, loss_weights, check_values=check_inputs)
+    if not shard.is_split and logits.shape[-1] < number_vocab.vocab_size:
+        raise ValueError(
+            f"the logits have {logits.shape[-1]} columns but the number vocabulary was built for "
+            f"vocab_size={number_vocab.vocab_size}: the model's vocabulary is smaller than the tokenizer's. "
+            f"Resize the model's embeddings (tools/tokenizer.py resize-model), or pass this rank's VocabShard "
+            f"if these are one shard of vocabulary-parallel logits.")
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
-    stats = shard_reductions(flat_logits, number_vocab, targets=flat_labels if need_target else None,
-                             need_lse=need_lse, tp_group=tp_group, vocab_start_index=vocab_start_index,
-                             ignore_index=ignore_index, check=check_inputs)
+    shard.check_width(flat_logits.shape[1], "the logits")
     if check_inputs:
-        check_vocabulary_covers_numbers(stats.vocab_size, number_vocab)
-        check_labels_in_vocabulary(flat_labels, stats.vocab_size, ignore_index)
-    return stats
+        check_on_host(shard, flat_logits.shape[1], flat_labels, number_vocab, ignore_index, logits.device)
+    return shard_reductions(flat_logits, number_vocab, targets=flat_labels if need_target else None,
+                            need_lse=need_lse, shard=shard, ignore_index=ignore_index, check=False)
 
 
 def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
-                settings: NTLSettings = NTLSettings(), *, tp_group: dist.ProcessGroup | None = None,
-                vocab_start_index: int = 0, loss_weights: torch.Tensor | None = None,
-                with_ntl: bool = True, check_inputs: bool = True) -> ObjectiveSums:
+                settings: NTLSettings = NTLSettings(), *, shard: VocabShard = VocabShard(),
+                loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
+                check_inputs: bool = True) -> ObjectiveSums:
     """CE and NTL sums (and counts) of one micro-batch.
 
     Args:
         logits: `[..., V_local]` logits, or this rank's vocabulary shard of them; any float dtype (the
             maths runs in float32). Never modified.
         labels: `[...]` target ids aligned with the logits (already shifted); `settings.ignore_index`
-            marks positions without a target. Identical on every rank of `tp_group`.
+            marks positions without a target. Identical on every rank of the shard's TP group.
         number_vocab: the number tokens (`NumberVocab.from_tokenizer`).
         settings: the NTL variant and its options.
-        tp_group: the group over which the vocabulary is split; None for full logits.
-        vocab_start_index: first global vocabulary id of this rank's shard.
+        shard: where this rank's logits sit in the vocabulary (`vocab_shard_of(engine)`); the default is
+            the full vocabulary on one device.
         loss_weights: `[...]` non-negative weights of the NTL terms (CE is unweighted).
         with_ntl: False computes CE only (the NTL sum is then zero); the number-token figures for
             monitoring are computed either way.
         check_inputs: run the checks that read values on the host (shard layout over the TP group,
             labels inside the vocabulary, loss weights >= 0). False: no host sync at all; check the
-            layout once with `parallel.check_shard_layout` instead.
+            layout once with `VocabShard.check_tiling` instead.
     """
-    _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights, check_inputs)
-    stats = _reduce_stats(logits, labels, number_vocab, need_lse=True, need_target=True, tp_group=tp_group,
-                          vocab_start_index=vocab_start_index, ignore_index=settings.ignore_index,
-                          check_inputs=check_inputs)
+    stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights, need_lse=True, need_target=True,
+                         ignore_index=settings.ignore_index, check_inputs=check_inputs)
     return sums_from_stats(stats, labels, number_vocab, settings, loss_weights=loss_weights, with_ntl=with_ntl)
 
 
@@ -172,14 +186,12 @@ def _safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def ce_ntl_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, *, ntl_weight: float = 0.3,
-                settings: NTLSettings = NTLSettings(), tp_group: dist.ProcessGroup | None = None,
-                vocab_start_index: int = 0, loss_weights: torch.Tensor | None = None,
-                check_inputs: bool = True) -> torch.Tensor:
+                settings: NTLSettings = NTLSettings(), shard: VocabShard = VocabShard(),
+                loss_weights: torch.Tensor | None = None, check_inputs: bool = True) -> torch.Tensor:
     """`mean CE + ntl_weight * mean NTL` over this batch (for global normalisation across micro-batches
     and data-parallel ranks use `ce_ntl_sums` with `normalize.py`)."""
-    sums = ce_ntl_sums(logits, labels, number_vocab, settings, tp_group=tp_group,
-                       vocab_start_index=vocab_start_index, loss_weights=loss_weights, with_ntl=ntl_weight != 0,
-                       check_inputs=check_inputs)
+    sums = ce_ntl_sums(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
+                       with_ntl=ntl_weight != 0, check_inputs=check_inputs)
     return _safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * _safe_mean(sums.ntl_sum, sums.ntl_count)
 
 
@@ -187,13 +199,12 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
                       variant: str = "was", reweigh: bool = False, squash_factor: float | None = None,
                       loss_weights: torch.Tensor | None = None, reduction: str = "mean", ignore_index: int = -100,
                       smoothing_sigma: float = 0.0, float_level: bool = False, max_number_digits: int = 20,
-                      tp_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0,
-                      check_inputs: bool = True) -> torch.Tensor:
+                      shard: VocabShard = VocabShard(), check_inputs: bool = True) -> torch.Tensor:
     """The Number Token Loss alone.
 
     Args:
-        logits: `[..., V]` logits (or this rank's vocabulary shard, with `tp_group` and
-            `vocab_start_index`), any float dtype; computed in float32.
+        logits: `[..., V]` logits (or this rank's vocabulary shard, with `shard`), any float dtype;
+            computed in float32.
         labels: `[...]` target ids aligned with the logits; `ignore_index` positions are skipped.
         number_vocab: `NumberVocab.from_tokenizer(tokenizer)`.
         variant: "was", "mse", "mae", "huber" or "number_level".
@@ -205,23 +216,34 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
         smoothing_sigma: "was" only; Gaussian label smoothing over number values (Wasserstein-1 form).
         float_level: "number_level" only; "1.5" is one number (15) instead of two.
         max_number_digits: "number_level" only; longest number with distinct place values.
-        tp_group, vocab_start_index: the vocabulary-parallel layout of `logits` (default: one device).
+        shard: where this rank's logits sit in the vocabulary (default: all of it, one device).
         check_inputs: check the shard layout (on every path, reweigh or not), labels and loss weights,
             reading values on the host; False for a hot loop whose layout was checked once
-            (`parallel.check_shard_layout`).
+            (`VocabShard.check_tiling`).
 
     Returns a float32 scalar, or a float32 tensor of the labels' shape for reduction "none".
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
     settings = NTLSettings(variant=variant, reweigh=reweigh, squash_factor=squash_factor,
                            smoothing_sigma=smoothing_sigma, float_level=float_level, ignore_index=ignore_index,
                            max_number_digits=max_number_digits)
-    _validate(logits, labels, number_vocab, tp_group, vocab_start_index, loss_weights, check_inputs)
-    stats = _reduce_stats(logits, labels, number_vocab, need_lse=reweigh, need_target=False, tp_group=tp_group,
-                          vocab_start_index=vocab_start_index, ignore_index=ignore_index, check_inputs=check_inputs)
+    return ntl_with_settings(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
+                             reduction=reduction, check_inputs=check_inputs)
+
+
+def ntl_with_settings(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings,
+                      *, shard: VocabShard = VocabShard(), loss_weights: torch.Tensor | None = None,
+                      reduction: str = "mean", ignore_index: int | None = None,
+                      check_inputs: bool = True) -> torch.Tensor:
+    """`number_token_loss` with its options as an `NTLSettings` (`ignore_index`, when given, replaces the
+    settings' own)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+    if ignore_index is not None and ignore_index != settings.ignore_index:
+        settings = replace(settings, ignore_index=ignore_index)
+    stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights, need_lse=settings.reweigh,
+                         need_target=False, ignore_index=settings.ignore_index, check_inputs=check_inputs)
     terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
-                      number_mass=stats.number_mass if reweigh else None, loss_weights=loss_weights)
+                      number_mass=stats.number_mass if settings.reweigh else None, loss_weights=loss_weights)
     weighted = terms.loss * terms.weights
     if reduction == "sum":
         return weighted.sum()
