@@ -30,11 +30,9 @@ from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, 
 from .config import Config, ConfigError, help_text, load_config, ntl_settings, to_yaml, write_resolved
 from .data import DataError, PretrainingData, document_texts, load_documents, prepare_generated_corpus, resolve_files
 from .eval.config import save_eval_settings, validate_eval_inputs
-from .loss import ce_ntl_sums, count_step, scaled_micro_batch_loss
-from .loss.chunked import chunked_model_ce_ntl_sums
+from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, count_step, scaled_micro_batch_loss, vocab_shard_of
 from .fs import writable_problem, write_json_atomic
-from .loss.objective import check_vocabulary_covers_numbers
-from .loss.parallel import check_shard_layout
+from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
 from .model import (build_model, check_sequence_length, load_model_config, load_tokenizer, needs_training,
                     tokenizer_source, train_digit_bpe)
 from .monitor import Monitor, memory_gib
@@ -331,16 +329,6 @@ def _number_vocab(cfg: Config, tokenizer: Any) -> NumberVocab:
                              f"the trainer's number-token figures need at least one number token") from None
 
 
-def _vocab_parallel_head(engine: Any) -> tuple[int, int]:
-    """(vocab_start_index, local vocabulary width) of the output head on this rank."""
-    from deepspeed.module_inject.layers import VocabParallelLinear
-
-    head = engine.module.get_output_embeddings()
-    if isinstance(head, VocabParallelLinear):
-        return int(head.vocab_start_index), int(head.vocab_end_index - head.vocab_start_index)
-    return 0, -1
-
-
 # ---------------------------------------------------------------------------------------------- the run
 class Trainer:
     """One training run on this process (every rank builds one)."""
@@ -451,13 +439,12 @@ class Trainer:
         cfg.train.grad_accum_steps = self.engine.gradient_accumulation_steps()
         distributed.check_layout_matches_deepspeed(self.layout)
         self.tp_group, self.dp_group = distributed.deepspeed_groups(cfg.parallel.tp_size)
-        self.vocab_start, local_width = _vocab_parallel_head(self.engine)
+        self.vocab_shard = vocab_shard_of(self.engine)  # this rank's columns of the LM head
         self.device = torch.device(self.accelerator.current_device_name())
         # The layout checks that need the host run here, once; the step then calls the loss with
         # check_inputs=False (no host sync). Labels come from the tokenizer, whose ids are below the
         # model's vocabulary (NumberVocab.with_vocab_size above).
-        vocab_width = check_shard_layout(local_width if local_width > 0 else self.model_report.vocab_size,
-                                         self.vocab_start, self.tp_group, self.device)
+        vocab_width = self.vocab_shard.check_tiling(self.device, self.vocab_shard.width or self.model_report.vocab_size)
         check_vocabulary_covers_numbers(vocab_width, self.number_vocab)
         self.settings = ntl_settings(cfg)
         self.step = 0
@@ -493,12 +480,11 @@ class Trainer:
             # the head + loss over chunks of tokens: the full logits never exist (docs/chunked.md)
             return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
                                              {"input_ids": input_ids}, labels, self.number_vocab, self.settings,
-                                             chunk_tokens=self.cfg.loss.chunk_tokens, tp_group=self.tp_group,
-                                             vocab_start_index=self.vocab_start, with_ntl=with_ntl,
-                                             check_inputs=check)
+                                             chunk_tokens=self.cfg.loss.chunk_tokens, shard=self.vocab_shard,
+                                             with_ntl=with_ntl, check_inputs=check)
         logits = self.engine(input_ids=input_ids).logits
-        return ce_ntl_sums(logits, labels, self.number_vocab, self.settings, tp_group=self.tp_group,
-                           vocab_start_index=self.vocab_start, with_ntl=with_ntl, check_inputs=check)
+        return ce_ntl_sums(logits, labels, self.number_vocab, self.settings, shard=self.vocab_shard,
+                           with_ntl=with_ntl, check_inputs=check)
 
     def train_step(self, with_ntl: bool | None = None) -> dict[str, float]:
         """One optimizer step; returns the step's global figures (identical on every rank).
@@ -518,7 +504,7 @@ class Trainer:
         micro_batches = self.data.next_step(cfg.train.grad_accum_steps)
         labels = [mb.labels.to(self.device, non_blocking=True) for mb in micro_batches]
         counts = count_step(labels, self.number_vocab, self.settings, self.dp_group)
-        totals = torch.zeros(6, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(SUMS_WIDTH, dtype=torch.float64, device=self.device)
         skipped_before = self.engine.skipped_steps
         last = len(micro_batches) - 1
         for index, batch in enumerate(micro_batches):
@@ -526,8 +512,7 @@ class Trainer:
             loss = scaled_micro_batch_loss(sums, counts, lam if with_ntl else 0.0, self.layout.dp_size,
                                            cfg.train.grad_accum_steps)
             self.engine.backward(_nan_gradient_if_nonfinite(loss))
-            totals += torch.stack([sums.ce_sum.detach(), sums.ntl_sum.detach(), sums.token_count, sums.ntl_count,
-                                   sums.number_tokens, sums.abs_error_sum]).double()
+            totals += sums.stack().double()  # ObjectiveSums order: the order _step_figures reads back
             if index < last:
                 self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-batch
         if cfg.parallel.zero_stage == 0:
@@ -624,14 +609,15 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """CE, NTL and total loss on the held-out samples (global means; every rank runs the same batches count)."""
         self.engine.eval()
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(SUMS_WIDTH, dtype=torch.float64, device=self.device)
         with_ntl = self.cfg.loss.enabled
         for batch in self.data.validation_micro_batches(self.cfg.train.val_batches):
             with torch.no_grad():  # forward only (the chunked head would otherwise prepare gradients)
                 sums = self._forward_sums(batch, with_ntl)
-            totals += torch.stack([sums.ce_sum, sums.ntl_sum, sums.token_count, sums.ntl_count]).double()
+            totals += sums.stack().double()
         self.engine.train()
-        ce_sum, ntl_sum, tokens, ntl_count = distributed.all_reduce_sum(totals.tolist(), self.dp_group, self.device)
+        ce_sum, ntl_sum, tokens, ntl_count, *_ = distributed.all_reduce_sum(totals.tolist(), self.dp_group,
+                                                                            self.device)
         ce = ce_sum / max(tokens, 1.0)
         ntl = ntl_sum / ntl_count if ntl_count > 0 else 0.0
         lam = ntl_lambda(self.cfg, max(self.step, 1))
