@@ -44,7 +44,8 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from ntl_pretrain import distributed
-    from ntl_pretrain.eval.generate import greedy_generate, resolve_layout
+    from ntl_pretrain.eval.generate import data_parallel_group, greedy_generate
+    from ntl_pretrain.loss import vocab_shard_of
     from ntl_pretrain.eval.hooks import run_evaluation
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -54,14 +55,15 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
               "tensor_parallel": {"autotp_size": tp_size, "vocab_parallel_lm_head": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    layout = resolve_layout(engine)
+    shard, dp_group = vocab_shard_of(engine), data_parallel_group(engine)
     rank = dist.get_rank()
     generation = greedy_generate(engine, tokenizer, PROMPTS, max_new_tokens=MAX_NEW, stop=STOP, batch_size=2)
     metrics = run_evaluation(engine, tokenizer, _eval_config(os.path.join(model_dir, "gsm")), step=1,
                              output_dir=out_dir)
     result = {"texts": generation.texts, "forward_passes": generation.forward_passes,
-              "metrics": _comparable(metrics), "dp_size": layout.dp_size, "dp_rank": layout.dp_rank,
-              "vocab": [layout.vocab_start, layout.vocab_end], "tp_size": dist.get_world_size(layout.tp_group)}
+              "metrics": _comparable(metrics), "dp_size": dist.get_world_size(dp_group),
+              "dp_rank": dist.get_rank(dp_group), "vocab": [shard.start, shard.start + shard.width],
+              "tp_size": shard.size}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
     dist.barrier()

@@ -13,7 +13,8 @@ import torch
 
 from ntl_pretrain.eval.arithmetic import generate_problems, is_interpolation_problem, make_problem
 from ntl_pretrain.eval.config import EvalConfig
-from ntl_pretrain.eval.generate import global_argmax, greedy_generate, ParallelLayout, truncate_at_stop
+from ntl_pretrain.eval.generate import global_argmax, greedy_generate, truncate_at_stop
+from ntl_pretrain.loss import VocabShard
 from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
 
 CHARS = "0123456789+-*=.,$ \nabcdefghijklmnopqrstuvwxyzQA:?#"
@@ -111,10 +112,11 @@ def test_all_tied_logits_pick_the_lowest_id():
 
 
 def test_global_argmax_breaks_ties_by_lowest_id():
+    """On one process (the shard is the whole vocabulary); the offset of a shard's ids by its start is
+    checked over a real TP group in test_eval_distributed.py."""
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]])
-    assert global_argmax(logits, ParallelLayout()).tolist() == [1, 0, 2]
-    shifted = ParallelLayout(vocab_start=100, vocab_end=104)  # a shard: ids are offset by its start
-    assert global_argmax(logits, shifted).tolist() == [101, 100, 102]
+    assert global_argmax(logits, VocabShard()).tolist() == [1, 0, 2]
+    assert global_argmax(logits, VocabShard(width=4)).tolist() == [1, 0, 2]
 
 
 def test_truncate_at_stop_cuts_at_earliest_stop():

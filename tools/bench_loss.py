@@ -67,8 +67,8 @@ def build_methods(tp: int, names: list[str]):
         settings = NTLSettings(variant=variant or "was", reweigh=reweigh)
         weight = 0.0 if variant is None else 0.3
         return lambda logits, labels, ctx: (lambda: ce_ntl_loss(
-            logits, labels, ctx["vocab"], ntl_weight=weight, settings=settings, tp_group=ctx["group"],
-            vocab_start_index=ctx["start"], check_inputs=False))  # as the trainer calls it
+            logits, labels, ctx["vocab"], ntl_weight=weight, settings=settings, shard=ctx["shard"],
+            check_inputs=False))  # as the trainer calls it
 
     def ce(logits, labels, ctx):
         if tp == 1:
@@ -100,8 +100,8 @@ def build_methods(tp: int, names: list[str]):
             from deepspeed.module_inject.layers import ColumnParallel
 
             return lambda: ce_ntl_loss(module(ColumnParallel.apply(ctx["group"], hidden)), labels, ctx["vocab"],
-                                       ntl_weight=weight, settings=settings, tp_group=ctx["group"],
-                                       vocab_start_index=ctx["start"], check_inputs=False)
+                                       ntl_weight=weight, settings=settings, shard=ctx["shard"],
+                                       check_inputs=False)
         return setup
 
     def chunked(variant: str | None, reweigh: bool = False):
@@ -114,8 +114,8 @@ def build_methods(tp: int, names: list[str]):
             def loss():
                 # as the trainer calls it: the shard layout is checked once, not per call (no host sync)
                 sums = chunked_ce_ntl_sums(hidden, module, labels, ctx["vocab"], settings,
-                                           chunk_tokens=ctx["chunk_tokens"], tp_group=ctx["group"],
-                                           vocab_start_index=ctx["start"], with_ntl=weight != 0, check_inputs=False)
+                                           chunk_tokens=ctx["chunk_tokens"], shard=ctx["shard"],
+                                           with_ntl=weight != 0, check_inputs=False)
                 total = sums.ce_sum / sums.token_count.clamp_min(1)
                 return total + weight * sums.ntl_sum / sums.ntl_count.clamp_min(1) if weight else total
             return loss
@@ -179,6 +179,7 @@ def child(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from ntl_pretrain.loss import VocabShard
     from ntl_pretrain.numbers import NumberVocab
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1" if args.tp > 1 else str(os.cpu_count()))))
@@ -222,7 +223,8 @@ def child(args) -> None:
     first_digit = digit_ids_start(vocab_size)
     ctx = {"vocab": NumberVocab(tuple(range(first_digit, first_digit + 10)),
                                 tuple(float(d) for d in range(10)), vocab_size),
-           "group": group, "start": start, "vocab_size": vocab_size, "ds_chunk_tokens": args.ds_chunk_tokens,
+           "group": group, "start": start, "shard": VocabShard(group, start), "vocab_size": vocab_size,
+           "ds_chunk_tokens": args.ds_chunk_tokens,
            "chunk_tokens": args.chunk_tokens or deepspeed_default_chunk_rows(n, vocab_size, args.tp, args.hidden)}
     methods = {name: setup(head_inputs if is_head_method(name) else logits, labels, ctx)
                for name, setup in build_methods(args.tp, args.methods).items()}

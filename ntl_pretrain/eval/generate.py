@@ -6,10 +6,11 @@ Three constraints shape the loop:
   all-reduces activations over the tensor-parallel group, so every rank must run the same number
   of forward passes. Ranks agree once per step (one all-reduce over the world) on whether any rank
   still has work; a rank without work runs a 1-token "idle" forward so the others never wait.
-- With a vocabulary-parallel LM head each tensor-parallel rank holds only its slice of the logits.
-  The next token is the global argmax: the best local value and id on each rank, then MAX of the
-  values and MIN of the ids that reach it over the TP group, so ties go to the lowest id exactly as
-  `torch.argmax` does on the full vocabulary.
+- With a vocabulary-parallel LM head each tensor-parallel rank holds only its slice of the logits
+  (its `VocabShard`, `ntl_pretrain.loss.vocab_shard_of`, as the loss takes it). The next token is the
+  global argmax: the best local value and id on each rank, then MAX of the values and MIN of the ids
+  that reach it over the TP group, so ties go to the lowest id exactly as `torch.argmax` does on the
+  full vocabulary.
 - Prompts are split over DATA-parallel ranks (contiguous chunks; all TP ranks of a data-parallel
   group hold the same chunk), batched by length, left-padded with attention masks and explicit
   position ids, decoded with a KV cache; finished rows leave the batch. Results are gathered so
@@ -21,29 +22,15 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.loss.shard import VocabShard, vocab_shard_of
+
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Where this rank sits: its data-parallel chunk and, with a vocab-parallel head, its logit slice."""
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    dp_group: Any = None
-    tp_group: Any = None
-    vocab_start: int = 0
-    vocab_end: int | None = None
-
-    @property
-    def vocab_parallel(self) -> bool:
-        """Whether the model returns only a slice of the vocabulary's logits on this rank."""
-        return self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
 
 
 @dataclass
@@ -67,58 +54,40 @@ def unwrap_model(model_engine_or_module: Any) -> torch.nn.Module:
     return getattr(model_engine_or_module, "module", model_engine_or_module)
 
 
-def find_vocab_parallel_head(module: torch.nn.Module) -> torch.nn.Module | None:
-    """AutoTP's vocabulary-parallel LM head (the layer exposing `vocab_start_index` and `mp_group`), if any."""
-    for submodule in module.modules():
-        if getattr(submodule, "is_vocab_parallel_lm_head", False) and hasattr(submodule, "vocab_start_index"):
-            return submodule
-    return None
+def data_parallel_group(model_engine_or_module: Any, dp_group: Any = None) -> Any:
+    """The group prompts are split over: `dp_group`; else the AutoTP mesh's data-parallel group
+    (`engine.mpu`); else the engine's `data_parallel_group`; else None (the world)."""
+    if dp_group is not None:
+        return dp_group
+    mpu = getattr(model_engine_or_module, "mpu", None)
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+        return mpu.get_data_parallel_group()
+    return getattr(model_engine_or_module, "data_parallel_group", None)
 
 
-def resolve_layout(model_engine_or_module: Any, dp_group: Any = None, tp_group: Any = None) -> ParallelLayout:
-    """Find the data- and tensor-parallel groups of a (possibly DeepSpeed-wrapped) model.
-
-    The TP group and logit slice come from the vocab-parallel head when there is one (`tp_group`
-    overrides its group). The DP group is, in order: `dp_group`; the AutoTP mesh's data-parallel
-    group (`engine.mpu`); the engine's `data_parallel_group`; the world.
-    """
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    """This process's rank in `group` (None: the world) and the group's size; (0, 1) on one process."""
     if not (dist.is_available() and dist.is_initialized()):
-        return ParallelLayout()
-    module = unwrap_model(model_engine_or_module)
-    head = find_vocab_parallel_head(module)
-    vocab_start, vocab_end, head_group = 0, None, None
-    if head is not None and getattr(head, "mp_group", None) is not None:
-        head_group = head.mp_group
-        vocab_start, vocab_end = int(head.vocab_start_index), int(head.vocab_end_index)
-    if dp_group is None:
-        mpu = getattr(model_engine_or_module, "mpu", None)
-        if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
-            dp_group = mpu.get_data_parallel_group()
-        else:
-            dp_group = getattr(model_engine_or_module, "data_parallel_group", None)
-    dp_size = dist.get_world_size(dp_group) if dp_group is not None else dist.get_world_size()
-    dp_rank = dist.get_rank(dp_group) if dp_group is not None else dist.get_rank()
-    return ParallelLayout(dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
-                          tp_group=tp_group if tp_group is not None else head_group,
-                          vocab_start=vocab_start, vocab_end=vocab_end)
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
-def global_argmax(local_logits: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+def global_argmax(local_logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """Ids of the largest logit per row over the whole vocabulary; ties go to the lowest id.
 
-    Collectives (TP group, only with a vocab-parallel head): all-reduce MAX of the best values,
-    then all-reduce MIN of the ids that reach it.
+    Collectives (the shard's TP group, only when the vocabulary is split): all-reduce MAX of the best
+    values, then all-reduce MIN of the ids that reach it.
     """
     logits = local_logits.float()
     best_value, best_local = logits.max(dim=-1)  # first (lowest) index on ties
-    best_id = best_local + layout.vocab_start
-    if not layout.vocab_parallel:
+    best_id = best_local + shard.start
+    if not shard.is_split:
         return best_id
     global_value = best_value.clone()
-    dist.all_reduce(global_value, op=dist.ReduceOp.MAX, group=layout.tp_group)
+    dist.all_reduce(global_value, op=dist.ReduceOp.MAX, group=shard.tp_group)
     no_claim = torch.iinfo(torch.long).max
     claimed = torch.where(best_value == global_value, best_id, torch.full_like(best_id, no_claim))
-    dist.all_reduce(claimed, op=dist.ReduceOp.MIN, group=layout.tp_group)
+    dist.all_reduce(claimed, op=dist.ReduceOp.MIN, group=shard.tp_group)
     return claimed
 
 
@@ -181,6 +150,8 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     the model's `max_position_embeddings`) keep their last tokens, with a warning giving the numbers
     (as lm-evaluation-harness does); a `max_new_tokens` that leaves no room for a prompt is an error.
     `add_special_tokens` None: the tokenizer's own default (BOS for Llama-style tokenizers).
+    `dp_group`: the group prompts are split over (default: `data_parallel_group`). `tp_group`: the
+    group of a vocabulary-parallel LM head (default: the head's own, `vocab_shard_of`).
     """
     n = len(prompts)
     if batch_size < 1:
@@ -197,7 +168,11 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
             raise ValueError(f"stop has {len(stops)} lists of stop strings for {n} prompts; give one list per prompt")
 
     module = unwrap_model(model_engine_or_module)
-    layout = resolve_layout(model_engine_or_module, dp_group, tp_group)
+    shard = vocab_shard_of(model_engine_or_module)
+    if tp_group is not None:
+        shard = replace(shard, tp_group=tp_group)
+    dp_group = data_parallel_group(model_engine_or_module, dp_group)
+    dp_rank, dp_size = _rank_and_size(dp_group)
     device = _model_device(model_engine_or_module)
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id if eos_id is not None else 0)
@@ -215,8 +190,8 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters else {}
 
     # This rank's contiguous chunk of prompts; longest first so batches hold similar lengths.
-    chunk = -(-n // layout.dp_size)
-    mine = list(range(layout.dp_rank * chunk, min(n, (layout.dp_rank + 1) * chunk)))
+    chunk = -(-n // dp_size)
+    mine = list(range(dp_rank * chunk, min(n, (dp_rank + 1) * chunk)))
     encoded = {i: tokenizer(prompts[i], **special)["input_ids"] for i in mine}
     empty = [i for i in mine if not encoded[i]]
     # Only this rank tokenized its chunk: agree on the error first, so every rank raises and none waits.
@@ -263,14 +238,15 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
                                  position_ids=batch.position_ids, use_cache=True,
                                  **{cache_kwarg: batch.cache}, **last_logits_only)
                 batch.cache = outputs.get(cache_kwarg)
-                next_ids = global_argmax(outputs.logits[:, -1, :], layout)
+                next_ids = global_argmax(outputs.logits[:, -1, :], shard)
                 if _advance(batch, next_ids, tokenizer, eos_id, stops, results):
                     batch = None
     finally:
         module.train(was_training)
     seconds = time.perf_counter() - started
 
-    texts, new_tokens, seconds, truncated_count = _gather_results(results, len(truncated), n, seconds, layout, device)
+    texts, new_tokens, seconds, truncated_count = _gather_results(results, len(truncated), n, seconds, dp_group, dp_size,
+                                                                device)
     return GenerationOutput(texts=texts, new_tokens=new_tokens, forward_passes=forward_passes, seconds=seconds,
                             truncated_prompts=truncated_count)
 
@@ -314,14 +290,14 @@ def _advance(batch: _Batch, next_ids: torch.Tensor, tokenizer: Any, eos_id: int 
     return False
 
 
-def _gather_results(results: dict[int, tuple[str, int]], truncated: int, n: int, seconds: float,
-                    layout: ParallelLayout, device: torch.device) -> tuple[list[str], int, float, int]:
+def _gather_results(results: dict[int, tuple[str, int]], truncated: int, n: int, seconds: float, dp_group: Any,
+                    dp_size: int, device: torch.device) -> tuple[list[str], int, float, int]:
     """Every prompt's text on every rank (all-gather over DP), total new tokens, slowest rank's time, and
     the number of truncated prompts over all data-parallel ranks."""
     if not (dist.is_available() and dist.is_initialized()):
         return [results[i][0] for i in range(n)], sum(count for _, count in results.values()), seconds, truncated
-    gathered: list[Any] = [None] * layout.dp_size
-    dist.all_gather_object(gathered, (results, truncated), group=layout.dp_group)
+    gathered: list[Any] = [None] * dp_size
+    dist.all_gather_object(gathered, (results, truncated), group=dp_group)
     merged: dict[int, tuple[str, int]] = {}
     for part, _ in gathered:
         merged.update(part)

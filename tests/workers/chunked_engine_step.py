@@ -18,7 +18,7 @@ from deepspeed.module_inject.layers import VocabParallelLinear
 from deepspeed.utils import groups
 from transformers import AutoModelForCausalLM
 
-from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
+from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss, vocab_shard_of
 from ntl_pretrain.loss.chunked import chunked_model_ce_ntl_sums
 from ntl_pretrain import distributed
 from ntl_pretrain.numbers import NumberVocab
@@ -63,8 +63,8 @@ def main() -> None:
 
     head = engine.module.get_output_embeddings()
     assert isinstance(head, VocabParallelLinear) == (args.tp > 1), type(head)
-    tp_group = head.mp_group if args.tp > 1 else None
-    vocab_start = head.vocab_start_index if args.tp > 1 else 0
+    shard = vocab_shard_of(engine)
+    assert shard.is_split == (args.tp > 1) and shard.start == (head.vocab_start_index if args.tp > 1 else 0)
     dp_group = groups._get_data_parallel_group()
     dp_rank = groups._get_data_parallel_rank()
 
@@ -84,12 +84,10 @@ def main() -> None:
             assert head.weight.ds_status == ZeroParamStatus.NOT_AVAILABLE, head.weight.ds_summary()
         if args.chunk_tokens:
             sums = chunked_model_ce_ntl_sums(engine, head, {"input_ids": input_ids}, labels, number_vocab, settings,
-                                             chunk_tokens=args.chunk_tokens, tp_group=tp_group,
-                                             vocab_start_index=vocab_start)
+                                             chunk_tokens=args.chunk_tokens, shard=shard)
         else:
             logits = engine(input_ids=input_ids).logits
-            sums = ce_ntl_sums(logits, labels, number_vocab, settings, tp_group=tp_group,
-                               vocab_start_index=vocab_start)
+            sums = ce_ntl_sums(logits, labels, number_vocab, settings, shard=shard)
         loss = scaled_micro_batch_loss(sums, counts, args.ntl_weight, dp_size, args.grad_accum)
         engine.backward(loss)
         engine.step()

@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.loss import NTLSettings, ce_ntl_sums
+from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums
 from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums
 from ntl_pretrain.numbers import NumberVocab
 
@@ -71,7 +71,7 @@ def check(settings, tp_group, tp_rank, tp_size, uneven, chunk_tokens, seed) -> f
     head.weight.data = weight[start:end].clone()
     ours_hidden = hidden.clone().requires_grad_()
     sums = chunked_ce_ntl_sums(ours_hidden, head, labels, vocab, settings, chunk_tokens=chunk_tokens,
-                               tp_group=tp_group, vocab_start_index=start)
+                               shard=VocabShard(tp_group, start))
     objective(sums).backward()
     errors = [relative_error(objective(sums), objective(reference)),
               relative_error(ours_hidden.grad, ref_hidden_grad),
@@ -117,8 +117,8 @@ def main() -> None:
     hidden, weight, labels = make_inputs(0)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
     try:
-        chunked_ce_ntl_sums(hidden, head, labels, vocab, chunk_tokens=8, tp_group=tp_group,
-                            vocab_start_index=tp_rank * VOCAB // args.tp)
+        chunked_ce_ntl_sums(hidden, head, labels, vocab, chunk_tokens=8,
+                            shard=VocabShard(tp_group, tp_rank * VOCAB // args.tp))
     except ValueError as error:
         assert "do not tile the vocabulary" in str(error), error
     else:

@@ -18,7 +18,7 @@ from deepspeed.module_inject.layers import VocabParallelLinear
 from deepspeed.utils import groups
 from transformers import AutoModelForCausalLM
 
-from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss
+from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, count_step, scaled_micro_batch_loss, vocab_shard_of
 from ntl_pretrain import distributed
 from ntl_pretrain.numbers import NumberVocab
 
@@ -59,9 +59,9 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     heads = [m for m in engine.module.modules() if isinstance(m, VocabParallelLinear)]
-    tp_group = heads[0].mp_group if heads else None
-    vocab_start = heads[0].vocab_start_index if heads else 0
+    shard = vocab_shard_of(engine)
     assert (len(heads) == 1) == (args.tp > 1), "AutoTP should have made exactly one vocab-parallel head"
+    assert shard.is_split == (args.tp > 1) and (not heads or shard.start == heads[0].vocab_start_index), shard
     dp_group = groups._get_data_parallel_group()
     dp_rank = groups._get_data_parallel_rank()
     assert groups._get_data_parallel_world_size() == dp_size == engine.dp_world_size
@@ -77,7 +77,7 @@ def main() -> None:
     ce_sum = ntl_sum = 0.0
     for input_ids, labels in micro_batches:
         logits = engine(input_ids=input_ids).logits
-        sums = ce_ntl_sums(logits, labels, number_vocab, settings, tp_group=tp_group, vocab_start_index=vocab_start)
+        sums = ce_ntl_sums(logits, labels, number_vocab, settings, shard=shard)
         loss = scaled_micro_batch_loss(sums, counts, args.ntl_weight, dp_size, args.grad_accum)
         engine.backward(loss)
         engine.step()

@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, number_token_loss
+from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums, number_token_loss
 from ntl_pretrain.numbers import NumberVocab
 
 TOKENIZER_SIZE, PADDED_VOCAB = 60, 64  # the model's vocabulary is padded past the tokenizer's
@@ -63,7 +63,7 @@ def check_case(number_ids, settings, tp_group, tp_rank, tp_size, uneven, seed) -
     (ref_grad,) = torch.autograd.grad(ref_total, full)
 
     shard = logits[..., start:end].clone().requires_grad_()
-    ours = ce_ntl_sums(shard, labels, vocab, settings, tp_group=tp_group, vocab_start_index=start)
+    ours = ce_ntl_sums(shard, labels, vocab, settings, shard=VocabShard(tp_group, start, end - start))
     total = ours.ce_sum + 0.7 * ours.ntl_sum
     (grad,) = torch.autograd.grad(total, shard)
 
@@ -74,7 +74,7 @@ def check_case(number_ids, settings, tp_group, tp_rank, tp_size, uneven, seed) -
     # the NTL-only entry point takes the shard too
     ntl = number_token_loss(shard, labels, vocab, variant=settings.variant, reweigh=settings.reweigh,
                             squash_factor=settings.squash_factor, smoothing_sigma=settings.smoothing_sigma,
-                            tp_group=tp_group, vocab_start_index=start, reduction="none")
+                            shard=VocabShard(tp_group, start), reduction="none")
     ntl_ref = number_token_loss(logits, labels, vocab, variant=settings.variant, reweigh=settings.reweigh,
                                 squash_factor=settings.squash_factor, smoothing_sigma=settings.smoothing_sigma,
                                 reduction="none")
@@ -101,7 +101,7 @@ def count_collectives(tp_group, tp_rank, tp_size, check_inputs: bool) -> dict[st
     logits, labels = make_batch(PLACEMENTS["split"], 0)
     start, end = shard_bounds(tp_rank, tp_size, False)
     shard = logits[..., start:end].clone().requires_grad_()
-    sums = ce_ntl_sums(shard, labels, vocab, NTLSettings(reweigh=True), tp_group=tp_group, vocab_start_index=start,
+    sums = ce_ntl_sums(shard, labels, vocab, NTLSettings(reweigh=True), shard=VocabShard(tp_group, start),
                        check_inputs=check_inputs)
     (sums.ce_sum + sums.ntl_sum).backward()
     dist.all_reduce = original
@@ -134,7 +134,7 @@ def main() -> None:
     vocab = NumberVocab(tuple(PLACEMENTS["split"]), tuple(float(v) for v in VALUE_ORDER), TOKENIZER_SIZE)
     logits, labels = make_batch(PLACEMENTS["split"], 0)
     try:
-        ce_ntl_sums(logits, labels, vocab, tp_group=tp_group, vocab_start_index=tp_rank * (PADDED_VOCAB // tp_size))
+        ce_ntl_sums(logits, labels, vocab, shard=VocabShard(tp_group, tp_rank * (PADDED_VOCAB // tp_size)))
     except ValueError as error:
         assert "do not tile the vocabulary" in str(error), error
     else:
@@ -147,8 +147,7 @@ def main() -> None:
     for reweigh in (False, True):
         for case, wrong, wrong_start in (("full logits", logits, tp_rank * width), ("same start", own_shard, 0)):
             try:
-                number_token_loss(wrong, labels, vocab, reweigh=reweigh, tp_group=tp_group,
-                                  vocab_start_index=wrong_start)
+                number_token_loss(wrong, labels, vocab, reweigh=reweigh, shard=VocabShard(tp_group, wrong_start))
             except ValueError as error:
                 assert "do not tile the vocabulary" in str(error), error
             else:
