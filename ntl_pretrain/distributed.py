@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Where this process sits in the (data_parallel, tensor_parallel) mesh."""
+    """Where this process sits in the (data_parallel, tensor_parallel) mesh: the one layout type (the
+    columns of the vocabulary this rank's LM head holds are `loss.VocabShard`, found by `loss.vocab_shard_of`)."""
 
     world_size: int  # all processes
     rank: int  # global rank
