@@ -81,6 +81,7 @@ class _ChunkedHeadObjective(torch.autograd.Function):
         n, width = hidden.shape[0], weight.shape[0]
         device, dtype = hidden.device, compute_dtype(hidden.dtype)
         number_vocab, settings, shard = plan.number_vocab, plan.settings, plan.shard
+        shard.check_width(width, "the LM head's weight rows")  # the width is known while ZeRO-3 has it gathered
         columns = NumberColumns.build(number_vocab, shard.start, width, device)
         flat_labels = plan.labels.reshape(-1).long()
         valid = flat_labels != settings.ignore_index
@@ -98,7 +99,6 @@ class _ChunkedHeadObjective(torch.autograd.Function):
         hidden_grad_ce = torch.empty(hidden.shape, dtype=dtype, device=device) if need_hidden_grad else None
         weight_grad = torch.zeros(weight.shape, dtype=dtype, device=device) if need_weight_grad else None
         bias_grad = torch.zeros(width, dtype=dtype, device=device) if need_bias_grad else None
-        shard.check_width(width, "the LM head's weight rows")  # the width is known while ZeRO-3 has it gathered
         if plan.check_inputs:
             check_on_host(shard, width, flat_labels, number_vocab, settings.ignore_index, device)
 
