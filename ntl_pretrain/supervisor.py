@@ -17,6 +17,8 @@ exiting 1. So:
   forwarded as a stop, and the ranks watch their launchers too; launch.py forwards SIGTERM itself).
   When every rank of this node has reported a clean stop (`lifecycle.report_to_supervisor`), the
   supervisor exits 0 whatever the launchers returned.
+- A one-node job that names no port gets a free one when DeepSpeed's default (29500) is taken, so two runs
+  can share a machine.
 
 Usage: `python -m ntl_pretrain.supervisor [deepspeed launcher args] script [script args]`.
 """
@@ -29,6 +31,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -178,8 +181,43 @@ class Supervisor:
         return runner_rc if runner_rc > 0 else 128 - runner_rc
 
 
+DEFAULT_MASTER_PORT = 29500  # DeepSpeed's runner's default (torch's TORCH_DISTRIBUTED_DEFAULT_PORT)
+DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"  # the runner goes multi-node when this exists
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))  # the rendezvous store listens on every address
+        except OSError:
+            return False
+    return True
+
+
+def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PORT) -> list[str]:
+    """The launcher arguments, with `--master_port` of a free port prepended when this is a one-node job
+    that sets no port and the default one is taken (a second run on the machine would otherwise die in the
+    rendezvous with EADDRINUSE). Multi-node jobs keep the default: every node must agree on the port."""
+    launcher = []
+    for arg in args:
+        if arg.endswith((".sh", ".py")) and not (launcher and launcher[-1] in ("--hostfile", "-H")):
+            break  # the training script: what follows is its own arguments
+        launcher.append(arg)
+    chosen = any(a.split("=")[0] in ("--master_port", "--hostfile", "-H", "--master_addr") for a in launcher)
+    if chosen or os.environ.get("MASTER_PORT") or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE):
+        return args
+    if _port_is_free(default_port):
+        return args
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    print(f"note: port {default_port} is in use (another job on this machine?): this run's rendezvous uses "
+          f"{port}; choose one with NTL_DEEPSPEED_ARGS=\"--master_port N\"", file=sys.stderr, flush=True)
+    return ["--master_port", str(port), *args]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    args = with_free_master_port(sys.argv[1:] if argv is None else argv)
     folder = tempfile.mkdtemp(prefix="ntl_supervisor_")
     try:
         return Supervisor([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *args], folder).run()

@@ -253,3 +253,25 @@ def test_a_finished_run_leaves_no_shared_memory_buffer(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-2000:] for o in outputs)
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
     assert "run summary: finished at step 1" in outputs[0]
+
+
+def test_a_one_node_job_gets_a_free_port_when_the_default_is_taken(monkeypatch):
+    from ntl_pretrain import supervisor
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setattr(supervisor, "DEEPSPEED_DEFAULT_HOSTFILE", "/nonexistent/hostfile")
+    args = ["--num_gpus", "2", "launch/pretrain.sh", "--config", "c.yaml", "--master_port", "7"]
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        moved = supervisor.with_free_master_port(args, default_port=busy)
+        assert moved[0] == "--master_port" and int(moved[1]) != busy and moved[2:] == args
+        # the user's own choice, several nodes, or a port in the environment: left as given
+        for chosen in (["--master_port", "29600", *args], ["--hostfile", "hosts.sh", *args],
+                       ["--master_port=29600", *args]):
+            assert supervisor.with_free_master_port(chosen, default_port=busy) == chosen
+        monkeypatch.setenv("MASTER_PORT", "29601")
+        assert supervisor.with_free_master_port(args, default_port=busy) == args
+    monkeypatch.delenv("MASTER_PORT")
+    assert supervisor.with_free_master_port(args, default_port=free_port()) == args  # default free: unchanged
