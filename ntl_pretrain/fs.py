@@ -104,12 +104,13 @@ def write_json_atomic(path: str | os.PathLike, data: Any, **dump_kwargs: Any) ->
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[str]:
+def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator[str]:
     """Yield an empty staging folder beside `path` (mode from the umask); on success the files in it get
     the umask's modes and it is renamed onto `path`, on error removed.
 
     Raises FileExistsError (staging removed) when `path` already exists and is not empty, so a caller
-    that races another process for the same result can keep the one that finished first.
+    that races another process for the same result can keep the one that finished first; with `replace`
+    such a folder is replaced instead (see `commit_directory`).
     """
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
@@ -118,16 +119,37 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[str]:
     try:
         yield staging
         apply_umask_modes(staging)
-        try:
-            os.rename(staging, path)  # replaces an empty folder; fails on a non-empty one
-        except OSError as error:
-            if os.path.isdir(path) and os.listdir(path):
-                raise FileExistsError(f"{path!r} already exists and is not empty") from error
-            raise
+        commit_directory(staging, path, replace=replace)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def commit_directory(staging: str | os.PathLike, path: str | os.PathLike, replace: bool = False) -> None:
+    """The last step of writing a folder under a temporary name: fsync it, rename it onto `path` and fsync
+    the parent, so the rename is durable. An empty folder at `path` is replaced; a non-empty one raises
+    FileExistsError (`staging` stays), or with `replace` is moved aside, replaced and then deleted.
+    For staging folders with a fixed name (a checkpoint's `.partial`, which every rank writes into);
+    `atomic_directory` makes and commits one itself."""
+    staging, path = os.fspath(staging), os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    fsync_dir(staging)
+    retired = None
+    if replace and os.path.isdir(path) and os.listdir(path):
+        retired = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+        os.rename(path, os.path.join(retired, os.path.basename(path)))
+    try:
+        os.rename(staging, path)  # replaces an empty folder; fails on a non-empty one
+    except OSError as error:
+        if retired is not None:  # put the old folder back
+            os.rename(os.path.join(retired, os.path.basename(path)), path)
+            os.rmdir(retired)
+        if os.path.isdir(path) and os.listdir(path):
+            raise FileExistsError(f"{path!r} already exists and is not empty") from error
+        raise
     fsync_dir(parent)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def writable_problem(path: str | os.PathLike, key: str) -> str | None:

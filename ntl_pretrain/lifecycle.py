@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Iterator
 
+from .fs import write_json_atomic
+
 logger = logging.getLogger("ntl_pretrain")
 
 LOCK_NAME = ".run.lock"
@@ -288,8 +290,4 @@ def report_to_supervisor(event: str, **fields: object) -> None:
         return
     record = {"pid": os.getpid(), "rank": global_rank(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
               "local_world_size": local_world_size(), **fields}
-    path = os.path.join(folder, f"{event}.{record['local_rank']}.json")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(record, handle)
-    os.replace(tmp, path)
+    write_json_atomic(os.path.join(folder, f"{event}.{record['local_rank']}.json"), record)

@@ -6,6 +6,7 @@ Other ranks get a `Monitor` that does nothing, so the training loop calls it unc
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import sys
 import time
@@ -30,6 +31,20 @@ def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def purge_tensorboard_after(tensorboard_dir: str, step: int) -> None:
+    """Hide TensorBoard points after `step` that a run killed after its last checkpoint had written.
+
+    A resumed run writes those steps again; TensorBoard's "purge_step" session marker (written here,
+    before the new run's event file) makes readers drop the older points with step > `step`.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not os.path.isdir(tensorboard_dir):
+        return
+    writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=step + 1)
+    writer.close()
 
 
 class Monitor:

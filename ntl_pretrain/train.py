@@ -24,9 +24,8 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 
 from . import distributed, lifecycle
-from .checkpoint import (CheckpointError, CheckpointManager, PreemptionHandler, data_description, export_hf,
-                         fingerprint, lr_schedule_description, purge_tensorboard_after, resolve_resume, run_on_main,
-                         write_hf_assets)
+from .checkpoint import (CheckpointError, CheckpointManager, data_description, export_hf, fingerprint,
+                         lr_schedule_description, resolve_resume, run_on_main, write_hf_assets)
 from .config import Config, ConfigError, help_text, load_config, ntl_settings, to_yaml, write_resolved
 from .data import DataError, PretrainingData, document_texts, load_documents, prepare_generated_corpus, resolve_files
 from .eval.config import save_eval_settings, validate_eval_inputs
@@ -35,8 +34,9 @@ from .fs import writable_problem, write_json_atomic
 from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
 from .model import (build_model, check_sequence_length, load_model_config, load_tokenizer, needs_training,
                     tokenizer_source, train_digit_bpe)
-from .monitor import Monitor, memory_gib
+from .monitor import Monitor, memory_gib, purge_tensorboard_after
 from .numbers import NumberVocab
+from .preemption import PreemptionHandler
 from .tokenizer.coverage import check_training_digits
 
 logger = logging.getLogger("ntl_pretrain")
@@ -261,22 +261,12 @@ def check_output_dir(cfg: Config) -> str | None:
 def collective_call(fn: Callable[[], T], first: bool) -> T:
     """Run `fn` on the `first` processes, then on the others (which then find caches and files ready).
 
-    An error on any process is raised on every process, so none waits in a collective for a dead one.
+    An error on any process is raised on every process (`distributed.run_agreed`), so none waits in a
+    collective for a dead one.
     """
-    result, error = None, None
-    if first:
-        try:
-            result = fn()
-        except (ValueError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    distributed.broadcast_error(error)
-    if not first:
-        try:
-            result = fn()
-        except (ValueError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    distributed.broadcast_error(error)
-    return result  # type: ignore[return-value]
+    result = distributed.run_agreed(fn, first)
+    later = distributed.run_agreed(fn, not first)
+    return result if first else later  # type: ignore[return-value]
 
 
 def _setup_logging(is_main: bool) -> None:
@@ -372,7 +362,7 @@ class Trainer:
         self.lock = lifecycle.RunLock(cfg.train.output_dir)
         try:
             with self.watchdog.waiting("every rank to reach the first collective (the run-folder lock)"):
-                distributed.broadcast_error(output_problem)  # every rank stops if any cannot write, none waits
+                distributed.agree_on_error(output_problem)  # every rank stops if any cannot write, none waits
                 collective_call(self.lock.acquire if self.layout.is_main else (lambda: None), first=True)
         finally:
             lifecycle.remove_own_shm_buffer()  # every rank reached a collective: every buffer is mapped

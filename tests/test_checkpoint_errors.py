@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from ntl_pretrain.checkpoint import (MANIFEST_NAME, CheckpointError, PreemptionHandler, list_checkpoints,
-                                     read_manifest, resolve_resume, step_of_tag)
+from ntl_pretrain.checkpoint import MANIFEST_NAME, CheckpointError, list_checkpoints, read_manifest, resolve_resume, step_of_tag
+from ntl_pretrain.preemption import PreemptionHandler
 from ntl_pretrain.config import ConfigError, load_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,7 +149,7 @@ def test_preemption_handler_records_the_signal_and_bounds_the_exit():
 def test_preemption_grace_time_exceeded_ends_the_process():
     """A process that does not reach a step boundary in time exits (non-zero) when the grace time is over."""
     script = ("import os, signal, time\n"
-              "from ntl_pretrain.checkpoint import PreemptionHandler\n"
+              "from ntl_pretrain.preemption import PreemptionHandler\n"
               "h = PreemptionHandler(['SIGTERM'], grace_s=0.5); h.install()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "time.sleep(30)\n")
@@ -160,32 +160,54 @@ def test_preemption_grace_time_exceeded_ends_the_process():
     assert "no checkpoint within checkpoint.preempt_grace_s=0.5 s of SIGTERM" in result.stderr
 
 
-def _sha256_manifest(folder, step: int, files: dict[str, bytes]) -> None:
-    """A complete checkpoint of manifest format 2: sizes and sha256 (computed here with hashlib)."""
+def _hashed_manifest(folder, step: int, files: dict[str, bytes], algorithm: str) -> None:
+    """A complete checkpoint with sizes and content hashes computed here with the hash libraries themselves:
+    manifest format 2 (sha256 entries, what earlier versions wrote) or 3 (xxh3_128, its algorithm named)."""
     import hashlib
+
+    import xxhash
 
     tag = folder / f"global_step{step}"
     tag.mkdir(parents=True)
     for name, data in files.items():
+        (tag / name).parent.mkdir(exist_ok=True)
         (tag / name).write_bytes(data)
-    (tag / MANIFEST_NAME).write_text(json.dumps({
-        "format": 2, "step": step, "files": {n: len(d) for n, d in files.items()},
-        "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}))
+    manifest = {"step": step, "files": {n: len(d) for n, d in files.items()}}
+    if algorithm == "sha256":
+        manifest.update(format=2, sha256={n: hashlib.sha256(d).hexdigest() for n, d in files.items()})
+    else:
+        manifest.update(format=3, hash_algorithm="xxh3_128",
+                        hashes={n: xxhash.xxh3_128(d).hexdigest() for n, d in files.items()})
+    (tag / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-def test_content_hash_mismatch_skips_for_auto_and_is_an_error_for_the_tag(tmp_path, caplog):
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_content_hash_mismatch_skips_for_auto_and_is_an_error_for_the_tag(tmp_path, caplog, algorithm):
+    """A same-size shard with other bytes is caught with today's hash (format 3) and with the sha256 of
+    format-2 manifests, which still verify (global_step1 is resumed from)."""
     out = tmp_path / "run"
-    _sha256_manifest(out, 1, {"shard.bin": b"a" * 5000})
-    _sha256_manifest(out, 2, {"shard.bin": b"b" * 5000})
+    _hashed_manifest(out, 1, {"shard.bin": b"a" * 5000, "hf/config.json": b"{}"}, algorithm)
+    _hashed_manifest(out, 2, {"shard.bin": b"b" * 5000}, algorithm)
     (out / "global_step2" / "shard.bin").write_bytes(b"b" * 4000 + b"\x00" * 1000)  # same size, other bytes
     with caplog.at_level("WARNING", logger="ntl_pretrain"):
         assert resolve_resume(str(out), "auto") == "global_step1"
     assert "the content of shard.bin differs from what was written" in caplog.text
-    with pytest.raises(CheckpointError, match=r"global_step2' is damaged: the content of shard.bin differs"):
+    assert "without content hashes" not in caplog.text
+    with pytest.raises(CheckpointError, match=rf"global_step2' is damaged: the content of shard.bin differs from "
+                                              rf"what was written \(its {algorithm} does not match"):
         resolve_resume(str(out), "global_step2")
     (out / "global_step1" / "shard.bin").write_bytes(b"c" * 5000)
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* is intact"):
         resolve_resume(str(out), "auto")
+
+
+def test_a_manifest_naming_an_unknown_hash_is_refused(tmp_path):
+    out = tmp_path / "run"
+    _hashed_manifest(out, 1, {"shard.bin": b"a" * 50}, "xxh3_128")
+    manifest = json.loads((out / "global_step1" / MANIFEST_NAME).read_text())
+    (out / "global_step1" / MANIFEST_NAME).write_text(json.dumps(dict(manifest, hash_algorithm="md7")))
+    with pytest.raises(CheckpointError, match=r"names the content hash 'md7', which this version does not know"):
+        resolve_resume(str(out), "global_step1")
 
 
 def test_a_manifest_without_hashes_is_checked_by_size_with_a_warning(tmp_path, caplog):

@@ -3,8 +3,9 @@
 - item 1: a crafted pickle (os.system creating a marker file) in rng_state_0.pt under train.resume=auto,
   and in the model states under tools/export_hf.py, never runs, with a clear error; the manifest is
   updated with the file's size and hash, as an attacker would;
-- item 2: the manifest records each file's sha256 (checked here with hashlib); a shard corrupted in
-  place (same size) is skipped by resume=auto with a warning naming it, and is an error for its tag;
+- item 2: the manifest names its content hash (xxh3_128) and records it for each file (checked here with
+  xxhash itself); a shard corrupted in place (same size) is skipped by resume=auto with a warning naming
+  it, and is an error for its tag;
 - item 7: the start-up cleanup removes our own interrupted saves and nothing else of the run folder;
 - item 8: a resume with another train.max_steps stops unless checkpoint.resume_lr_schedule says keep
   or replan (checked against DeepSpeed's own scheduler), and another data configuration is refused
@@ -13,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from ntl_pretrain.checkpoint import MANIFEST_NAME, CheckpointError, resolve_resume
 
@@ -108,8 +109,7 @@ def _rewrite_manifest(folder: Path, name: str) -> None:
     """What an attacker would do after replacing a file: record its new size and hash."""
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
     manifest["files"][name] = (folder / name).stat().st_size
-    if "sha256" in manifest:
-        manifest["sha256"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    manifest["hashes"][name] = xxhash.xxh3_128((folder / name).read_bytes()).hexdigest()
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
@@ -132,14 +132,15 @@ def test_cleanup_removes_only_our_own_interrupted_saves(run):
 
 
 # ---------------------------------------------------------------------------------------------- item 2
-def test_manifest_records_the_sha256_of_every_file(run):
+def test_manifest_records_the_content_hash_of_every_file(run):
     manifest = json.loads((run / "global_step3" / MANIFEST_NAME).read_text())
-    assert manifest["format"] == 2 and set(manifest["sha256"]) == set(manifest["files"])
+    assert manifest["format"] == 3 and manifest["hash_algorithm"] == "xxh3_128"
+    assert set(manifest["hashes"]) == set(manifest["files"])
     files = sorted(str(p.relative_to(run / "global_step3")) for p in (run / "global_step3").rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME)
     assert sorted(manifest["files"]) == files
     for name in files:
-        assert manifest["sha256"][name] == hashlib.sha256((run / "global_step3" / name).read_bytes()).hexdigest(), name
+        assert manifest["hashes"][name] == xxhash.xxh3_128((run / "global_step3" / name).read_bytes()).hexdigest(), name
 
 
 def test_a_shard_corrupted_in_place_is_skipped_by_auto_and_an_error_for_its_tag(run, tmp_path, caplog):

@@ -356,9 +356,9 @@ def main() -> None:
 
 
 def _write_json(path: str, document: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    Path(tmp).write_text(json.dumps(document, indent=1))
-    os.replace(tmp, path)
+    from ntl_pretrain.fs import write_json_atomic
+
+    write_json_atomic(path, document, indent=1)
 
 
 def _add_ratios_vs_unchunked(row: dict, rows: list[dict]) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import json
 import os
 import re
 import sys
@@ -187,12 +186,9 @@ def format_table(metrics: dict[str, float]) -> str:
 
 
 def _write_json(path: str, data: Any) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=1)
-    os.replace(tmp, path)
+    from ntl_pretrain.fs import write_json_atomic
+
+    write_json_atomic(path, data, indent=1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ntl_pretrain.eval.arithmetic import ALL_OPS, SPLITS
+from ntl_pretrain.fs import write_json_atomic
 from ntl_pretrain.eval.gsm8k import DEFAULT_NUM_FEWSHOT, FEWSHOT_SAMPLERS
 
 GSM8K_VARIANTS = tuple(DEFAULT_NUM_FEWSHOT)
@@ -133,13 +134,7 @@ def eval_config_from_dict(values: dict[str, Any], where: str = "eval") -> EvalCo
 
 def save_eval_settings(folder: str, cfg: EvalConfig) -> str:
     """Write `cfg` as FOLDER/ntl_eval.json (atomically); returns the path."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, EVAL_SETTINGS_FILE)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(dataclasses.asdict(cfg), handle, indent=1)
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(os.path.join(folder, EVAL_SETTINGS_FILE), dataclasses.asdict(cfg), indent=1)
 
 
 def load_eval_settings(folder: str) -> EvalConfig | None:

@@ -20,6 +20,8 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from ..fs import atomic_directory
+
 # Files whose presence makes a folder a tokenizer folder (transformers' own file names).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
                    "vocab.json", "vocab.txt", "tekken.json")
@@ -232,20 +234,5 @@ def atomic_output_dir(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]
     A failure (or an interrupt) leaves any previous `out_dir` untouched and no half-written folder.
     """
     out = check_output_dir(out_dir, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
-        yield staging
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder normal permissions
-        if out.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old", dir=out.parent))
-            os.replace(out, retired / out.name)
-            os.replace(staging, out)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    with atomic_directory(out, replace=force) as staging:
+        yield Path(staging)

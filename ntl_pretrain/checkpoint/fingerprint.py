@@ -1,0 +1,157 @@
+"""What a resume must find unchanged: the model, tokenizer and number vocabulary (`fingerprint`), the data
+configuration (`data_description`) and the learning-rate schedule (`lr_schedule_description`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .format import CheckpointError
+
+logger = logging.getLogger("ntl_pretrain")
+
+# HF config keys that do not change what the weights mean (so they stay out of the fingerprint)
+_VOLATILE_CONFIG_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "architectures",
+    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "_commit_hash",
+    "output_attentions", "output_hidden_states", "return_dict", "_experts_implementation",
+})
+
+
+def _sha(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model_config: Any) -> str:
+    """Hash of a transformers config without the keys that do not change what the weights mean."""
+    config = model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
+    return _sha({k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS})
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of how a tokenizer maps text to ids (vocabulary, merges, normalizer, pre-tokenizer, specials)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("truncation", None)  # runtime settings, not the mapping
+        spec.pop("padding", None)
+        return _sha(spec)
+    return _sha(sorted(tokenizer.get_vocab().items()))
+
+
+def fingerprint(model_config: Any, tokenizer: Any, number_vocab: Any) -> dict[str, Any]:
+    """What a resume must find unchanged: the model's config, the tokenizer, the NTL number vocabulary."""
+    return {
+        "model": model_fingerprint(model_config),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "number_vocab": _sha({"ids": list(number_vocab.token_ids), "values": list(number_vocab.values)}),
+        "model_type": getattr(model_config, "model_type", None),
+        "vocab_size": getattr(model_config, "vocab_size", None),
+        "tokenizer_size": len(tokenizer),
+    }
+
+
+def check_fingerprint(saved: dict, current: dict, where: str) -> None:
+    """Raise naming the first difference between a checkpoint's fingerprint and this run's."""
+    fixes = {
+        "model": "model (architecture or vocabulary size)",
+        "tokenizer": "tokenizer (vocabulary or how it splits text)",
+        "number_vocab": "NTL number vocabulary (tokenizer.digit_level or the tokenizer)",
+    }
+    for key, what in fixes.items():
+        if key in saved and saved[key] != current[key]:
+            detail = ""
+            if key == "model":
+                detail = (f" (saved: {saved.get('model_type')}, vocabulary {saved.get('vocab_size')}; this run: "
+                          f"{current.get('model_type')}, vocabulary {current.get('vocab_size')})")
+            elif key == "tokenizer":
+                detail = f" (saved: {saved.get('tokenizer_size')} tokens; this run: {current.get('tokenizer_size')})"
+            raise CheckpointError(
+                f"checkpoint {where} was saved with a different {what} than this run{detail}; fingerprint "
+                f"{saved[key]} != {current[key]}. Resume with the model and tokenizer it was trained with, or "
+                f"export it (tools/export_hf.py) and start a new run from the export in another train.output_dir")
+
+
+def data_description(data_cfg: Any) -> dict:
+    """What a resume must find unchanged about the data: every key that decides which samples the stream
+    holds (sources with their weights and the files they resolve to, held-out documents, seq_len, seed),
+    not those that only decide how it is read (batch sizes, num_proc, cache_dir)."""
+    from ..data import DataError, resolve_files
+
+    sources = []
+    for index, source in enumerate(data_cfg.sources):
+        entry = {k: v for k, v in dataclasses.asdict(source).items()}
+        try:
+            resolved = resolve_files(source, f"data.sources.{index}")
+        except DataError:
+            resolved = None  # reported by the data pipeline itself
+        if resolved is not None:
+            files = [(os.path.basename(f), os.path.getsize(f)) for f in resolved[1]]
+            entry["files"] = {"count": len(files), "bytes": sum(size for _, size in files), "names_and_sizes": _sha(files)}
+        sources.append(entry)
+    return {"sources": sources, "seq_len": data_cfg.seq_len, "validation_documents": data_cfg.validation_documents,
+            "mask_document_start": data_cfg.mask_document_start, "seed": data_cfg.seed}
+
+
+def describe_changes(saved: Any, current: Any, prefix: str) -> str:
+    """`key: saved -> current` for each leaf that differs (at most 6)."""
+    changes: list[str] = []
+
+    def walk(a: Any, b: Any, key: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                walk(a.get(k), b.get(k), f"{key}.{k}")
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{key}.{i}")
+        elif a != b:
+            changes.append(f"{key}: {json.dumps(a, default=str)} -> {json.dumps(b, default=str)}")
+
+    walk(saved, current, prefix)
+    return "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+
+
+def check_data(saved: dict | None, current: dict, where: str, allow_change: bool) -> None:
+    """Refuse a resume whose data configuration differs from the checkpoint's (samples would repeat or be
+    skipped, validation documents could leak into training), unless the user allows it (logged)."""
+    if saved is None:
+        logger.warning("checkpoint %s records no data configuration (saved before format 2): the data sources are "
+                       "not compared, only data.seed and data.seq_len", where)
+        return
+    if saved == current:
+        return
+    changes = describe_changes(saved, current, "data")
+    if not allow_change:
+        raise CheckpointError(
+            f"checkpoint {where} was saved with another data configuration than this run's ({changes}); resuming "
+            f"would continue its sample stream on other data (samples repeat or are skipped, validation documents "
+            f"may enter training). Resume with the saved data settings, or set checkpoint.allow_data_change=true "
+            f"if you mean it")
+    logger.warning("checkpoint %s was saved with another data configuration (%s); continuing because "
+                   "checkpoint.allow_data_change=true: the stream position is reused on the new data", where, changes)
+
+
+def lr_schedule_description(ds_config: dict) -> dict:
+    """The learning-rate schedule a DeepSpeed config builds: its scheduler section and the optimizer's lr."""
+    return {"scheduler": ds_config.get("scheduler"),
+            "lr": (ds_config.get("optimizer") or {}).get("params", {}).get("lr")}
+
+
+def lr_text(schedule: dict, steps_done: int) -> str:
+    """The lr of step steps_done + 1 under a schedule, as DeepSpeed's scheduler computes it."""
+    from deepspeed.runtime import lr_schedules
+
+    section = schedule.get("scheduler") or {}
+    try:
+        scheduler_class = getattr(lr_schedules, section["type"])
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(schedule.get("lr") or 0.0))
+        scheduler = scheduler_class(optimizer, **section.get("params", {}), last_batch_iteration=steps_done)
+        return f"{scheduler.get_lr()[0]:.3e}"
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return "(not computable here)"

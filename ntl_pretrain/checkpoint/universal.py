@@ -1,0 +1,94 @@
+"""DeepSpeed's universal checkpoint form of a checkpoint (unsharded fp32 weights and optimizer states per
+parameter), through which a checkpoint loads with another data- or tensor-parallel size or ZeRO stage."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import time
+
+from ..fs import commit_directory, write_text_atomic
+from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError,
+                     UnsafeCheckpointError, file_sizes, saved_layout)
+from .integrity import hash_files, hash_record, verify_checkpoint
+from .safe_loading import weights_only_loads
+from .staging import make_staging, remove_staging
+
+logger = logging.getLogger("ntl_pretrain")
+
+def universal_path(checkpoint_path: str) -> str:
+    return checkpoint_path.rstrip("/") + UNIVERSAL_SUFFIX
+
+
+def convert_to_universal(checkpoint_path: str, output_path: str | None = None, workers: int = 1,
+                         verified: bool = False) -> str:
+    """Convert a (complete) DeepSpeed checkpoint to DeepSpeed's universal form, once; returns its path.
+
+    The conversion (`deepspeed.checkpoint.ds_to_universal`) writes full, unsharded fp32 weights and
+    optimizer states per parameter, which any data- and tensor-parallel size can load. It is written
+    to a staging folder and renamed, so an interrupted conversion is redone rather than used. Every file
+    is read with weights-only unpickling; the universal folder gets a manifest with sizes and hashes.
+
+    Args:
+        verified: the checkpoint's contents were checked already (a resume); its sizes are checked again.
+    """
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    manifest = verify_checkpoint(checkpoint_path, content=not verified)
+    output_path = output_path or universal_path(checkpoint_path)
+    if os.path.isfile(os.path.join(output_path, MANIFEST_NAME)):
+        verify_checkpoint(output_path)
+        return output_path
+    if os.path.exists(output_path):
+        raise CheckpointError(f"{output_path!r} exists but is not a finished universal checkpoint; remove it and "
+                              f"run the conversion again")
+    if manifest["layout"]["zero_stage"] == 0:
+        raise CheckpointError(f"checkpoint {checkpoint_path!r} was saved with ZeRO stage 0, which DeepSpeed's universal "
+                              f"checkpoints do not cover; resume it with the layout it was saved with "
+                              f"({saved_layout(manifest).describe()})")
+    staging = output_path + STAGING_SUFFIX
+    remove_staging(staging)
+    make_staging(staging)
+    # Without tensor parallelism nothing is sliced, so the universal-checkpoint metadata that AutoTP
+    # records (and DeepSpeed's ZeRO 1/2 conversion requires) is complete when it is just the version.
+    args = argparse.Namespace(input_folder=checkpoint_path, output_folder=staging, num_extract_workers=workers,
+                              num_merge_workers=workers, keep_temp_folder=False, strict=True,
+                              inject_missing_state=manifest["layout"]["tp_size"] == 1)
+    started = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), weights_only_loads():  # its prints would interleave with the log
+            ds_to_universal(args)
+    except pickle.UnpicklingError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UnsafeCheckpointError(f"checkpoint {checkpoint_path!r} holds pickled Python objects that a weights-only "
+                                    f"load refuses ({str(error).splitlines()[0]}); nothing was converted") from None
+    except (OSError, RuntimeError, ValueError, KeyError, AssertionError) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"converting {checkpoint_path!r} to a universal checkpoint failed ({type(error).__name__}: "
+                              f"{error}); the checkpoint itself is unchanged. Free disk space, or resume with the "
+                              f"layout it was saved with ({saved_layout(manifest).describe()})") from None
+    # carry our own files (RNG, HF assets) and write a manifest of the universal folder
+    for name in os.listdir(checkpoint_path):
+        source = os.path.join(checkpoint_path, name)
+        if name.startswith("rng_state_"):
+            shutil.copy2(source, os.path.join(staging, name))
+        elif name == HF_DIR:
+            shutil.copytree(source, os.path.join(staging, name))
+    sizes = file_sizes(staging)
+    carried = {key: value for key, value in manifest.items() if key != "sha256"}  # format 2's hashes: of other files
+    universal_manifest = dict(carried, format=FORMAT_VERSION, universal_of=os.path.basename(checkpoint_path.rstrip("/")),
+                              files=sizes, **hash_record(hash_files(staging, sorted(sizes), sizes)))
+    write_text_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(universal_manifest, indent=1))
+    commit_directory(staging, output_path)
+    pointer = os.path.join(os.path.dirname(output_path), "latest_universal")  # ds_to_universal's, naming the staging folder
+    if os.path.isfile(pointer):
+        write_text_atomic(pointer, os.path.basename(output_path))
+    logger.info("converted %s to a universal checkpoint %s in %.1f s", checkpoint_path, output_path,
+                time.perf_counter() - started)
+    return output_path

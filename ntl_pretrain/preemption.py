@@ -1,0 +1,112 @@
+"""Pre-emption: a stop signal (SIGTERM / SIGUSR1, configurable) or the end of the DeepSpeed launcher above a
+rank makes every rank save at the next step boundary and exit 0, within a bounded grace time."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import torch
+
+from .checkpoint.format import CheckpointError
+
+logger = logging.getLogger("ntl_pretrain")
+
+
+class PreemptionHandler:
+    """SIGTERM / SIGUSR1 (configurable) on any rank -> every rank saves at the next step boundary and exits 0.
+
+    The handler only records the signal; `requested()` (called by every rank at every step boundary)
+    agrees on it over the whole world with one small all-reduce. A watchdog started at the first
+    signal ends the process if it has not finished within the grace time, so a pre-empted job never
+    outlives what the cluster allows (the previous checkpoint then stays the resume point).
+
+    Args:
+        signals: signal names, e.g. ["SIGTERM", "SIGUSR1"].
+        grace_s: seconds from the signal to the exit.
+    """
+
+    def __init__(self, signals: list[str], grace_s: float) -> None:
+        self.signals = []
+        for name in signals:
+            number = getattr(signal, name, None)
+            if not isinstance(number, signal.Signals):
+                raise CheckpointError(f"checkpoint.preempt_signals: {name!r} is not a signal name (e.g. SIGTERM, SIGUSR1)")
+            self.signals.append(number)
+        self.grace_s = grace_s
+        self.received: int = 0  # the signal number this process got (0: none)
+        self._watchdog: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
+        self._launchers: list[tuple[Any, str]] = []  # (psutil.Process, its command) of the launchers above
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        for number in self.signals:
+            self._previous[number] = signal.signal(number, self._on_signal)
+        self.watch_launchers()
+
+    def watch_launchers(self) -> None:
+        """Remember the DeepSpeed launcher processes above this one (parent and grandparent)."""
+        import psutil
+
+        try:
+            process = psutil.Process().parent()
+            for _ in range(2):
+                command = " ".join(process.cmdline()) if process is not None else ""
+                if "deepspeed" not in command:
+                    break
+                self._launchers.append((process, command[:120]))
+                process = process.parent()
+        except psutil.Error:
+            pass
+
+    def _launcher_ended(self) -> bool:
+        import psutil
+
+        for process, command in self._launchers:
+            try:
+                alive = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                alive = False
+            if not alive:
+                logger.warning("pre-emption: the DeepSpeed launcher above this rank (pid %d: %s) has ended; "
+                               "saving and stopping as for SIGTERM", process.pid, command)
+                return True
+        return False
+
+    def uninstall(self) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog.join(timeout=5)
+
+    def _on_signal(self, number: int, frame: Any) -> None:
+        if not self.received:
+            self.received = int(number)
+            self._watchdog = threading.Timer(self.grace_s, self._grace_exceeded)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _grace_exceeded(self) -> None:
+        logger.error("pre-emption: no checkpoint within checkpoint.preempt_grace_s=%s s of %s; exiting without it "
+                     "(the previous complete checkpoint stays the resume point)", self.grace_s,
+                     signal.Signals(self.received).name)
+        os._exit(1)
+
+    def requested(self, device: torch.device) -> str | None:
+        """The name of the signal any rank received, or None; every rank calls this at the same point."""
+        import torch.distributed as dist
+
+        if not self.received and self._launchers and self._launcher_ended():
+            self._on_signal(signal.SIGTERM, None)
+        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        number = int(flag.item())
+        return signal.Signals(number).name if number else None
