@@ -248,7 +248,7 @@ class CheckpointManager:
         try:  # each rank's own RNG state, beside DeepSpeed's files
             with atomic_write(os.path.join(staging, f"rng_state_{self.layout.rank}.pt"), "wb") as handle:
                 torch.save(rng_state(), handle)
-        except OSError as exc:
+        except OSError as exc:  # torch.save passes on its handle's OSError
             error = f"saving checkpoint {tag}: rank {self.layout.rank} could not write its RNG state: {exc}"
         agree(self._with_previous(error))
         try:
@@ -263,8 +263,8 @@ class CheckpointManager:
         sizes = broadcast_from_main(self.layout.is_main, lambda: file_sizes(staging))
         try:  # every rank hashes a share of the files (read back from the page cache, mostly)
             digests = hash_files(staging, sorted(sizes), sizes, collective=True)
-        except CheckpointError as exc:
-            raise CheckpointError(self._with_previous(f"saving checkpoint {tag}: {exc}")) from None
+        except CheckpointError as exc:  # agreed by all ranks (or this one alone): raised as such
+            raise type(exc)(self._with_previous(f"saving checkpoint {tag}: {exc}")) from None
         hashed = time.perf_counter() - started - written
         permanent = self.cfg.keep_every_n_steps > 0 and step % self.cfg.keep_every_n_steps == 0
         manifest = {
