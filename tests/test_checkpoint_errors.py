@@ -236,3 +236,23 @@ def test_cleanup_and_staging_touch_only_folders_marked_as_ours(tmp_path):
     with pytest.raises(CheckpointError, match=r"mydata.partial' exists but was not made by ntl_pretrain"):
         remove_staging(str(out / "mydata.partial"))
     assert (out / "mydata.partial").is_dir()
+
+
+def test_errors_of_checkpoint_work_on_main_are_agreed_checkpoint_errors():
+    """One primitive agrees on errors (`distributed.run_agreed`); the checkpoint's kind stays a CheckpointError
+    (exit 2 in the trainer) and is an AgreedError (printed once, by global rank 0)."""
+    from ntl_pretrain.checkpoint import AgreedCheckpointError, run_on_main
+    from ntl_pretrain.distributed import AgreedError
+
+    def fails(error: Exception):
+        def fn():
+            raise error
+        return fn
+
+    with pytest.raises(AgreedCheckpointError, match=r"^checkpoint 'x' is damaged$") as caught:
+        run_on_main(True, fails(CheckpointError("checkpoint 'x' is damaged")))
+    assert isinstance(caught.value, CheckpointError) and isinstance(caught.value, AgreedError)
+    with pytest.raises(AgreedCheckpointError, match=r"^OSError: \[Errno 28\] No space left on device$"):
+        run_on_main(True, fails(OSError(28, "No space left on device")))
+    assert run_on_main(False, fails(OSError(28, "never run"))) is None  # not the main rank: nothing runs
+    assert run_on_main(True, lambda: 7) == 7
