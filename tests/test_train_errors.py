@@ -141,7 +141,7 @@ def test_tp_size_that_does_not_divide_the_world(monkeypatch):
 def test_output_dir_with_another_runs_checkpoints_is_refused(tmp_path):
     out = tmp_path / "run"
     (out / "global_step20").mkdir(parents=True)
-    # a complete checkpoint carries its manifest (checkpoint.py); resume=auto ignores folders without one
+    # a complete checkpoint carries its manifest (ntl_pretrain/checkpoint); resume=auto ignores folders without one
     (out / "global_step20" / "ntl_checkpoint.json").write_text('{"step": 20, "files": {}}')
     (out / "latest").write_text("global_step20")
     before = sorted(p.name for p in out.iterdir())
