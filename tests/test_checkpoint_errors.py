@@ -226,13 +226,19 @@ def test_cleanup_and_staging_touch_only_folders_marked_as_ours(tmp_path):
     (out / "global_step3.partial").mkdir()  # our naming pattern, but no marker: not ours
     (out / "old.replaced").write_text("x")
     make_staging(str(out / "global_step4.partial"))
+    make_staging(str(out / "global_step2"))  # a re-save of step 2 committed; the old copy still aside
     make_staging(str(out / "global_step2.replaced"))
+    make_staging(str(out / "global_step5.replaced"))  # killed between the two renames: the only step 5
+    (out / "global_step5.replaced" / "model_states.pt").write_text("old")
     make_staging(str(out / "global_step2_universal.partial"))
     make_staging(str(out / "notes.partial"))  # marked, but not our naming pattern
+    make_staging(str(out / "notes.replaced"))
     assert remove_interrupted_saves(str(out)) == ["global_step2.replaced", "global_step2_universal.partial",
                                                   "global_step4.partial"]
-    assert sorted(p.name for p in out.iterdir()) == ["global_step3.partial", "mydata.partial", "notes.partial",
+    assert sorted(p.name for p in out.iterdir()) == ["global_step2", "global_step3.partial", "global_step5",
+                                                     "mydata.partial", "notes.partial", "notes.replaced",
                                                      "old.replaced"]
+    assert (out / "global_step5" / "model_states.pt").read_text() == "old"
     with pytest.raises(CheckpointError, match=r"mydata.partial' exists but was not made by ntl_pretrain"):
         remove_staging(str(out / "mydata.partial"))
     assert (out / "mydata.partial").is_dir()

@@ -41,10 +41,20 @@ _LEFTOVER_RE = re.compile(r"^global_step\d+(_universal)?(\.partial|\.replaced)$"
 def remove_interrupted_saves(output_dir: str) -> list[str]:
     """Delete the folders of interrupted saves in a run folder: only names of our own pattern
     (`global_stepN.partial`, `global_stepN.replaced`, `global_stepN_universal.partial`) holding our
-    marker; a user's `mydata.partial/` is never touched. Returns the names removed."""
+    marker; a user's `mydata.partial/` is never touched. A `global_stepN.replaced` whose `global_stepN` is
+    missing (a re-save of step N killed between its two renames) is the only copy of step N: it is restored.
+    Returns the names removed."""
     removed = []
     for name in sorted(os.listdir(output_dir)):
         path = os.path.join(output_dir, name)
+        committed = path[: -len(".replaced")]
+        if (_LEFTOVER_RE.match(name) and name.endswith(".replaced") and is_own_staging(path)
+                and not os.path.lexists(committed)):
+            # killed between moving the old checkpoint of this step aside and committing the new one: the old
+            # one is complete and the only copy of its step, so it is put back rather than deleted
+            os.rename(path, committed)
+            logger.warning("restored %s: a save of the same step was interrupted before it was committed", committed)
+            continue
         if _LEFTOVER_RE.match(name) and is_own_staging(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
