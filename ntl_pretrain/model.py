@@ -286,7 +286,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
                                                  trust_remote_code=cfg.trust_remote_code)
         source = f"from_config:{config.model_type}"
     elif partitioned:
-        model, resize = model_loading.load_pretrained_partitioned(cfg, config, tokenizer, ds_config,
+        model, resize = model_loading.load_pretrained_partitioned(cfg, config, tokenizer, ds_config, tp_size,
                                                                   attn_implementation=attn, dtype=dtype)
         source = cfg.name_or_path
     else:

@@ -1,4 +1,4 @@
-"""Partitioned model loading for ZeRO-3 without tensor parallelism: each rank holds only its share.
+"""Partitioned model loading under ZeRO-3: each rank holds only its share of the weights.
 
 The plain path (`from_pretrained` on every rank) gives every rank the whole model before
 `deepspeed.initialize` partitions it: memory-mapped when the files' dtype is the training dtype (its
@@ -18,7 +18,18 @@ another spelling of a new digit, or the mean of the trained rows, with the same 
 `tokenizer.resize.resize_model_embeddings` (`plan_new_rows`).
 
 `deepspeed.initialize` accepts the partitioned model as it is (it skips parameters that already have a
-`ds_id`). With tensor parallelism (AutoTP) the plain path is used.
+`ds_id`).
+
+With tensor parallelism (AutoTP, T > 1) DeepSpeed 0.19 shards the model inside `deepspeed.initialize`
+and has no pre-sharded entry point (`deepspeed.tp_model_init` only records arguments; a model built
+under `zero.Init` is gathered module by module in `AutoTP._gather_zero3_params`, each rank then holding
+its ZeRO share *and* its TP slice). Its layers do keep meta tensors on meta (`TensorParallel_Layer.move`),
+slicing only their shape, and record each slice in `ds_autotp_uc_meta` (partition dim and sizes). So the
+model's linear and embedding weights are built on the meta device (everything else, small, is read
+whole), DeepSpeed's own AutoTP decides every slice, and right after it (a wrapper around
+`DeepSpeedEngine._configure_tensor_parallel`, before ZeRO-3 partitions the slices over the data-parallel
+group) each rank reads from the files exactly the rows/columns of its slices. No rank holds more than
+its TP slice of any weight (1/T of the model); the vocabulary resize and padding happen while reading.
 """
 
 from __future__ import annotations
@@ -41,10 +52,11 @@ READ_CHUNK_BYTES = 64 * 2**20  # the largest read at once: bounds the transient 
 
 
 def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
-    """True when the model can be built ZeRO-3-partitioned from the start (ZeRO-3, no tensor parallelism)."""
-    if ds_config is None or tp_size != 1:
+    """True when the model can be loaded partitioned: under ZeRO-3, its ZeRO share (T=1) or its AutoTP slice
+    (T>1, the DeepSpeed config's `tensor_parallel.autotp_size`)."""
+    if ds_config is None or int(ds_config.get("zero_optimization", {}).get("stage", 0)) != 3:
         return False
-    return int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+    return tp_size == 1 or int(ds_config.get("tensor_parallel", {}).get("autotp_size", 0) or 1) == tp_size
 
 
 @contextlib.contextmanager
@@ -254,6 +266,40 @@ def _check_shapes(params: dict[str, torch.Tensor], reader: _Reader, keys: dict[s
                              f"(model.architecture overrides?)")
 
 
+def _vocab_parameter_names(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
+    """Names of the parameters of the input embedding and the output head (the rows a resize grows)."""
+    modules = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return {name for name, p in params.items()
+            if any(p is m.weight or p is getattr(m, "bias", None) for m in modules)}
+
+
+def _file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader: _Reader,
+               row_plan: Any | None) -> tuple[dict[str, str], set[str]]:
+    """{parameter name: file key} for every parameter of `model` (tied ones once) and the names of the
+    vocabulary parameters a resize grows; raises naming the fix when a tensor is missing or mis-shaped."""
+    prefix = getattr(model, "base_model_prefix", "")
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
+    missing = sorted(set(params) - set(keys))
+    if missing:
+        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
+                         f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "
+                         f"transformers' own loading: set model.partitioned_load=false")
+    vocab_params = _vocab_parameter_names(model, params) if row_plan is not None else set()
+    _check_shapes(params, reader, keys, vocab_params, row_plan.old_rows if row_plan else None)
+    return keys, vocab_params
+
+
+def _load_buffers(model: torch.nn.Module, files: dict[str, str], reader: _Reader) -> None:
+    """Persistent buffers that the files hold (not partitioned; e.g. none for Llama or Qwen2)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for name, buffer in model.named_buffers():
+        key = _file_key(name, files, prefix)
+        if key is not None:
+            with torch.no_grad():
+                buffer.copy_(reader.tensor(key).to(buffer.dtype))
+
+
 def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
                      trust_remote_code: bool, row_plan: Any | None = None) -> torch.nn.Module:
     """The causal LM of the local folder `folder`, ZeRO-3-partitioned, each rank holding only its share.
@@ -272,31 +318,185 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
     model.tie_weights()  # as transformers' ZeRO-3 construction does after building
-    prefix = getattr(model, "base_model_prefix", "")
-    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
-    keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
-    missing = sorted(set(params) - set(keys))
-    if missing:
-        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
-                         f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "
-                         f"transformers' own loading: set model.partitioned_load=false")
-    vocab_params = set()
-    if row_plan is not None:
-        vocab_params = {name for name, p in params.items()
-                        if any(p is m.weight or p is getattr(m, "bias", None)
-                               for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None)}
     with _Reader(files) as reader:
-        _check_shapes(params, reader, keys, vocab_params, row_plan.old_rows if row_plan else None)
-        for name, param in params.items():
+        keys, vocab_params = _file_keys(model, folder, files, reader, row_plan)
+        for name, param in model.named_parameters():
             grown = _GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
             _fill_partition(param, reader, keys[name], grown)
-        for name, buffer in model.named_buffers():  # persistent buffers in the files (not partitioned)
-            key = _file_key(name, files, prefix)
-            if key is not None:
-                with torch.no_grad():
-                    buffer.copy_(reader.tensor(key).to(buffer.dtype))
+        _load_buffers(model, files, reader)
     _release_freed_heap()
     return model
+
+
+# ------------------------------------------------------------------------------ AutoTP (T > 1): slices
+PENDING_TP_LOAD = "_ntl_pending_tp_load"  # the model attribute the fill after AutoTP reads (and removes)
+
+
+@contextlib.contextmanager
+def sliced_parameters_on_meta() -> Iterator[None]:
+    """The weights (and biases) of every `nn.Linear` and `nn.Embedding` built inside are meta tensors (no
+    storage); every other parameter and every buffer is built on CPU as usual (RoPE tables are computed in
+    `__init__`, norms are small). The meta ones are the parameters AutoTP may slice."""
+    original = torch.nn.Module.register_parameter
+
+    def register_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+class _PendingTPLoad:
+    """What the fill after AutoTP needs: the files, the file key of each parameter, the resize plan."""
+
+    def __init__(self, folder: str, files: dict[str, str], keys: dict[str, str], vocab_params: set[str],
+                 row_plan: Any | None) -> None:
+        self.folder, self.files, self.keys, self.vocab_params, self.row_plan = folder, files, keys, vocab_params, row_plan
+
+
+def load_tp_sliced(folder: str, config: Any, *, attn_implementation: str, dtype: torch.dtype,
+                   trust_remote_code: bool, row_plan: Any | None = None) -> torch.nn.Module:
+    """The causal LM of the local folder `folder` with its linear and embedding weights on the meta device,
+    to be handed to `deepspeed.initialize` with AutoTP (T>1): right after DeepSpeed's AutoTP has sliced
+    it, each rank reads its slices from the files (`fill_tp_slices`). Arguments as for `load_partitioned`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    files = safetensors_files(folder)
+    with no_init_weights(), sliced_parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    model.tie_weights()
+    with _Reader(files) as reader:
+        keys, vocab_params = _file_keys(model, folder, files, reader, row_plan)
+        for name, param in model.named_parameters():  # the parameters AutoTP never slices: read whole now
+            if not param.is_meta:
+                grown = _GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
+                _fill_slice(param, reader, keys[name], grown, None)
+        _load_buffers(model, files, reader)
+    setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan))
+    _install_fill_after_autotp()
+    return model
+
+
+def _tp_slice(param: torch.Tensor, name: str, tp_rank: int) -> tuple[int, int, int] | None:
+    """(dim, start, size) of the full tensor that AutoTP gave this rank as `param`, from the layout DeepSpeed
+    records on each sliced parameter (`ds_autotp_uc_meta`); None when it is replicated (not sliced)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    meta = getattr(param, DS_AUTOTP_UC_META, None)
+    if not meta or meta.get("replicated"):
+        return None
+    if meta.get("sub_param_sizes") or meta.get("sub_param_shard_widths") or meta.get("partition_dim") is None \
+            or not meta.get("partition_sizes"):
+        raise ValueError(f"AutoTP sliced {name!r} as a fused or reshaped parameter ({meta.get('partition_type')}), "
+                         f"which the sliced load does not read; set model.partitioned_load=false")
+    dim, sizes = int(meta["partition_dim"]), [int(n) for n in meta["partition_sizes"]]
+    if tuple(param.shape)[dim] != sizes[tp_rank]:
+        raise ValueError(f"AutoTP gave {name!r} the shape {tuple(param.shape)}, not the {sizes[tp_rank]} elements "
+                         f"along dim {dim} its layout records; set model.partitioned_load=false")
+    return dim, sum(sizes[:tp_rank]), sizes[tp_rank]
+
+
+def _fill_slice(param: torch.Tensor, reader: _Reader, key: str, grown: _GrownRows | None,
+                tp_slice: tuple[int, int, int] | None) -> torch.Tensor:
+    """`param`'s values (a CPU tensor of its shape and dtype) read from the file: the whole tensor, or the
+    slice `tp_slice` = (dim, start, size) of it (rows for dim 0; for dim 1, the columns of row chunks of about
+    READ_CHUNK_BYTES). Written into `param` when it has storage; returned either way."""
+    out = param.data if not param.is_meta else torch.empty(param.shape, dtype=param.dtype)
+    rows_total = out.shape[0] if out.dim() else 1
+    dim, start, size = tp_slice if tp_slice is not None else (0, 0, rows_total)
+    if dim not in (0, 1) or (dim == 1 and out.dim() != 2):
+        raise ValueError(f"tensor {key!r} is sliced along dim {dim} of {out.dim()}; set model.partitioned_load=false")
+    first, last = (start, start + size) if dim == 0 else (0, rows_total)
+    flat = out.view(rows_total if dim == 1 else size, -1)
+    file_row = math.prod(reader.shape(key)[1:])  # elements of one row as read (the full width)
+    chunk_rows = max(1, READ_CHUNK_BYTES // (file_row * out.element_size()))
+    with torch.no_grad():
+        for chunk_first in range(first, last, chunk_rows):
+            chunk_last = min(chunk_first + chunk_rows, last)
+            values = reader.rows(key, chunk_first, chunk_last) if grown is None else grown.rows(chunk_first, chunk_last)
+            if dim == 1:
+                values = values.narrow(1, start, size)
+            flat[chunk_first - first: chunk_last - first].copy_(values.to(out.dtype))
+    return out
+
+
+def fill_tp_slices(model: torch.nn.Module) -> None:
+    """Give every meta parameter of `model`, as DeepSpeed's AutoTP left it, this rank's values from the files.
+
+    Runs inside `deepspeed.initialize`, after AutoTP and before ZeRO partitions the parameters (and before
+    the engine reads `model.parameters()`). Each meta parameter is replaced by one with values and the same
+    attributes in every module that holds it (tied modules included)."""
+    from deepspeed.utils import groups
+
+    pending: _PendingTPLoad = getattr(model, PENDING_TP_LOAD)
+    tp_rank = groups.get_tensor_model_parallel_rank()
+    with _Reader(pending.files) as reader:
+        for name, param in model.named_parameters():
+            if not param.is_meta:
+                continue
+            if name not in pending.keys:
+                raise ValueError(f"AutoTP made a parameter {name!r} that the files do not hold; set "
+                                 f"model.partitioned_load=false")
+            key = pending.keys[name]
+            grown = _GrownRows(pending.row_plan, reader, key) if name in pending.vocab_params else None
+            values = torch.nn.Parameter(_fill_slice(param, reader, key, grown, _tp_slice(param, name, tp_rank)),
+                                        requires_grad=param.requires_grad)
+            if param._backward_hooks:
+                raise ValueError(f"AutoTP registered a gradient hook on {name!r} before its values were read, which "
+                                 f"the sliced load would drop; set model.partitioned_load=false")
+            values.__dict__.update(param.__dict__)  # AutoTP's attributes (its gather functions, the layout)
+            _replace_parameter(model, param, values, name)
+    delattr(model, PENDING_TP_LOAD)
+    _release_freed_heap()
+
+
+def _replace_parameter(model: torch.nn.Module, old: torch.nn.Parameter, new: torch.nn.Parameter, name: str) -> None:
+    """`new` in place of `old` in every module of `model` that holds it (a tied head and embedding share one)."""
+    from deepspeed.utils import debug
+
+    for module in model.modules():
+        for attribute, param in module._parameters.items():
+            if param is old:
+                module._parameters[attribute] = new
+    debug.param_names[new] = name  # DeepSpeed's name map for its messages (taken at engine start)
+
+
+_FILL_INSTALLED = False
+
+
+def _install_fill_after_autotp() -> None:
+    """Wrap `DeepSpeedEngine._configure_tensor_parallel` (DeepSpeed 0.19: AutoTP's slicing inside
+    `deepspeed.initialize`, before ZeRO) so that a model built by `load_tp_sliced` gets its values right
+    after AutoTP sliced it; any other model passes through unchanged. Installed once per process."""
+    global _FILL_INSTALLED
+    if _FILL_INSTALLED:
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    configure = getattr(DeepSpeedEngine, "_configure_tensor_parallel", None)
+    if configure is None:
+        raise ValueError("this DeepSpeed has no DeepSpeedEngine._configure_tensor_parallel, where the sliced AutoTP "
+                         "load reads the weights (written for DeepSpeed 0.19); set model.partitioned_load=false")
+
+    def configure_then_fill(engine: Any, model: torch.nn.Module, tp_config: Any) -> Any:
+        result = configure(engine, model, tp_config)
+        if hasattr(model, PENDING_TP_LOAD):
+            fill_tp_slices(model)
+        return result
+
+    DeepSpeedEngine._configure_tensor_parallel = configure_then_fill
+    _FILL_INSTALLED = True
 
 
 def _release_freed_heap() -> None:
@@ -308,10 +508,12 @@ def _release_freed_heap() -> None:
         pass
 
 
-def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config: dict, *, attn_implementation: str,
-                                dtype: torch.dtype) -> tuple[torch.nn.Module, Any | None]:
-    """`model.name_or_path` loaded partitioned, its vocabulary grown to hold `tokenizer` when
-    `model.resize_embeddings` asks (as `model.build_model` does on the full model).
+def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config: dict, tp_size: int, *,
+                                attn_implementation: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any | None]:
+    """`model.name_or_path` loaded partitioned (T=1: each rank's ZeRO-3 share, `load_partitioned`; T>1: each
+    rank's AutoTP slices, `load_tp_sliced`), its vocabulary grown to hold `tokenizer` (padded to a multiple of
+    lcm(`pad_vocab_to_multiple_of`, T)) when `model.resize_embeddings` asks, as `model.build_model` does on
+    the full model.
 
     Returns the model and the `ResizeReport` (None when nothing was resized).
     """
@@ -325,11 +527,15 @@ def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config
     old_rows = int(config.vocab_size)
     plan = None
     if cfg.resize_embeddings and len(tokenizer) > old_rows:
-        plan = plan_new_rows(tokenizer, old_rows, cfg.pad_vocab_to_multiple_of)
+        plan = plan_new_rows(tokenizer, old_rows, math.lcm(cfg.pad_vocab_to_multiple_of, tp_size))
         plan.check_mean()
         config.vocab_size = plan.new_rows
-    model = load_partitioned(folder, config, ds_config, attn_implementation=attn_implementation, dtype=dtype,
-                             trust_remote_code=cfg.trust_remote_code, row_plan=plan)
+    if tp_size == 1:
+        model = load_partitioned(folder, config, ds_config, attn_implementation=attn_implementation, dtype=dtype,
+                                 trust_remote_code=cfg.trust_remote_code, row_plan=plan)
+    else:
+        model = load_tp_sliced(folder, config, attn_implementation=attn_implementation, dtype=dtype,
+                               trust_remote_code=cfg.trust_remote_code, row_plan=plan)
     if plan is None:
         return model, None
     input_embeddings, output_embeddings = model.get_input_embeddings(), model.get_output_embeddings()

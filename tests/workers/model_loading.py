@@ -1,8 +1,10 @@
-"""Worker: build the model with `model.build_model` under ZeRO-3 (2 CPU ranks), hand it to
-`deepspeed.initialize`, then gather every parameter and save (rank 0) the full state dict, the logits of a
-fixed batch, the model report and how much of each parameter this rank held before `deepspeed.initialize`.
+"""Worker: build the model with `model.build_model` under ZeRO-3 (2 CPU ranks, T=1 or AutoTP T=2), hand it
+to `deepspeed.initialize`, then save (rank 0) the full weights (T=1: every parameter gathered; T=2: DeepSpeed's
+own 16-bit export, `engine.save_16bit_model`, which gathers the ZeRO partitions and the TP slices), the logits
+of a fixed batch (the TP ranks' vocabulary shards concatenated), the model report, and how many elements of
+each parameter each rank held before `deepspeed.initialize` and after it.
 
-    model_loading.py MODEL_DIR|- TOKENIZER_DIR OUT.pt PARTITIONED(0|1) RESIZE(0|1) [ARCH_JSON]
+    model_loading.py MODEL_DIR|- TOKENIZER_DIR OUT.pt PARTITIONED(0|1) RESIZE(0|1) TP(1|2) [ARCH_JSON]
 
 MODEL_DIR "-" builds from ARCH_JSON (model.architecture) instead of loading.
 """
@@ -10,6 +12,7 @@ MODEL_DIR "-" builds from ARCH_JSON (model.architecture) instead of loading.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -22,9 +25,21 @@ from ntl_pretrain import distributed
 from ntl_pretrain.model import build_model
 
 
+def _held(model: torch.nn.Module) -> dict[str, int]:
+    """Elements of each parameter this rank holds in memory (its ZeRO partition; 0 for a meta tensor)."""
+    held = {}
+    for name, param in model.named_parameters():
+        if hasattr(param, "ds_tensor"):
+            held[name] = int(param.ds_tensor.numel())
+        else:
+            held[name] = 0 if param.is_meta else int(param.numel())
+    return held
+
+
 def main() -> None:
-    model_dir, tokenizer_dir, out_path, partitioned, resize = sys.argv[1:6]
-    architecture = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    model_dir, tokenizer_dir, out_path, partitioned, resize, tp = sys.argv[1:7]
+    architecture = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+    tp_size = int(tp)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -35,22 +50,33 @@ def main() -> None:
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                  "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
                  "steps_per_print": 2**31 - 1}
-    model, report = build_model(cfg, tokenizer, 1, ds_config)
-    # what this rank holds of each parameter before DeepSpeed sees the model
-    held = {name: int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else int(p.numel())
-            for name, p in model.named_parameters()}
+    if tp_size > 1:
+        ds_config["tensor_parallel"] = {"autotp_size": tp_size, "vocab_parallel_lm_head": True}
+    model, report = build_model(cfg, tokenizer, tp_size, ds_config)
+    held_before = _held(model)  # what this rank holds of each parameter before DeepSpeed sees the model
+    full = {name: int(p.ds_numel if hasattr(p, "ds_numel") else p.numel()) for name, p in model.named_parameters()}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    held_after = _held(engine.module)
     engine.eval()
     input_ids = torch.arange(24).remainder(len(tokenizer)).reshape(2, 12)
     with torch.no_grad():
         logits = engine(input_ids=input_ids).logits.detach().clone()
-    state = {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            state[name] = param.detach().clone()
+    if tp_size > 1:  # the vocabulary-parallel head gives each TP rank its shard of the vocabulary
+        shards = [torch.empty_like(logits) for _ in range(tp_size)]
+        torch.distributed.all_gather(shards, logits)
+        logits = torch.cat(shards, dim=-1)
+        export = os.path.join(os.path.dirname(out_path), "export16")
+        engine.save_16bit_model(export, "weights.bin")
+        state = torch.load(os.path.join(export, "weights.bin")) if rank == 0 else None
+    else:
+        state = {}
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                state[name] = param.detach().clone()
+    held = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, {"before": held_before, "after": held_after})
     if rank == 0:
-        torch.save({"state": state, "logits": logits, "report": asdict(report), "held": held,
-                    "full": {name: int(t.numel()) for name, t in state.items()},
+        torch.save({"state": state, "logits": logits, "report": asdict(report), "held": held, "full": full,
                     "tied": engine.module.get_output_embeddings().weight is engine.module.get_input_embeddings().weight,
                     "config_vocab": int(engine.module.config.vocab_size)}, out_path)
     torch.distributed.barrier()
