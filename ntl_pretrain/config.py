@@ -56,8 +56,9 @@ class ModelConfig:
         "does not divide it)", default=64)
     init_seed: int = _doc("seed of the weight initialisation of a model built from scratch", default=1234)
     partitioned_load: bool = _doc(
-        "ZeRO-3 with tp_size 1 and model.name_or_path: build the model partitioned (deepspeed.zero.Init) and "
-        "read only each rank's share of the safetensors weights; false: every rank loads the full model first",
+        "under ZeRO-3, build the model partitioned: with model.name_or_path each rank reads only its share of the "
+        "safetensors weights (T=1: its ZeRO partition, T>1: its AutoTP slices); from scratch (T=1) the same "
+        "weights as the whole build; false: every rank builds or loads the full model first",
         default=True)
 
 

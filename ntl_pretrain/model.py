@@ -255,9 +255,11 @@ def check_sequence_length(config: Any, seq_len: int) -> None:
 
 def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
                 ds_config: dict | None = None) -> tuple[torch.nn.Module, ModelReport]:
-    """The causal LM on CPU, ready for `deepspeed.initialize`. A model loaded under ZeRO-3 with tp_size 1 is
-    built partitioned, each rank reading only its share of the weights (`model_loading`); otherwise every
-    rank holds the full weights until `deepspeed.initialize` partitions them.
+    """The causal LM on CPU, ready for `deepspeed.initialize`. Under ZeRO-3 (`model.partitioned_load`) a
+    loaded model is built partitioned, each rank reading only its ZeRO share (T=1) or its AutoTP slices (T>1,
+    read inside `deepspeed.initialize`) of the weights, and one built from scratch with T=1 is built
+    partitioned with the whole build's weights (`model_loading`); otherwise every rank holds the full
+    weights until `deepspeed.initialize` partitions them.
 
     Args:
         cfg: the model section.
@@ -273,8 +275,8 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
     dtype = DTYPES[cfg.dtype]
     config = load_model_config(cfg)
     tokenizer_size = len(tokenizer)
-    # a loaded model under ZeRO-3 without TP is built partitioned; one built from scratch is built whole, so its
-    # initial weights are the same under every ZeRO stage
+    # under ZeRO-3 a loaded model is built partitioned (T=1: ZeRO shares, T>1: AutoTP slices), one built from
+    # scratch too at T=1 (same initial weights as the whole build)
     partitioned = cfg.partitioned_load and model_loading.partitioned_load_applies(ds_config, tp_size)
     resize = None
     if cfg.name_or_path is None:
@@ -282,8 +284,12 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
         if tokenizer.eos_token_id is not None:
             config.eos_token_id = tokenizer.eos_token_id
         torch.manual_seed(cfg.init_seed)  # the same initial weights on every rank
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
-                                                 trust_remote_code=cfg.trust_remote_code)
+        if partitioned and tp_size == 1:  # the same weights as the whole build, each rank holding its share
+            model = model_loading.build_from_config_partitioned(config, ds_config, attn_implementation=attn,
+                                                                dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
+                                                     trust_remote_code=cfg.trust_remote_code)
         source = f"from_config:{config.model_type}"
     elif partitioned:
         model, resize = model_loading.load_pretrained_partitioned(cfg, config, tokenizer, ds_config, tp_size,

@@ -59,36 +59,87 @@ def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
     return tp_size == 1 or int(ds_config.get("tensor_parallel", {}).get("autotp_size", 0) or 1) == tp_size
 
 
+def _init_without_broadcast(ds_config: dict) -> Any:
+    """A `deepspeed.zero.Init` context that partitions each parameter as it is built without first
+    broadcasting rank 0's values: every rank builds the same values (same seed), or the files overwrite
+    them; a full tensor that is allocated but never written never becomes resident."""
+    import deepspeed
+
+    class InitWithoutBroadcast(deepspeed.zero.Init):
+        def _zero_init_param(self, param: torch.nn.Parameter) -> None:
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return InitWithoutBroadcast(config_dict_or_path=ds_config)
+
+
+def _prevent_arange_dtype_change() -> Any:
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:  # transformers 4: RoPE buffers are built in float32 there anyway
+        return contextlib.nullcontext()
+    return prevent_arange_dtype_change()
+
+
 @contextlib.contextmanager
 def zero3_construction(ds_config: dict) -> Iterator[None]:
     """Models built inside are partitioned module by module as they are built (`deepspeed.zero.Init`),
     with weight initialisation skipped: transformers' own ZeRO-3 construction (`_from_config` under an
     active HfDeepSpeedConfig) minus its `initialize_weights_zero3`, which would gather every module on
     every rank to initialise weights that the files then overwrite."""
-    import deepspeed
-
     try:
         from transformers.initialization import no_init_weights  # transformers 5
     except ImportError:
         from transformers.modeling_utils import no_init_weights
-    try:
-        from transformers.integrations.deepspeed import prevent_arange_dtype_change
-    except ImportError:  # transformers 4: RoPE buffers are built in float32 there anyway
-        prevent_arange_dtype_change = contextlib.nullcontext
     from transformers.modeling_utils import set_zero3_state
 
-    class InitWithoutBroadcast(deepspeed.zero.Init):
-        """`zero.Init` that partitions each parameter as it is built without first broadcasting rank 0's
-        values (which the files overwrite): the full tensor is allocated but never written, so its pages
-        never become resident, and no rank receives a whole module."""
-
-        def _zero_init_param(self, param: torch.nn.Parameter) -> None:
-            self._convert_to_deepspeed_param(param)
-            param.partition()
-
-    with no_init_weights(), prevent_arange_dtype_change(), InitWithoutBroadcast(config_dict_or_path=ds_config), \
-            set_zero3_state():
+    with no_init_weights(), _prevent_arange_dtype_change(), _init_without_broadcast(ds_config), set_zero3_state():
         yield
+
+
+def _initialize_gathered(module: torch.nn.Module, init_fn: Any) -> None:
+    """transformers' `PreTrainedModel.initialize_weights` (post-order over the modules, a sub-model's own
+    `_initialize_weights` below it) on ZeRO-3-partitioned modules: each module's parameters (and its direct
+    children's, which `_init_weights` may touch) are gathered while `init_fn` runs, on every rank (same
+    seed, same draws as the whole build), and rank 0's values kept."""
+    import deepspeed
+    from transformers import PreTrainedModel
+
+    for child in module.children():
+        _initialize_gathered(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init_fn)
+    params = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not isinstance(child, PreTrainedModel):
+            params.extend(child.parameters(recurse=False))
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        init_fn(module, False)
+
+
+def build_from_config_partitioned(config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
+                                  trust_remote_code: bool) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_config(config)` ZeRO-3-partitioned as it is built, with the same weights as
+    the whole build after the same `torch.manual_seed` (and the same random state after it): every module is
+    constructed whole (torch's default init draws as in the whole build) and partitioned at once, and each
+    `post_init` initialises its model's modules one gathered module at a time, at the point where the whole
+    build does (a transformers model initialises its inner model inside its own construction)."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    original = PreTrainedModel.init_weights
+
+    def init_weights(model: PreTrainedModel) -> None:  # what PreTrainedModel.init_weights does, gathered
+        with torch.no_grad():
+            _initialize_gathered(model, model._initialize_weights)
+        model.tie_weights(recompute_mapping=False)
+
+    PreTrainedModel.init_weights = init_weights
+    try:
+        with _prevent_arange_dtype_change(), _init_without_broadcast(ds_config):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    finally:
+        PreTrainedModel.init_weights = original
+    _release_freed_heap()
+    return model
 
 
 def safetensors_files(folder: str) -> dict[str, str]:

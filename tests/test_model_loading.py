@@ -1,10 +1,12 @@
 """Partitioned ZeRO-3 loading (`ntl_pretrain.model_loading`), 2 CPU ranks through real DeepSpeed.
 
-The weights each rank ends up with, gathered after `deepspeed.initialize`, must be the ones in the
-safetensors files (read back with `safetensors` here), or, with a vocabulary resize, the ones the
-full-model resize (`tokenizer.resize.resize_model_embeddings` on `from_pretrained`) gives. Before
-`deepspeed.initialize` each rank must hold only its share of every parameter. Through the real
-`Trainer`, a checkpoint of the loaded model exported again with tools/export_hf.py equals the input.
+The weights each rank ends up with, gathered after `deepspeed.initialize` (T=1: every parameter; AutoTP
+T=2: DeepSpeed's own 16-bit export, which gathers the TP slices), must be the ones in the safetensors
+files (read back with `safetensors` here), or, with a vocabulary resize, the ones the full-model resize
+(`tokenizer.resize.resize_model_embeddings` on `from_pretrained`) gives, and the logits those of
+`from_pretrained`. Before `deepspeed.initialize` each rank must hold only its share of every parameter
+(T=1: half; T=2: nothing of the weights AutoTP slices, which it then reads, half of each). Through the
+real `Trainer`, a checkpoint of the loaded model exported again with tools/export_hf.py equals the input.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -43,16 +46,22 @@ def _file_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _run(tmp_path: Path, model_dir: Path, tokenizer_dir: Path, resize: bool) -> dict:
+def _run(tmp_path: Path, model_dir: Path, tokenizer_dir: Path, resize: bool, tp: int = 1) -> dict:
     out = tmp_path / "gathered.pt"
-    run_workers("model_loading.py", 2, [str(model_dir), str(tokenizer_dir), str(out), "1", "1" if resize else "0"],
-                timeout=TIMEOUT)
+    run_workers("model_loading.py", 2, [str(model_dir), str(tokenizer_dir), str(out), "1", "1" if resize else "0",
+                                        str(tp)], timeout=TIMEOUT)
     return torch.load(out)
 
 
 def _assert_held_a_share(result: dict) -> None:
-    for name, full in result["full"].items():
-        assert result["held"][name] == -(-full // 2), f"{name}: rank 0 held {result['held'][name]} of {full} elements"
+    for rank, held in enumerate(result["held"]):
+        for name, full in result["full"].items():
+            assert held["before"][name] == -(-full // 2), f"{name}: rank {rank} held {held['before'][name]} of {full}"
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.arange(24).remainder(model.config.vocab_size).reshape(2, 12)).logits
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +84,7 @@ def test_sharded_checkpoint_loads_partitioned_with_the_files_values(tmp_path, to
     _assert_held_a_share(result)
     assert result["report"]["parameters"] == sum(t.numel() for t in files.values())
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        logits = reference(input_ids=torch.arange(24).remainder(len(bpe_tokenizer)).reshape(2, 12)).logits
-    torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result["logits"], _logits(reference), rtol=1e-5, atol=1e-5)
 
 
 def test_resize_while_loading_equals_the_full_model_resize(tmp_path, tokenizer_dir, bpe_tokenizer):
@@ -97,6 +104,75 @@ def test_resize_while_loading_equals_the_full_model_resize(tmp_path, tokenizer_d
     assert result["tied"] and result["config_vocab"] == resize.new_rows
     assert result["report"]["resized_from"] == old_rows and result["report"]["vocab_size"] == resize.new_rows
     _assert_held_a_share(result)
+
+
+def _assert_held_the_tp_slices(result: dict, sliced: set[str], read_after: frozenset[str] = frozenset()) -> None:
+    """Before initialize no rank held any element of the weights AutoTP slices (meta) nor of `read_after`
+    (linear/embedding weights AutoTP leaves whole), after it each held half of each sliced one (its TP slice;
+    with 2 ranks the ZeRO data-parallel group is one rank) and all of the rest."""
+    assert sliced
+    for rank, held in enumerate(result["held"]):
+        for name, full in result["full"].items():
+            expected = (0, full // 2) if name in sliced else (0 if name in read_after else full, full)
+            assert (held["before"][name], held["after"][name]) == expected, (rank, name, held["before"][name],
+                                                                             held["after"][name], full)
+
+
+def test_autotp_load_reads_each_ranks_slices_with_the_resize(tmp_path, tokenizer_dir, bpe_tokenizer):
+    """T=2, tied head, vocabulary grown 384 -> 448 rows while reading: the vocabulary-parallel embedding/head
+    and the column- and row-parallel projections hold the rows/columns AutoTP gives each rank."""
+    from transformers import AutoModelForCausalLM
+
+    from ntl_pretrain.tokenizer.resize import resize_model_embeddings
+
+    model_dir = _save_model(tmp_path / "model", len(bpe_tokenizer) - 16, tied=True, max_shard_size="30KB")
+    result = _run(tmp_path, model_dir, tokenizer_dir, resize=True, tp=2)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    resize = resize_model_embeddings(reference, bpe_tokenizer, 64, init="mean")
+    expected = reference.state_dict()
+    assert resize.new_rows == 448 and result["config_vocab"] == 448 and result["tied"]
+    assert set(result["state"]) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(result["logits"], _logits(reference), rtol=1e-5, atol=1e-5)
+    _assert_held_the_tp_slices(result, {name for name in result["full"] if "proj" in name or "embed" in name})
+
+
+def test_autotp_load_of_an_untied_model_equals_the_files(tmp_path, tokenizer_dir, bpe_tokenizer):
+    """T=2, untied: the head is vocabulary-parallel, the input embedding stays whole (AutoTP replicates it)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _save_model(tmp_path / "model", len(bpe_tokenizer), tied=False)
+    result = _run(tmp_path, model_dir, tokenizer_dir, resize=False, tp=2)
+    files = _file_weights(model_dir)
+    assert set(result["state"]) == set(files)
+    for name, tensor in files.items():
+        assert torch.equal(result["state"][name], tensor), name
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    torch.testing.assert_close(result["logits"], _logits(reference), rtol=1e-5, atol=1e-5)
+    sliced = {name for name in result["full"] if "proj" in name or name == "lm_head.weight"}
+    _assert_held_the_tp_slices(result, sliced, read_after=frozenset({"model.embed_tokens.weight"}))
+
+
+def test_from_scratch_build_is_partitioned_with_the_whole_builds_weights(tmp_path, tokenizer_dir, bpe_tokenizer):
+    """No model.name_or_path, ZeRO-3, T=1: each rank holds half of every parameter before initialize, and
+    the weights are those of the whole build (`build_model` without a DeepSpeed config) with the same seed."""
+    from ntl_pretrain.config import ModelConfig
+    from ntl_pretrain.model import build_model
+
+    architecture = {"model_type": "llama", **ARCH}
+    out = tmp_path / "gathered.pt"
+    run_workers("model_loading.py", 2, ["-", str(tokenizer_dir), str(out), "1", "0", "1", json.dumps(architecture)],
+                timeout=TIMEOUT)
+    result = torch.load(out)
+    whole, report = build_model(ModelConfig(architecture=architecture, dtype="fp32", attn_implementation="eager"),
+                                bpe_tokenizer, 1)
+    expected = dict(whole.named_parameters())
+    assert set(result["state"]) == set(expected) and result["report"] == asdict(report)
+    for name, tensor in expected.items():
+        assert torch.equal(result["state"][name], tensor.detach()), name
+    _assert_held_a_share(result)
+    torch.testing.assert_close(result["logits"], _logits(whole.eval()), rtol=1e-5, atol=1e-5)
 
 
 def test_trainer_checkpoint_of_the_partitioned_load_exports_the_input(tmp_path, tokenizer_dir, bpe_tokenizer):
@@ -140,12 +216,13 @@ def test_a_folder_without_safetensors_names_the_fix(tmp_path):
         safetensors_files(str(tmp_path))
 
 
-def test_partitioned_load_applies_to_zero3_without_tp_only():
+def test_partitioned_load_applies_to_zero3_only():
     from ntl_pretrain.model_loading import partitioned_load_applies
 
     zero3 = {"zero_optimization": {"stage": 3}}
     assert partitioned_load_applies(zero3, 1)
-    assert not partitioned_load_applies(zero3, 2)
+    assert partitioned_load_applies({**zero3, "tensor_parallel": {"autotp_size": 2}}, 2)
+    assert not partitioned_load_applies(zero3, 2)  # no AutoTP in the DeepSpeed config
     assert not partitioned_load_applies({"zero_optimization": {"stage": 2}}, 1)
     assert not partitioned_load_applies(None, 1)
 

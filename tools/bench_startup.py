@@ -6,8 +6,8 @@
 
 Writes a model of a real published architecture (the config written out below, no hub) with random
 weights as safetensors into a temporary folder, then starts the real `Trainer` on 2 CPU ranks for each
-case (T=1 ZeRO-3 partitioned, T=1 ZeRO-3 with `model.partitioned_load=false` (every rank loads the full
-model first: the path before partitioned loading), T=2 ZeRO-3 (AutoTP: always the full-model path)) and
+case (T=1 ZeRO-3 partitioned; T=2 ZeRO-3 with AutoTP, each rank reading its TP slices; and both with
+`model.partitioned_load=false`: every rank loads the full model first, the path before) and
 reads each rank's peak RSS (VmHWM in /proc/self/status, reset to the current RSS as `build_model`
 starts) at three points: after `build_model`, after `deepspeed.initialize` (end of `Trainer.__init__`)
 and after the first optimizer step. Figures are multiples of the model's bytes (parameters x bytes of
@@ -53,7 +53,8 @@ ARCHITECTURES = {
 # for Qwen2.5, GPT-2's grown with added tokens to Qwen2.5's 151665 tokens (the trainer refuses a tokenizer far
 # smaller than the model's vocabulary)
 TOKENIZER_OF = {"qwen2.5-0.5b": ("gpt2", 151665), "smollm2-135m": ("gpt2", 0), "tinyllama-1.1b": ("llama2", 0)}
-CASES = (("T=1 ZeRO-3 partitioned", 1, True), ("T=1 ZeRO-3 full load", 1, False), ("T=2 ZeRO-3 (AutoTP)", 2, True))
+CASES = (("T=1 ZeRO-3 partitioned", 1, True), ("T=1 ZeRO-3 full load", 1, False), ("T=2 ZeRO-3 TP slices", 2, True),
+         ("T=2 ZeRO-3 full load", 2, False))
 
 
 def status_kib(field: str) -> int:
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of the saved weights (default: --dtype); e.g. fp32 files trained in bf16")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per case")
-    parser.add_argument("--cases", default="0,1,2", help="indices into the case list (0: partitioned, 1: full, 2: T=2)")
+    parser.add_argument("--cases", default="0,1,2,3",
+                        help="indices into the case list (0: T=1 partitioned, 1: T=1 full, 2: T=2 slices, 3: T=2 full)")
     parser.add_argument("--no-step", action="store_true",
                         help="stop after deepspeed.initialize (the first step adds Adam moments and gradients, "
                              "about 5x the share in bytes, whatever the loading)")
