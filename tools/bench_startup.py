@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per case")
     parser.add_argument("--cases", default="0,1,2,3",
                         help="indices into the case list (0: T=1 partitioned, 1: T=1 full, 2: T=2 slices, 3: T=2 full)")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="build the architecture from its config (no model.name_or_path; T=1 cases only make "
+                             "sense: T>1 builds whole)")
     parser.add_argument("--no-step", action="store_true",
                         help="stop after deepspeed.initialize (the first step adds Adam moments and gradients, "
                              "about 5x the share in bytes, whatever the loading)")
@@ -207,24 +210,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(args: argparse.Namespace, tmp: str) -> int:
     model_dir = os.path.join(tmp, "model")
-    # in a child process, so this one never holds the model
     file_dtype = args.file_dtype or args.dtype
-    make = [sys.executable, os.path.abspath(__file__), "--make", model_dir, "--arch", args.arch,
-            "--file-dtype", file_dtype]
-    parameters = int(subprocess.run(make, check=True, capture_output=True, text=True).stdout.split()[-1])
-    model_bytes = parameters * (2 if args.dtype == "bf16" else 4)
-    common = [f"model.name_or_path={model_dir}", f"model.dtype={args.dtype}", "model.attn_implementation=sdpa",
+    if args.from_scratch:
+        file_dtype = "none"
+        model_source = [f"model.architecture={json.dumps(ARCHITECTURES[args.arch])}"]
+        parameters = None  # from the first run's report (the vocabulary is the tokenizer's, padded)
+    else:
+        # in a child process, so this one never holds the model
+        make = [sys.executable, os.path.abspath(__file__), "--make", model_dir, "--arch", args.arch,
+                "--file-dtype", file_dtype]
+        parameters = int(subprocess.run(make, check=True, capture_output=True, text=True).stdout.split()[-1])
+        model_source = [f"model.name_or_path={model_dir}"]
+    common = model_source + [f"model.dtype={args.dtype}", "model.attn_implementation=sdpa",
               f"tokenizer.name_or_path={tokenizer_folder(args.arch, tmp)}",
               f"data.sources=[{{path: {os.path.join(tmp, 'arithmetic.jsonl')}, generate_arithmetic: 200}}]",
               "data.seq_len=64", "data.micro_batch_size=1", "data.validation_documents=0",
               f"data.cache_dir={os.path.join(tmp, 'cache')}", "loss.enabled=false", "model.resize_embeddings=true",
               "train.val_every_n_steps=-1",
               "train.max_steps=1", "monitor.progress_bar=never"]
-    gib = model_bytes / 2**30
-    print(f"{args.arch} ({parameters / 1e6:.0f}M parameters, {args.dtype}: {gib:.2f} GiB; files in "
-          f"{file_dtype}), 2 CPU ranks; "
-          f"peak RSS per rank (VmHWM) / model bytes, raw (above the rank's RSS as build_model starts)")
-    print(f"{'case':<26} {'rank':>4} {'after build_model':>20} {'after initialize':>20} {'after step 1':>20}")
     results = []
     for index in (int(i) for i in args.cases.split(",")):
         name, tp, partitioned = CASES[index]
@@ -232,6 +235,13 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
                               f"model.partitioned_load={'true' if partitioned else 'false'}",
                               f"train.output_dir={os.path.join(tmp, f'run{index}')}"]
         ranks = run_case(tmp, name, overrides, args.timeout, args.no_step)
+        if not results:
+            parameters = ranks[0]["parameters"]
+            model_bytes = parameters * (2 if args.dtype == "bf16" else 4)
+            print(f"{args.arch} ({parameters / 1e6:.0f}M parameters, {args.dtype}: {model_bytes / 2**30:.2f} GiB; "
+                  f"{'from scratch' if args.from_scratch else f'files in {file_dtype}'}), 2 CPU ranks; peak RSS per "
+                  f"rank (VmHWM) / model bytes, raw (above the rank's RSS as build_model starts)")
+            print(f"{'case':<26} {'rank':>4} {'after build_model':>20} {'after initialize':>20} {'after step 1':>20}")
         for rank, fig in enumerate(ranks):
             cells = []
             for key in ("after_build_hwm_kib", "after_initialize_hwm_kib", "after_step_hwm_kib"):
@@ -248,6 +258,7 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump({"arch": args.arch, "dtype": args.dtype, "file_dtype": file_dtype, "parameters": parameters,
+                       "from_scratch": args.from_scratch,
                        "model_bytes": model_bytes,
                        "results": results}, handle, indent=1)
     return 0

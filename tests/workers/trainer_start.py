@@ -1,6 +1,6 @@
 """Worker: start the real `Trainer` from a YAML config (one process per rank), run STEPS optimizer steps,
-save a checkpoint, and write (rank 0) what each rank held of the model's parameters right after
-`build_model` (before `deepspeed.initialize`).
+save a checkpoint, and write (rank 0) how many elements of each of the model's parameters each rank held
+right after `build_model` (before `deepspeed.initialize`).
 
     trainer_start.py CONFIG.yaml STEPS OUT.json [key=value ...]
 """
@@ -22,7 +22,10 @@ HELD: dict[str, int] = {}
 def _recording_build_model(*args, **kwargs):
     model, report = BUILD_MODEL(*args, **kwargs)
     for name, param in model.named_parameters():
-        HELD[name] = int(param.ds_tensor.numel()) if hasattr(param, "ds_tensor") else int(param.numel())
+        if hasattr(param, "ds_tensor"):
+            HELD[name] = int(param.ds_tensor.numel())
+        else:  # a meta tensor (weights AutoTP slices, read inside deepspeed.initialize) holds nothing
+            HELD[name] = 0 if param.is_meta else int(param.numel())
     return model, report
 
 
