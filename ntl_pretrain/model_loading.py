@@ -59,7 +59,7 @@ def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
     return tp_size == 1 or int(ds_config.get("tensor_parallel", {}).get("autotp_size", 0) or 1) == tp_size
 
 
-def _init_without_broadcast(ds_config: dict) -> Any:
+def _init_without_broadcast(ds_config: dict, data_parallel_group: Any = None) -> Any:
     """A `deepspeed.zero.Init` context that partitions each parameter as it is built without first
     broadcasting rank 0's values: every rank builds the same values (same seed), or the files overwrite
     them; a full tensor that is allocated but never written never becomes resident."""
@@ -70,7 +70,7 @@ def _init_without_broadcast(ds_config: dict) -> Any:
             self._convert_to_deepspeed_param(param)
             param.partition()
 
-    return InitWithoutBroadcast(config_dict_or_path=ds_config)
+    return InitWithoutBroadcast(config_dict_or_path=ds_config, data_parallel_group=data_parallel_group)
 
 
 def _prevent_arange_dtype_change() -> Any:
@@ -406,11 +406,12 @@ class _PendingTPLoad:
     """What the fill after AutoTP needs: the files, the file key of each parameter, the resize plan."""
 
     def __init__(self, folder: str, files: dict[str, str], keys: dict[str, str], vocab_params: set[str],
-                 row_plan: Any | None) -> None:
+                 row_plan: Any | None, ds_config: dict) -> None:
         self.folder, self.files, self.keys, self.vocab_params, self.row_plan = folder, files, keys, vocab_params, row_plan
+        self.ds_config = ds_config
 
 
-def load_tp_sliced(folder: str, config: Any, *, attn_implementation: str, dtype: torch.dtype,
+def load_tp_sliced(folder: str, config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
                    trust_remote_code: bool, row_plan: Any | None = None) -> torch.nn.Module:
     """The causal LM of the local folder `folder` with its linear and embedding weights on the meta device,
     to be handed to `deepspeed.initialize` with AutoTP (T>1): right after DeepSpeed's AutoTP has sliced
@@ -434,7 +435,7 @@ def load_tp_sliced(folder: str, config: Any, *, attn_implementation: str, dtype:
                 grown = _GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
                 _fill_slice(param, reader, keys[name], grown, None)
         _load_buffers(model, files, reader)
-    setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan))
+    setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan, ds_config))
     _install_fill_after_autotp()
     return model
 
@@ -492,6 +493,13 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
 
     pending: _PendingTPLoad = getattr(model, PENDING_TP_LOAD)
     tp_rank = groups.get_tensor_model_parallel_rank()
+    dp_group = groups.get_data_parallel_group()  # the group ZeRO-3 partitions over (the engine passes groups as mpu)
+    # with data parallelism inside the TP group (world > T), each slice is ZeRO-partitioned over the DP group as
+    # soon as it is read, as ZeRO-3 would partition it in deepspeed.initialize (which skips parameters that
+    # already have a ds_id), so no rank holds more than one whole slice at a time
+    zero_init = None
+    if torch.distributed.get_world_size(dp_group) > 1:
+        zero_init = _init_without_broadcast(pending.ds_config, data_parallel_group=dp_group)
     with _Reader(pending.files) as reader:
         for name, param in model.named_parameters():
             if not param.is_meta:
@@ -508,6 +516,8 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
                                  f"the sliced load would drop; set model.partitioned_load=false")
             values.__dict__.update(param.__dict__)  # AutoTP's attributes (its gather functions, the layout)
             _replace_parameter(model, param, values, name)
+            if zero_init is not None:
+                zero_init._zero_init_param(values)
     delattr(model, PENDING_TP_LOAD)
     _release_freed_heap()
 
@@ -585,7 +595,7 @@ def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config
         model = load_partitioned(folder, config, ds_config, attn_implementation=attn_implementation, dtype=dtype,
                                  trust_remote_code=cfg.trust_remote_code, row_plan=plan)
     else:
-        model = load_tp_sliced(folder, config, attn_implementation=attn_implementation, dtype=dtype,
+        model = load_tp_sliced(folder, config, ds_config, attn_implementation=attn_implementation, dtype=dtype,
                                trust_remote_code=cfg.trust_remote_code, row_plan=plan)
     if plan is None:
         return model, None

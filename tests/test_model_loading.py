@@ -46,10 +46,10 @@ def _file_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _run(tmp_path: Path, model_dir: Path, tokenizer_dir: Path, resize: bool, tp: int = 1) -> dict:
+def _run(tmp_path: Path, model_dir: Path, tokenizer_dir: Path, resize: bool, tp: int = 1, world: int = 2) -> dict:
     out = tmp_path / "gathered.pt"
-    run_workers("model_loading.py", 2, [str(model_dir), str(tokenizer_dir), str(out), "1", "1" if resize else "0",
-                                        str(tp)], timeout=TIMEOUT)
+    run_workers("model_loading.py", world, [str(model_dir), str(tokenizer_dir), str(out), "1", "1" if resize else "0",
+                                            str(tp)], timeout=TIMEOUT)
     return torch.load(out)
 
 
@@ -106,27 +106,32 @@ def test_resize_while_loading_equals_the_full_model_resize(tmp_path, tokenizer_d
     _assert_held_a_share(result)
 
 
-def _assert_held_the_tp_slices(result: dict, sliced: set[str], read_after: frozenset[str] = frozenset()) -> None:
+def _assert_held_the_tp_slices(result: dict, sliced: set[str], tp: int = 2,
+                               read_after: frozenset[str] = frozenset()) -> None:
     """Before initialize no rank held any element of the weights AutoTP slices (meta) nor of `read_after`
-    (linear/embedding weights AutoTP leaves whole), after it each held half of each sliced one (its TP slice;
-    with 2 ranks the ZeRO data-parallel group is one rank) and all of the rest."""
+    (linear/embedding weights AutoTP leaves whole); after it each held its ZeRO share (over the world / T
+    data-parallel ranks) of its TP slice of each sliced one, and its ZeRO share of the rest."""
     assert sliced
+    dp = len(result["held"]) // tp
     for rank, held in enumerate(result["held"]):
         for name, full in result["full"].items():
-            expected = (0, full // 2) if name in sliced else (0 if name in read_after else full, full)
+            whole = full // tp if name in sliced else full
+            expected = (0 if name in sliced | read_after else full, -(-whole // dp))
             assert (held["before"][name], held["after"][name]) == expected, (rank, name, held["before"][name],
                                                                              held["after"][name], full)
 
 
-def test_autotp_load_reads_each_ranks_slices_with_the_resize(tmp_path, tokenizer_dir, bpe_tokenizer):
+@pytest.mark.parametrize("world", [2, 4])
+def test_autotp_load_reads_each_ranks_slices_with_the_resize(tmp_path, tokenizer_dir, bpe_tokenizer, world):
     """T=2, tied head, vocabulary grown 384 -> 448 rows while reading: the vocabulary-parallel embedding/head
-    and the column- and row-parallel projections hold the rows/columns AutoTP gives each rank."""
+    and the column- and row-parallel projections hold the rows/columns AutoTP gives each rank; with 4 ranks
+    (2 data-parallel) each slice is also ZeRO-partitioned as it is read."""
     from transformers import AutoModelForCausalLM
 
     from ntl_pretrain.tokenizer.resize import resize_model_embeddings
 
     model_dir = _save_model(tmp_path / "model", len(bpe_tokenizer) - 16, tied=True, max_shard_size="30KB")
-    result = _run(tmp_path, model_dir, tokenizer_dir, resize=True, tp=2)
+    result = _run(tmp_path, model_dir, tokenizer_dir, resize=True, tp=2, world=world)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     resize = resize_model_embeddings(reference, bpe_tokenizer, 64, init="mean")
     expected = reference.state_dict()

@@ -9,8 +9,9 @@ weights as safetensors into a temporary folder, then starts the real `Trainer` o
 case (T=1 ZeRO-3 partitioned; T=2 ZeRO-3 with AutoTP, each rank reading its TP slices; and both with
 `model.partitioned_load=false`: every rank loads the full model first, the path before) and
 reads each rank's peak RSS (VmHWM in /proc/self/status, reset to the current RSS as `build_model`
-starts) at three points: after `build_model`, after `deepspeed.initialize` (end of `Trainer.__init__`)
-and after the first optimizer step. Figures are multiples of the model's bytes (parameters x bytes of
+starts) at four points: after `build_model`, after AutoTP sliced the model inside `deepspeed.initialize`
+(T>1; with the sliced load, its reads of each rank's slices done), after `deepspeed.initialize` (end of
+`Trainer.__init__`) and after the first optimizer step. Figures are multiples of the model's bytes (parameters x bytes of
 the training dtype), raw and above the rank's RSS as `build_model` starts (Python, torch, DeepSpeed, the
 tokenizer and the data are already there). After `deepspeed.initialize`
 the optimizer's own state (fp32 master partition, then Adam moments and gradients at the first step)
@@ -123,6 +124,16 @@ def worker(args: argparse.Namespace) -> None:
         reset_peak_rss()
         model, report = build_model(*a, **k)
         figures["after_build_hwm_kib"] = status_kib("VmHWM")
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        slice_model = DeepSpeedEngine._configure_tensor_parallel  # AutoTP (T>1), with the sliced load's reads
+
+        def recording_slice_model(*b, **c):
+            result = slice_model(*b, **c)
+            figures["after_tp_hwm_kib"] = status_kib("VmHWM")
+            return result
+
+        DeepSpeedEngine._configure_tensor_parallel = recording_slice_model
         return model, report
 
     train.build_model = recording_build_model
@@ -241,10 +252,11 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
             print(f"{args.arch} ({parameters / 1e6:.0f}M parameters, {args.dtype}: {model_bytes / 2**30:.2f} GiB; "
                   f"{'from scratch' if args.from_scratch else f'files in {file_dtype}'}), 2 CPU ranks; peak RSS per "
                   f"rank (VmHWM) / model bytes, raw (above the rank's RSS as build_model starts)")
-            print(f"{'case':<26} {'rank':>4} {'after build_model':>20} {'after initialize':>20} {'after step 1':>20}")
+            print(f"{'case':<26} {'rank':>4} {'after build_model':>20} {'after AutoTP':>20} {'after initialize':>20} "
+                  f"{'after step 1':>20}")
         for rank, fig in enumerate(ranks):
             cells = []
-            for key in ("after_build_hwm_kib", "after_initialize_hwm_kib", "after_step_hwm_kib"):
+            for key in ("after_build_hwm_kib", "after_tp_hwm_kib", "after_initialize_hwm_kib", "after_step_hwm_kib"):
                 if key not in fig:
                     cells.append("-")
                     continue

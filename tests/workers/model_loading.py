@@ -62,8 +62,10 @@ def main() -> None:
     with torch.no_grad():
         logits = engine(input_ids=input_ids).logits.detach().clone()
     if tp_size > 1:  # the vocabulary-parallel head gives each TP rank its shard of the vocabulary
+        from deepspeed.utils import groups
+
         shards = [torch.empty_like(logits) for _ in range(tp_size)]
-        torch.distributed.all_gather(shards, logits)
+        torch.distributed.all_gather(shards, logits, group=groups.get_tensor_model_parallel_group())
         logits = torch.cat(shards, dim=-1)
         export = os.path.join(os.path.dirname(out_path), "export16")
         engine.save_16bit_model(export, "weights.bin")
