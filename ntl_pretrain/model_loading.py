@@ -507,13 +507,13 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
             if name not in pending.keys:
                 raise ValueError(f"AutoTP made a parameter {name!r} that the files do not hold; set "
                                  f"model.partitioned_load=false")
+            if param._backward_hooks:
+                raise ValueError(f"AutoTP registered a gradient hook on {name!r} before its values were read, which "
+                                 f"the sliced load would drop; set model.partitioned_load=false")
             key = pending.keys[name]
             grown = _GrownRows(pending.row_plan, reader, key) if name in pending.vocab_params else None
             values = torch.nn.Parameter(_fill_slice(param, reader, key, grown, _tp_slice(param, name, tp_rank)),
                                         requires_grad=param.requires_grad)
-            if param._backward_hooks:
-                raise ValueError(f"AutoTP registered a gradient hook on {name!r} before its values were read, which "
-                                 f"the sliced load would drop; set model.partitioned_load=false")
             values.__dict__.update(param.__dict__)  # AutoTP's attributes (its gather functions, the layout)
             _replace_parameter(model, param, values, name)
             if zero_init is not None:

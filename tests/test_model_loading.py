@@ -223,3 +223,19 @@ def test_partitioned_load_applies_to_zero3_only():
     assert not partitioned_load_applies({"zero_optimization": {"stage": 2}}, 1)
     assert not partitioned_load_applies(None, 1)
 
+
+
+def test_tp_slice_reads_deepspeeds_layout_and_refuses_a_fused_one():
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    from ntl_pretrain.model_loading import _tp_slice
+
+    row_parallel = torch.empty(48, 20, device="meta")
+    setattr(row_parallel, DS_AUTOTP_UC_META, {"partition_dim": 1, "partition_sizes": (28, 20), "replicated": False})
+    assert _tp_slice(row_parallel, "o_proj.weight", 1) == (1, 28, 20)  # an uneven split: rank 1 starts at 28
+    assert _tp_slice(torch.empty(48, device="meta"), "norm.weight", 1) is None  # no layout: replicated
+    fused = torch.empty(36, 48, device="meta")
+    setattr(fused, DS_AUTOTP_UC_META, {"partition_dim": 0, "partition_sizes": (36, 36), "sub_param_sizes": (24, 24, 24),
+                                       "partition_type": "column"})
+    with pytest.raises(ValueError, match="model.partitioned_load=false"):
+        _tp_slice(fused, "qkv_proj.weight", 0)
