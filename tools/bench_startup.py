@@ -224,7 +224,10 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
     file_dtype = args.file_dtype or args.dtype
     if args.from_scratch:
         file_dtype = "none"
-        model_source = [f"model.architecture={json.dumps(ARCHITECTURES[args.arch])}"]
+        # a YAML flow mapping; floats with a decimal point (YAML 1.1 reads "1e-06" as a string)
+        architecture = ", ".join(f"{key}: {f'{value:.6e}' if isinstance(value, float) else json.dumps(value)}"
+                                 for key, value in ARCHITECTURES[args.arch].items())
+        model_source = [f"model.architecture={{{architecture}}}"]
         parameters = None  # from the first run's report (the vocabulary is the tokenizer's, padded)
     else:
         # in a child process, so this one never holds the model
