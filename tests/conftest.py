@@ -1,4 +1,5 @@
-"""Shared fixtures: tokenizers built in the test session (nothing downloaded)."""
+"""Shared fixtures: tokenizers built in the test session (nothing downloaded; tests/helpers/models.py), the
+shared data folder, the demo config's assets shared by every launched run, the DeepSpeed shared-memory clean-up."""
 
 from __future__ import annotations
 
@@ -13,47 +14,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-
-NUMBER_RICH_CORPUS = [
-    "In 2024 the shop sold 12345 apples for 3.50 dollars each.",
-    "Add 17 and 25 to get 42; subtract 9 from 100 to get 91.",
-    "The train left at 10:45 and arrived 3 hours later, covering 287 km.",
-    "Call 555-0199 or write to Room 404, floor 7.",
-    "She counted 1, 2, 3, 4, 5, 6, 7, 8, 9, 0 and then 10 20 30 40 50 60 70 80 90.",
-    "A total of 98765 people, or 12.5 percent, voted on 2023-11-05.",
-] * 8
-
-
-def build_word_level_tokenizer():
-    """A word-level tokenizer whose vocabulary holds words, the ten digits and a few multi-digit numbers."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["[UNK]", "[PAD]", "the", "answer", "is", "plus", "minus", "times", "equals", ".", ",", "apples",
-             "cost", "and", "12", "3.5", "100", "-7", "nan", "inf"]
-    vocab = {}
-    for token in words[:5] + [str(d) for d in (7, 3, 0, 9, 1, 5, 2, 8, 4, 6)] + words[5:]:
-        vocab[token] = len(vocab)
-    model = models.WordLevel(vocab=vocab, unk_token="[UNK]")
-    tokenizer = Tokenizer(model)
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]")
-
-
-def build_byte_level_bpe_tokenizer(vocab_size: int = 400):
-    """A GPT-2-style byte-level BPE trained on a number-rich corpus: numbers merge into multi-digit
-    tokens and digits also exist with the space marker ("Ġ5")."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(NUMBER_RICH_CORPUS, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
-
 
 DEEPSPEED_SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"
 
@@ -73,8 +33,8 @@ def _mapped_files() -> set[str]:
 def _remove_own_deepspeed_shm():
     """DeepSpeed's CPU all-reduce leaves a 66 MiB buffer per rank in /dev/shm (RAM) when its processes
     exit; a suite of multi-process tests would pile up gigabytes. Remove the unmapped buffers of the
-    ports this test session handed out (tests/distributed.free_port), and no one else's."""
-    from distributed import PORTS_USED
+    ports this test session handed out (tests/helpers/distributed.free_port), and no one else's."""
+    from helpers.distributed import PORTS_USED
 
     yield
     in_use = _mapped_files()
@@ -86,12 +46,16 @@ def _remove_own_deepspeed_shm():
 
 @pytest.fixture(scope="session")
 def word_tokenizer():
-    return build_word_level_tokenizer()
+    from helpers.models import word_level_tokenizer
+
+    return word_level_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def bpe_tokenizer():
-    return build_byte_level_bpe_tokenizer()
+    from helpers.models import byte_level_bpe_tokenizer
+
+    return byte_level_bpe_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -99,3 +63,10 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"shared data folder {SHARED_DATA} is absent: the tests need ../shared/data beside the clone")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    """configs/demo.yaml's corpus, tokenizer and data cache for `helpers.launch.demo_overrides`: written by the
+    session's first launched run, reused by every later one (no run changes them)."""
+    return tmp_path_factory.mktemp("demo_assets")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 from ntl_pretrain.config import ConfigError, DataSourceConfig, load_config
 from ntl_pretrain.data import DataError, PretrainingData
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import run_workers  # noqa: E402
+from helpers.distributed import run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 400

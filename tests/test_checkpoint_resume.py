@@ -25,8 +25,7 @@ import torch
 
 from ntl_pretrain.checkpoint import MANIFEST_NAME, step_of_tag, verify_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import free_port, run_workers  # noqa: E402
+from helpers.distributed import free_port, run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite

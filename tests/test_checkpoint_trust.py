@@ -29,8 +29,7 @@ import xxhash
 
 from ntl_pretrain.checkpoint import MANIFEST_NAME, CheckpointError, resolve_resume
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 400

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 400  # a hang fails the test instead of blocking the suite

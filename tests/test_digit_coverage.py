@@ -20,7 +20,7 @@ from ntl_pretrain.tokenizer import split_digits
 from ntl_pretrain.tokenizer.coverage import DIGIT_LEVEL_SHARE, check_training_digits, first_samples
 
 from test_tokenizer_families import build_gpt2_style, build_llama3_style, number_corpus
-from distributed import free_port
+from helpers.distributed import free_port
 from test_train_errors import _cli
 
 pytestmark = pytest.mark.timeout(600)

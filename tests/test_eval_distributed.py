@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 PROMPTS = ["12+3=", "a", "hello world 123*45=", "7-8=", "q: what?", "1", "zz", "the answer is", "9*9="]
 MAX_NEW = [1, 2, 1, 3, 2, 40, 36, 45, 38]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import free_port
+from helpers.distributed import free_port
 
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.eval.config import EvalConfig

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import free_port
+from helpers.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "evaluate.py"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 import bench_train  # noqa: E402
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2}

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
-from distributed import free_port
+from helpers.distributed import free_port
 
 pytestmark = pytest.mark.multiprocess
 

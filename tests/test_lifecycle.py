@@ -22,8 +22,7 @@ from ntl_pretrain import distributed, lifecycle
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.lifecycle import RunLock, RunLockError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")

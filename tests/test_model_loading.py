@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_workers
+from helpers.distributed import run_workers
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 420

@@ -16,16 +16,14 @@ environment reaches the remote ranks through DeepSpeed's .deepspeed_env file (DS
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import free_port  # noqa: E402
-from multinode import REPO, LoggedRun, demo_overrides, end_processes_with, local_cluster, processes_with  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
+from helpers.multinode import REPO, LoggedRun, demo_overrides, end_processes_with, local_cluster, processes_with  # noqa: E402
 from test_checkpoint_resume import _scalars  # noqa: E402
 
 from ntl_pretrain.checkpoint import verify_checkpoint  # noqa: E402

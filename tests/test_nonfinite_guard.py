@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import free_port, run_workers  # noqa: E402
+from helpers.distributed import free_port, run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 400

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 420  # a hang fails the test instead of blocking the suite

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import free_port  # noqa: E402
-from multinode import REPO, demo_overrides, end_processes_with, local_cluster  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
+from helpers.multinode import REPO, demo_overrides, end_processes_with, local_cluster  # noqa: E402
 from test_checkpoint_resume import _fp32_partitions, _scalars  # noqa: E402
 
 TIMEOUT = 420  # per job (a requeued one: both runs); a hang fails the test instead of blocking the suite

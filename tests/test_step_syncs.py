@@ -1,18 +1,16 @@
 """No host syncs in the training step: the real Trainer (2 CPU processes, ZeRO-3, DeepSpeed engines) runs
 optimizer steps of 2 micro-batches while every tensor call that would force a device-to-host sync on a GPU is
-counted (tests/sync_counter.py). Our code makes none inside the micro-batch loop and at most one per
+counted (tests/helpers/sync_counter.py). Our code makes none inside the micro-batch loop and at most one per
 optimizer step (the logged figures), for the full and the chunked head, T=1 (dp=2) and T=2."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import run_workers  # noqa: E402
+from helpers.distributed import run_workers  # noqa: E402
 
 TIMEOUT = 400
 STEPS = 2

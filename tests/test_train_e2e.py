@@ -10,66 +10,38 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-from pathlib import Path
+import sys
 
 import pytest
 
+from helpers.launch import demo_args, deepspeed_command, launch_env, run, run_ok
+from helpers.distributed import free_port
+from helpers.tensorboard import scalars as read_scalars, tensor_tags
 from ntl_pretrain.monitor import STEP_TAGS, VAL_TAGS
-from distributed import free_port  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 420  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
 
 
-
-def _env() -> dict:
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:
-    return ["--config", "configs/demo.yaml",
-            f"data.sources.0.path={assets / 'arithmetic.jsonl'}", "data.sources.0.generate_arithmetic=3000",
-            f"tokenizer.name_or_path={assets / 'tokenizer'}", f"data.cache_dir={assets / 'cache'}",
-            "data.validation_documents=100", f"train.output_dir={out}", "train.log_every_n_steps=1",
-            "monitor.progress_bar=never", *extra]
-
-
-def _run(command: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    return result
-
-
-def _scalars(tensorboard_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0, "tensors": 0})
-    accumulator.Reload()
-    scalars = {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
-    return scalars, accumulator.Tags()["tensors"]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("demo_assets")
+def _bash_env() -> dict:
+    """`bash launch/pretrain.sh` on CPU: its DeepSpeed runner on a free port."""
+    return launch_env(NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}")
 
 
 @pytest.fixture(scope="module")
 def tp2_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2") / "run"
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh",
-               *_overrides(assets, out, "train.max_steps=16", "train.val_every_n_steps=8",
-                           "eval.at_end=true", "eval.arithmetic_n=4", "eval.arithmetic_splits=[interpolation]",
-                           "eval.arithmetic_train_digits=[1, 2]", "eval.arithmetic_extrapolation_digits=[3, 3]")]
-    result = _run(command)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    # a checkpoint at step 15 too: the weights that computed step 16's logged loss
+    result = run_ok(deepspeed_command(2, *demo_args(
+        assets, out, "train.max_steps=16", "train.val_every_n_steps=8", "checkpoint.every_n_steps=15",
+        "eval.at_end=true", "eval.arithmetic_n=4", "eval.arithmetic_splits=[interpolation]",
+        "eval.arithmetic_train_digits=[1, 2]", "eval.arithmetic_extrapolation_digits=[3, 3]")), timeout=TIMEOUT)
     return out, result
 
 
 def test_tensorboard_has_every_tag_and_losses_fall(tp2_run):
     out, result = tp2_run
-    scalars, tensors = _scalars(out / "tensorboard")
+    scalars, tensors = read_scalars(out / "tensorboard"), tensor_tags(out / "tensorboard")
     for tag in list(STEP_TAGS) + list(VAL_TAGS):
         assert tag in scalars, f"{tag} missing from TensorBoard ({sorted(scalars)})"
         assert all(math.isfinite(v) for _, v in scalars[tag]), tag
@@ -81,11 +53,7 @@ def test_tensorboard_has_every_tag_and_losses_fall(tp2_run):
     assert sum(ce[-4:]) / 4 < ce[0] - 1.0, ce
     assert sum(ntl[-4:]) / 4 < ntl[0] - 0.1, ntl
     assert scalars["val/ce"][1][1] < scalars["val/ce"][0][1]
-    # loss = CE + lambda * NTL, as logged
-    lam = scalars["train/ntl_lambda"][0][1]
-    assert lam == pytest.approx(0.3)
-    for (_, loss), (_, c), (_, n) in zip(scalars["train/loss"], scalars["train/ce"], scalars["train/ntl"]):
-        assert loss == pytest.approx(c + lam * n, rel=1e-5)
+    assert [v for _, v in scalars["train/ntl_lambda"]] == pytest.approx([0.3] * 16)
     share = [v for _, v in scalars["train/number_token_share"]]
     assert all(0.2 < s < 0.9 for s in share)  # an arithmetic corpus: many label positions are digits
     assert any(tag.startswith("eval/arith") for tag in scalars)  # the evaluation hook ran at the end
@@ -105,6 +73,39 @@ def test_run_folder_holds_config_and_checkpoint(tp2_run):
     assert not [p for p in out.rglob("*.tmp*")]
 
 
+def test_logged_loss_equals_an_independent_computation(tp2_run, tmp_path):
+    """Step 16's train/loss, train/ce and train/ntl recomputed in one process without the trainer's loss code:
+    the step-15 checkpoint exported to Hugging Face (the weights step 16 started from), step 16's batch
+    taken from the run's data stream, CE from torch's cross_entropy and NTL-WAS from the ntloss package."""
+    import ntloss
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.data import PretrainingData
+
+    out, _ = tp2_run
+    export = tmp_path / "hf"
+    run_ok([sys.executable, "tools/export_hf.py", str(out / "global_step15"), str(export)], timeout=TIMEOUT)
+    cfg = load_config(out / "config.yaml")
+    assert cfg.loss.variant == "was" and not cfg.loss.reweigh and cfg.loss.ntl_schedule == "constant"
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    data = PretrainingData.build(cfg.data, tokenizer, dp_rank=0, dp_size=1)  # T=2: one data-parallel rank
+    data.position = 15 * cfg.data.micro_batch_size * cfg.train.grad_accum_steps
+    (batch,) = data.next_step(cfg.train.grad_accum_steps)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits
+    ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100).item()
+    ntl = ntloss.NTLoss(tokenizer, vocab_size=logits.shape[-1], digit_level=True, reweigh=False)(
+        logits, batch.labels).item()
+    logged = {tag: dict(points)[16] for tag, points in read_scalars(out / "tensorboard").items()}
+    assert logged["train/ce"] == pytest.approx(ce, rel=1e-5)
+    assert logged["train/ntl"] == pytest.approx(ntl, rel=1e-5)
+    assert logged["train/loss"] == pytest.approx(ce + cfg.loss.ntl_weight * ntl, rel=1e-5)
+
+
 def test_tp1_through_a_localhost_hostfile_matches_tp2(tp2_run, assets, tmp_path):
     out2, _ = tp2_run
     hostfile = tmp_path / "hostfile"
@@ -113,13 +114,11 @@ def test_tp1_through_a_localhost_hostfile_matches_tp2(tp2_run, assets, tmp_path)
     # the same global batch: T=2 has 1 DP rank x 8 sequences, T=1 has 2 DP ranks x 4
     command = ["deepspeed", "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "launch/pretrain.sh",
-               *_overrides(assets, out1, "parallel.tp_size=1", "data.micro_batch_size=4", "train.max_steps=4",
-                           "train.val_every_n_steps=-1", "checkpoint.save_final=false")]
-    result = _run(command)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+               *demo_args(assets, out1, "parallel.tp_size=1", "data.micro_batch_size=4", "train.max_steps=4",
+                          "checkpoint.save_final=false")]
+    result = run_ok(command, timeout=TIMEOUT)
     assert "dp=2 tp=1 zero=3" in result.stdout
-    tp1, _ = _scalars(out1 / "tensorboard")
-    tp2, _ = _scalars(out2 / "tensorboard")
+    tp1, tp2 = read_scalars(out1 / "tensorboard"), read_scalars(out2 / "tensorboard")
     for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/number_mae"):
         got = [v for _, v in tp1[tag]]
         want = [v for _, v in tp2[tag][:4]]
@@ -130,14 +129,11 @@ def test_zero0_with_gradient_accumulation_matches_zero3(tp2_run, assets, tmp_pat
     """No ZeRO, T=2, the same global batch as 2 micro-batches of 4: the same losses and gradient norms."""
     out2, _ = tp2_run
     out = tmp_path / "run"
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh",
-               *_overrides(assets, out, "parallel.zero_stage=0", "data.micro_batch_size=4", "train.grad_accum_steps=2",
-                           "train.max_steps=4", "train.val_every_n_steps=-1", "checkpoint.save_final=false")]
-    result = _run(command)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result = run_ok(deepspeed_command(2, *demo_args(
+        assets, out, "parallel.zero_stage=0", "data.micro_batch_size=4", "train.grad_accum_steps=2",
+        "train.max_steps=4", "checkpoint.save_final=false")), timeout=TIMEOUT)
     assert "dp=1 tp=2 zero=0 micro_batch=4 grad_accum=2" in result.stdout
-    zero0, _ = _scalars(out / "tensorboard")
-    zero3, _ = _scalars(out2 / "tensorboard")
+    zero0, zero3 = read_scalars(out / "tensorboard"), read_scalars(out2 / "tensorboard")
     for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm"):
         got = [v for _, v in zero0[tag]]
         want = [v for _, v in zero3[tag][:4]]
@@ -147,10 +143,8 @@ def test_zero0_with_gradient_accumulation_matches_zero3(tp2_run, assets, tmp_pat
 def test_bash_form_refuses_a_folder_with_another_runs_checkpoints(tp2_run, assets):
     out, _ = tp2_run
     before = sorted(str(p) for p in out.rglob("*"))
-    env_args = f"--master_port {free_port()}"
-    result = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=2")], cwd=REPO,
-                            env=dict(_env(), NTL_DEEPSPEED_ARGS=env_args), capture_output=True, text=True,
-                            timeout=TIMEOUT)
+    result = run(["bash", "launch/pretrain.sh", *demo_args(assets, out, "train.max_steps=2")], env=_bash_env(),
+                 timeout=TIMEOUT)
     assert result.returncode != 0
     assert "no GPU found: starting 2 CPU processes" in result.stderr
     assert "already holds checkpoints of another run (global_step16)" in result.stdout + result.stderr
@@ -165,16 +159,11 @@ def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
     source, _ = tp2_run
     out = tmp_path / "run"
     shutil.copytree(source, out)
-    env_args = f"--master_port {free_port()}"
-    result = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=18",
-                                                                       "train.resume=auto", "train.val_every_n_steps=-1",
-                                                                       "eval.at_end=false",
-                                                                       "checkpoint.resume_lr_schedule=replan")],
-                            cwd=REPO, env=dict(_env(), NTL_DEEPSPEED_ARGS=env_args), capture_output=True, text=True,
-                            timeout=TIMEOUT)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result = run_ok(["bash", "launch/pretrain.sh", *demo_args(assets, out, "train.max_steps=18", "train.resume=auto",
+                                                               "checkpoint.resume_lr_schedule=replan")],
+                    env=_bash_env(), timeout=TIMEOUT)
     assert "training steps 17..18" in result.stdout
-    scalars, _ = _scalars(out / "tensorboard")
+    scalars = read_scalars(out / "tensorboard")
     assert sorted({s for s, _ in scalars["train/loss"]}) == list(range(1, 19))  # continues, no duplicate step
     assert (out / "latest").read_text().strip() == "global_step18"
     state = torch.load(out / "global_step18" / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
@@ -182,10 +171,7 @@ def test_bash_form_resumes_the_run(tp2_run, assets, tmp_path):
     assert state["step"] == 18 and state["data"]["position"] == 18 * 8  # 8 sequences per step, none repeated
     # resuming a finished run does nothing and leaves its checkpoints alone
     before = {str(p): p.stat().st_mtime_ns for p in (out / "global_step18").iterdir()}
-    again = subprocess.run(["bash", "launch/pretrain.sh", *_overrides(assets, out, "train.max_steps=18",
-                                                                      "train.resume=auto", "eval.at_end=false")],
-                           cwd=REPO, env=dict(_env(), NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}"),
-                           capture_output=True, text=True, timeout=TIMEOUT)
-    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    again = run_ok(["bash", "launch/pretrain.sh", *demo_args(assets, out, "train.max_steps=18", "train.resume=auto")],
+                   env=_bash_env(), timeout=TIMEOUT)
     assert "nothing to do: the run is at step 18" in again.stdout
     assert {str(p): p.stat().st_mtime_ns for p in (out / "global_step18").iterdir()} == before

@@ -15,7 +15,7 @@ from ntl_pretrain.config import load_config
 from ntl_pretrain.distributed import check_tp_divides, layout
 from ntl_pretrain.model import build_model, padded_vocab_size, train_digit_bpe
 from ntl_pretrain.train import _number_vocab, check_output_dir
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_workers
+from helpers.distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess
 

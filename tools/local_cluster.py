@@ -66,7 +66,7 @@ def require(binaries: dict[str, str]) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the tests pass tests/distributed.free_port instead)."""
+    """A free TCP port on 127.0.0.1 (the tests pass tests/helpers/distributed.free_port instead)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

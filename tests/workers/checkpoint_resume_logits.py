@@ -1,7 +1,7 @@
 """Worker: resume a run with the real Trainer, train to its end, then write the trained model's logits on a
 fixed input, gathered over the tensor-parallel shards (global rank 0 writes them).
 
-    python checkpoint_resume_logits.py OUT.pt CONFIG.yaml key=value ...   (once per rank; tests/distributed.py)
+    python checkpoint_resume_logits.py OUT.pt CONFIG.yaml key=value ...   (once per rank; tests/helpers/distributed.py)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 update is skipped (the finite weights stay bitwise as they were), a checkpoint of them is refused, and the run
 stops after `train.max_nonfinite_steps` such steps in a row.
 
-    python trainer_nonfinite.py OUT.json CONFIG.yaml key=value ...   (once per rank; tests/distributed.py)
+    python trainer_nonfinite.py OUT.json CONFIG.yaml key=value ...   (once per rank; tests/helpers/distributed.py)
 """
 
 from __future__ import annotations

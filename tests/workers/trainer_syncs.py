@@ -1,8 +1,8 @@
 """Worker: build the real Trainer, run one warm-up step, then count the calls that would force a
-device-to-host sync (tests/sync_counter.py) during `steps` more optimizer steps, apart for the
+device-to-host sync (tests/helpers/sync_counter.py) during `steps` more optimizer steps, apart for the
 micro-batch loop (the forward + loss and the backward of each micro-batch) and the rest of the step.
 
-    python trainer_syncs.py OUT.json STEPS CONFIG.yaml key=value ...   (once per rank; tests/distributed.py)
+    python trainer_syncs.py OUT.json STEPS CONFIG.yaml key=value ...   (once per rank; tests/helpers/distributed.py)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sync_counter import SyncCounter  # noqa: E402
+from helpers.sync_counter import SyncCounter  # noqa: E402
 
 from ntl_pretrain.config import load_config  # noqa: E402
 from ntl_pretrain.train import Trainer  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 
 
 # Ports handed out in this test process: DeepSpeed's CPU all-reduce names its /dev/shm buffers
@@ -38,7 +38,7 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
     """
     port = str(free_port())
     procs = []
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,

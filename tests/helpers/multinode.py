@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import local_cluster  # noqa: E402,F401  (re-exported for the tests)
 

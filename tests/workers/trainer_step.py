@@ -1,0 +1,90 @@
+"""Worker: the real Trainer's optimizer step (`Trainer.train_step`) on a fixed global batch, for several
+configurations in one process group (one DeepSpeed start for all of them).
+
+Each case builds a `Trainer` from CONFIG.yaml + the case's overrides, replaces its data stream with this rank's
+share of the batch file (split over data-parallel ranks and accumulation steps as `PretrainingData.next_step`
+splits a step), and runs steps on that same batch until one has a learning rate above 0: the warm-up
+schedule starts at lr 0, so every step until then sees the initial weights, and the last one updates them
+(Adam's moments then hold that one gradient once per step). Rank 0 writes `OUT/<case>/result.json` (each
+step's figures and the lr its update used) and `OUT/<case>/weights.pt` (the weights after the last step,
+gathered over ZeRO-3 and TP).
+
+    trainer_step.py OUT BATCH.pt CONFIG.yaml CASES.json   (once per rank; tests/helpers/distributed.py)
+
+CASES.json: [{"name": ..., "overrides": ["key=value", ...]}, ...]
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain import distributed
+from ntl_pretrain.config import load_config
+from ntl_pretrain.data import MicroBatch
+from ntl_pretrain.train import Trainer
+
+
+def fixed_batch(trainer: Trainer, batch: dict):
+    """A `next_step` that hands this rank its micro-batches of `batch` (the same split as the data stream)."""
+    micro, accumulation = trainer.cfg.data.micro_batch_size, trainer.cfg.train.grad_accum_steps
+    dp_rank, dp_size = trainer.layout.dp_rank, trainer.layout.dp_size
+    assert batch["input_ids"].shape[0] == micro * accumulation * dp_size, "the batch does not fill one step"
+
+    def next_step(grad_accum_steps: int) -> list[MicroBatch]:
+        assert grad_accum_steps == accumulation
+        rows = [slice((m * dp_size + dp_rank) * micro, (m * dp_size + dp_rank + 1) * micro) for m in range(accumulation)]
+        return [MicroBatch(input_ids=batch["input_ids"][r].clone(), labels=batch["labels"][r].clone()) for r in rows]
+
+    return next_step
+
+
+def gathered_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    engine = trainer.engine
+    if trainer.cfg.parallel.zero_stage == 3:
+        return engine._zero3_consolidated_16bit_state_dict()  # gathers over ZeRO-3 and the TP shards
+    assert trainer.cfg.parallel.tp_size == 1, "weights of TP without ZeRO-3 are not gathered here"
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def run_case(out: Path, batch: dict, config: str, name: str, overrides: list[str]) -> None:
+    trainer = Trainer(load_config(config, [*overrides, f"train.output_dir={out / name / 'run'}"]))
+    trainer.data.next_step = fixed_batch(trainer, batch)
+    head = trainer.engine.module.get_output_embeddings().weight
+    if trainer.cfg.parallel.zero_stage == 3:  # partitioned like a real head: the step must gather it
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        assert head.ds_status == ZeroParamStatus.NOT_AVAILABLE, head.ds_summary()
+    lrs, figures = [], []
+    while not lrs or lrs[-1] == 0.0:
+        assert len(lrs) < 5, f"the learning rate stayed 0 for {lrs}"
+        lrs.append(float(trainer.engine.get_lr()[0]))  # what this step's update uses (the schedule moves after it)
+        figures.append(trainer.train_step())
+    weights = gathered_weights(trainer)
+    if dist.get_rank() == 0:
+        torch.save(weights, out / name / "weights.pt")
+        (out / name / "result.json").write_text(json.dumps({
+            "figures": figures, "lrs": lrs, "dp_size": trainer.layout.dp_size, "tp_size": trainer.layout.tp_size,
+            "zero_stage": trainer.cfg.parallel.zero_stage, "chunk_tokens": trainer.cfg.loss.chunk_tokens}))
+    del trainer, weights
+    gc.collect()
+    dist.barrier()
+
+
+def main() -> None:
+    out, batch_file, config, cases_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    batch = torch.load(batch_file)
+    for case in json.loads(Path(cases_file).read_text()):
+        run_case(out, batch, config, case["name"], case["overrides"])
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        distributed.shutdown_distributed()
