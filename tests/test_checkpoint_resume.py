@@ -11,7 +11,6 @@ and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-fu
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -25,44 +24,24 @@ import torch
 
 from ntl_pretrain.checkpoint import MANIFEST_NAME, step_of_tag, verify_checkpoint
 
-from helpers.distributed import free_port, run_workers  # noqa: E402
+from helpers.distributed import run_workers  # noqa: E402
+from helpers.launch import REPO, demo_args, deepspeed_command, launch_env, run  # noqa: E402
+from helpers.tensorboard import scalars as _scalars  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(4 * TIMEOUT)]
 
 
-
-def _env() -> dict:
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:
-    return ["--config", "configs/demo.yaml",
-            f"data.sources.0.path={assets / 'arithmetic.jsonl'}", "data.sources.0.generate_arithmetic=3000",
-            f"tokenizer.name_or_path={assets / 'tokenizer'}", f"data.cache_dir={assets / 'cache'}",
-            "data.validation_documents=100", f"train.output_dir={out}", "train.log_every_n_steps=1",
-            "monitor.progress_bar=never", "train.val_every_n_steps=-1", "eval.at_end=false", "train.max_steps=6",
-            *extra]
+    return demo_args(assets, out, "train.max_steps=6", *extra)
 
 
 def _launch(procs: int, args: list[str], prefix: str = "") -> list[str]:
-    command = ["deepspeed", "--num_gpus", str(procs), "--master_port", str(free_port()), "launch/pretrain.sh", *args]
-    if prefix:  # e.g. a ulimit for the whole job
-        return ["bash", "-c", prefix + ' && exec "$@"', "bash", *command]
-    return command
+    return deepspeed_command(procs, *args, prefix=prefix)
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def _scalars(tensorboard_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return run(command, timeout=TIMEOUT)
 
 
 def _fp32_partitions(checkpoint: Path) -> dict[str, list[torch.Tensor]]:
@@ -97,11 +76,6 @@ def _wait_for(predicate, timeout: float, interval: float = 0.001):
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ckpt_assets")
-
-
-@pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory) -> Path:
     """The uninterrupted run."""
     out = tmp_path_factory.mktemp("reference") / "run"
@@ -118,7 +92,7 @@ def interrupted(assets, reference, tmp_path_factory) -> dict:
     info: dict = {"out": out}
     # 1. SIGTERM to rank 1 only, once step 2 is done: all ranks save at the next step boundary and exit 0
     launcher = subprocess.Popen(_launch(2, _overrides(assets, out, "checkpoint.every_n_steps=0")), cwd=REPO,
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in launcher.stdout:
@@ -134,7 +108,7 @@ def interrupted(assets, reference, tmp_path_factory) -> dict:
     info["stopped_at"] = int((out / "latest").read_text().strip()[len("global_step"):])
     # 2. resume, saving every step; kill -9 rank 1 while the first save is being written
     launcher = subprocess.Popen(_launch(2, _overrides(assets, out, "train.resume=auto", "checkpoint.every_n_steps=1")),
-                                cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         staging = _wait_for(lambda: [p for p in out.iterdir() if p.name.endswith(".partial")], timeout=TIMEOUT)
         rank1 = _rank_processes(launcher)[1]
@@ -219,7 +193,7 @@ def test_export_reloads_with_the_training_models_logits(interrupted, reference, 
     export = tmp_path / "hf"
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "tools/export_hf.py", str(interrupted["out"] / "global_step6"), str(export),
-                             "--max-shard-size", "1MB"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                             "--max-shard-size", "1MB"], cwd=REPO, env=launch_env(), capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     print(f"export: {time.perf_counter() - started:.1f} s")
@@ -309,7 +283,7 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
         resolve_resume(str(out), "global_step6")
     assert resolve_resume(str(out), "auto") == "global_step5"  # the damaged newest one is skipped
     result = subprocess.run([sys.executable, "tools/export_hf.py", str(out / "global_step6"), str(tmp_path / "hf")],
-                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                            cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 2 and "a truncated shard" in result.stderr and not (tmp_path / "hf").exists()
 
     # the fingerprint rebuilt from the checkpoint's own model config, tokenizer and number vocabulary matches

@@ -29,38 +29,25 @@ import xxhash
 
 from ntl_pretrain.checkpoint import MANIFEST_NAME, CheckpointError, resolve_resume
 
-from helpers.distributed import free_port  # noqa: E402
+from helpers.launch import REPO, demo_args, deepspeed_command, launch_env, run as run_command  # noqa: E402
+from helpers.tensorboard import scalars  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 400
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
 LR, MIN_RATIO = 3.0e-3, 0.1
 
 
-def _env() -> dict:
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def _args(assets: Path, out: Path, *extra: str) -> list[str]:
-    return ["--config", "configs/demo.yaml", f"data.sources.0.path={assets / 'arithmetic.jsonl'}",
-            "data.sources.0.generate_arithmetic=3000", f"tokenizer.name_or_path={assets / 'tokenizer'}",
-            f"data.cache_dir={assets / 'cache'}", "data.validation_documents=100", f"train.output_dir={out}",
-            "train.log_every_n_steps=1", "monitor.progress_bar=never", "train.val_every_n_steps=-1",
-            "eval.at_end=false", "parallel.tp_size=1", "parallel.zero_stage=1", "data.micro_batch_size=4",
-            "optim.warmup_steps=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0", *extra]
+    return demo_args(assets, out, "parallel.tp_size=1", "parallel.zero_stage=1", "data.micro_batch_size=4",
+                     "optim.warmup_steps=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0", *extra)
 
 
 def _launch(args: list[str]) -> subprocess.CompletedProcess:
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh", *args]
-    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    return run_command(deepspeed_command(2, *args), timeout=TIMEOUT)
 
 
 def _lr_scalars(tensorboard_dir: Path) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {e.step: e.value for e in accumulator.Scalars("train/lr")}
+    return dict(scalars(tensorboard_dir)["train/lr"])
 
 
 def _deepspeed_lr(total_steps: int, step: int) -> float:
@@ -72,11 +59,6 @@ def _deepspeed_lr(total_steps: int, step: int) -> float:
                                warmup_min_ratio=0.0, cos_min_ratio=MIN_RATIO, warmup_type="linear",
                                last_batch_iteration=step - 1)
     return scheduler.get_lr()[0]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("trust_assets")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +139,7 @@ def test_a_shard_corrupted_in_place_is_skipped_by_auto_and_an_error_for_its_tag(
                                               r"zero_pp_rank_1_mp_rank_00_optim_states.pt differs"):
         resolve_resume(str(out), "global_step3")
     result = subprocess.run([sys.executable, "tools/export_hf.py", str(out / "global_step3"), str(tmp_path / "hf")],
-                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                            cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 2 and "differs from what was written" in result.stderr
     assert not (tmp_path / "hf").exists()
 
@@ -186,7 +168,7 @@ def test_code_in_the_model_states_does_not_run_on_export(run, tmp_path):
     torch.save(state, states)
     _rewrite_manifest(out / "global_step3", "mp_rank_00_model_states.pt")
     result = subprocess.run([sys.executable, "tools/export_hf.py", str(out / "global_step3"), str(tmp_path / "hf")],
-                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                            cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert not marker.exists()
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mp_rank_00_model_states.pt holds pickled Python objects that a weights-only load refuses" in result.stderr

@@ -10,38 +10,27 @@ diverges, the run exits non-zero with one clear error line and every checkpoint 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.distributed import free_port, run_workers  # noqa: E402
+from helpers.distributed import run_workers
+from helpers.launch import DEMO, demo_overrides, deepspeed_command, run
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 400
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("nonfinite_assets")
-
-
 def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
-    return ["configs/demo.yaml", f"data.sources.0.path={assets / 'arithmetic.jsonl'}",
-            "data.sources.0.generate_arithmetic=600", f"tokenizer.name_or_path={assets / 'tokenizer'}",
-            f"data.cache_dir={assets / 'cache'}", "data.validation_documents=50", f"train.output_dir={out}",
-            "data.seq_len=64", "data.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=20",
-            "monitor.progress_bar=never", "eval.at_end=false", "checkpoint.save_final=false",
-            "train.val_every_n_steps=-1", "train.log_every_n_steps=1", *extra]
+    return demo_overrides(assets, out, "data.seq_len=64", "data.micro_batch_size=2", "train.grad_accum_steps=2",
+                          "train.max_steps=20", "checkpoint.save_final=false", *extra)
 
 
 @pytest.mark.parametrize("stage,tp", [(3, 2), (0, 1)])
 def test_nonfinite_weights_skip_updates_refuse_saving_and_stop(assets, tmp_path, stage, tp):
     result = tmp_path / "result.json"
-    run_workers("trainer_nonfinite.py", 2, [str(result), *overrides(
+    run_workers("trainer_nonfinite.py", 2, [str(result), DEMO, *overrides(
         assets, tmp_path / "run", f"parallel.tp_size={tp}", f"parallel.zero_stage={stage}",
         "train.max_nonfinite_steps=3")], timeout=TIMEOUT)
     found = json.loads(result.read_text())
@@ -56,13 +45,11 @@ def test_nonfinite_weights_skip_updates_refuse_saving_and_stop(assets, tmp_path,
 
 def test_divergent_run_stops_with_an_error_and_keeps_finite_checkpoints(assets, tmp_path):
     out = tmp_path / "run"
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh", "--config",
-               *overrides(assets, out, "optim.lr=1e6", "optim.grad_clip=0", "optim.warmup_steps=0",
-                          "checkpoint.every_n_steps=1", "checkpoint.keep_last=0")]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    output = run.stdout + run.stderr
-    assert run.returncode != 0, output[-3000:]
+    result = run(deepspeed_command(2, "--config", DEMO, *overrides(
+        assets, out, "optim.lr=1e6", "optim.grad_clip=0", "optim.warmup_steps=0", "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=0")), timeout=TIMEOUT)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
     assert "optimizer steps in a row had a non-finite loss or gradient norm" in output, output[-3000:]
     assert "update skipped" in output
     checkpoints = sorted(out.glob("global_step*"))

@@ -5,8 +5,8 @@ the tree supervisor -> DeepSpeed runner -> launch.py -> 2 ranks. A SIGTERM or SI
 them, once step 2 is logged, must make every rank save at its next step boundary and the job exit 0,
 with nothing left running and no DeepSpeed shared-memory buffer left in /dev/shm. The plain `deepspeed`
 runner (DeepSpeed's own, which dies on SIGTERM) must not leave ranks training as orphans either. A second
-run on a folder in use is refused on every rank with the holder named. Ten short runs in a row (1, 3 and
-2 processes) all exit 0.
+run on a folder in use is refused on every rank with the holder named. Short runs in a row (1, 3, 2 and 2
+processes) all exit 0.
 """
 
 from __future__ import annotations
@@ -23,26 +23,20 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers.distributed import free_port  # noqa: E402
+from helpers.distributed import free_port
+from helpers.launch import REPO, demo_args, launch_env
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 420  # a hang fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
 MAX_STEPS = 5000  # never reached: the signal comes at step 2 (or after the second run, about a minute)
 
 
 def _env(procs: int, port: int) -> dict:
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                NTL_CPU_PROCS=str(procs), NTL_DEEPSPEED_ARGS=f"--master_port {port}")
+    return launch_env(NTL_CPU_PROCS=str(procs), NTL_DEEPSPEED_ARGS=f"--master_port {port}")
 
 
 def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:
-    return ["--config", "configs/demo.yaml",
-            f"data.sources.0.path={assets / 'arithmetic.jsonl'}", "data.sources.0.generate_arithmetic=3000",
-            f"tokenizer.name_or_path={assets / 'tokenizer'}", f"data.cache_dir={assets / 'cache'}",
-            "data.validation_documents=100", f"train.output_dir={out}", "train.log_every_n_steps=1",
-            "monitor.progress_bar=never", "train.val_every_n_steps=-1", "eval.at_end=false",
-            "checkpoint.every_n_steps=0", *extra]
+    return demo_args(assets, out, "checkpoint.every_n_steps=0", *extra)
 
 
 def _shm_buffers(port: int) -> list[Path]:
@@ -106,11 +100,6 @@ def _run_until_step(command: list[str], env: dict, step: int, on_step, lines: li
     return job.returncode, "".join(lines)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("signal_assets")
-
-
 @pytest.mark.parametrize("target,signum", [("top", signal.SIGTERM), ("top", signal.SIGINT), ("runner", signal.SIGTERM),
                                            ("launch", signal.SIGTERM), ("rank1", signal.SIGTERM)])
 def test_a_stop_signal_at_any_level_saves_on_every_rank_and_exits_0(assets, tmp_path, target, signum):
@@ -170,10 +159,11 @@ def test_deepspeed_runner_killed_leaves_no_rank_training(assets, tmp_path):
     assert (out / f"global_step{stopped}" / "ntl_checkpoint.json").is_file()
 
 
-def test_ten_short_runs_in_a_row_exit_0(assets, tmp_path):
-    """1, 3 and 2 processes (tp_size=auto picks 1, 1, 2); every run ends 0 with its summary, and leaves no
-    shared-memory buffer behind."""
-    for index, procs in enumerate([1, 3] + [2] * 8):
+def test_short_runs_in_a_row_exit_0(assets, tmp_path):
+    """1, 3 and 2 processes (tp_size=auto picks 1, 1, 2), two of 2 in a row; every run ends 0 with its summary,
+    and leaves no shared-memory buffer behind. (Was ten runs, eight of 2 processes, against an intermittent
+    non-zero exit of finished ranks: every other launched run of the suite asserts exit 0 as well.)"""
+    for index, procs in enumerate([1, 3, 2, 2]):
         out, port = tmp_path / f"run{index}", free_port()
         result = subprocess.run(["bash", "launch/pretrain.sh",
                                  *_overrides(assets, out, "train.max_steps=1", "checkpoint.save_final=false")],

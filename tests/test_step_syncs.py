@@ -10,32 +10,38 @@ from pathlib import Path
 
 import pytest
 
-from helpers.distributed import run_workers  # noqa: E402
+from helpers.distributed import run_workers
+from helpers.launch import DEMO, demo_overrides
 
 TIMEOUT = 400
 STEPS = 2
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("sync_assets")
+LAYOUTS = [1, 2]  # tp_size; each launch runs the full and the chunked head, one Trainer after the other
+CHUNK_TOKENS = [0, 48]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(5 * TIMEOUT)]  # the fixture: 2 launches
 
 
 def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
-    return ["configs/demo.yaml", f"data.sources.0.path={assets / 'arithmetic.jsonl'}",
-            "data.sources.0.generate_arithmetic=600", f"tokenizer.name_or_path={assets / 'tokenizer'}",
-            f"data.cache_dir={assets / 'cache'}", "data.validation_documents=50", f"train.output_dir={out}",
-            "data.seq_len=64", "data.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=10",
-            "monitor.progress_bar=never", "eval.at_end=false", "checkpoint.save_final=false", *extra]
+    return demo_overrides(assets, out, "data.seq_len=64", "data.micro_batch_size=2", "train.grad_accum_steps=2",
+                          "train.max_steps=10", "checkpoint.save_final=false", *extra)
 
 
-@pytest.mark.parametrize("tp,chunk_tokens", [(1, 0), (1, 48), (2, 0), (2, 48)])
-def test_step_makes_no_host_sync_in_the_micro_batch_loop(assets, tmp_path, tp, chunk_tokens):
-    result = tmp_path / "syncs.json"
-    run_workers("trainer_syncs.py", 2, [str(result), str(STEPS), *overrides(
-        assets, tmp_path / "run", f"parallel.tp_size={tp}", f"loss.chunk_tokens={chunk_tokens}")], timeout=TIMEOUT)
-    counts = json.loads(result.read_text())
+@pytest.fixture(scope="module")
+def counted(assets, tmp_path_factory) -> Path:
+    """The sync counts of every (tp, chunk_tokens) case: one launch per tp."""
+    root = tmp_path_factory.mktemp("syncs")
+    for tp in LAYOUTS:
+        cases = [{"name": f"tp{tp}_chunk{chunk}", "overrides": overrides(
+            assets, root / f"run_tp{tp}_chunk{chunk}", f"parallel.tp_size={tp}", f"loss.chunk_tokens={chunk}")}
+            for chunk in CHUNK_TOKENS]
+        (root / f"cases_tp{tp}.json").write_text(json.dumps(cases))
+        run_workers("trainer_syncs.py", 2, [str(root), str(STEPS), DEMO, str(root / f"cases_tp{tp}.json")],
+                    timeout=2 * TIMEOUT)
+    return root
+
+
+@pytest.mark.parametrize("tp,chunk_tokens", [(tp, chunk) for tp in LAYOUTS for chunk in CHUNK_TOKENS])
+def test_step_makes_no_host_sync_in_the_micro_batch_loop(counted, tp, chunk_tokens):
+    counts = json.loads((counted / f"tp{tp}_chunk{chunk_tokens}.json").read_text())
     print(json.dumps({k: v for k, v in counts.items() if k != "figures"}, indent=1))
     # data.py builds each micro-batch from numpy arrays on the host, before it moves to the device: its tensor
     # calls touch CPU tensors only, on every machine, so they never wait for a device

@@ -3,7 +3,9 @@
 One T=2 run of configs/demo.yaml (through `deepspeed launch/pretrain.sh`) is checked for several things:
 TensorBoard tags read back with tensorboard's event reader, losses finite and falling, the run folder,
 the checkpoint. A T=1 run of the same config (through `deepspeed --hostfile` naming localhost) must give
-the same losses for the first steps. `bash launch/pretrain.sh` then refuses the first run's folder.
+the same losses for the first steps, and so must the run with the chunked head. The logged loss of a step is
+recomputed in one process with plain torch and ntloss. `bash launch/pretrain.sh` then refuses the first run's
+folder.
 """
 
 from __future__ import annotations
@@ -104,6 +106,24 @@ def test_logged_loss_equals_an_independent_computation(tp2_run, tmp_path):
     assert logged["train/ce"] == pytest.approx(ce, rel=1e-5)
     assert logged["train/ntl"] == pytest.approx(ntl, rel=1e-5)
     assert logged["train/loss"] == pytest.approx(ce + cfg.loss.ntl_weight * ntl, rel=1e-5)
+
+
+def test_chunked_head_logs_the_same_losses(tp2_run, assets, tmp_path):
+    """`loss.chunk_tokens` (the head + loss over chunks of 100 of the 8 x 128 tokens of a micro-batch: they do
+    not divide them) logs the same losses, grad norms and validation loss as the run on the full logits."""
+    from ntl_pretrain.config import load_config
+
+    full_run, _ = tp2_run
+    out = tmp_path / "run"
+    run_ok(deepspeed_command(2, *demo_args(assets, out, "loss.chunk_tokens=100", "train.max_steps=8",
+                                           "train.val_every_n_steps=8", "checkpoint.save_final=false")), timeout=TIMEOUT)
+    assert load_config(out / "config.yaml").loss.chunk_tokens == 100
+    # the first 8 steps of both runs see the same lr: the demo's warm-up is 10 steps, whatever max_steps
+    chunked, full = read_scalars(out / "tensorboard"), read_scalars(full_run / "tensorboard")
+    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/number_mae", "val/loss", "val/ntl"):
+        got, want = chunked[tag], full[tag][:len(chunked[tag])]
+        assert [s for s, _ in got] == ([8] if tag.startswith("val/") else list(range(1, 9))), tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=2e-4, abs=1e-6), tag
 
 
 def test_tp1_through_a_localhost_hostfile_matches_tp2(tp2_run, assets, tmp_path):

@@ -19,7 +19,7 @@ from helpers.distributed import run_workers
 from helpers.models import tiny_llama
 from helpers.numeric import relative_error
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2400)]  # the fixture: 3 launches, 7 Trainers
 
 WORDS = ["[UNK]", "[PAD]", "</s>", "the", "answer", "is", "plus", "minus", "times", "equals", "7", "3", "0", "9",
          "1", "5", "2", "8", "4", "6", ".", ",", "apples", "cost", "and", "of", "to", "a", "we", "get", "so", "it"]

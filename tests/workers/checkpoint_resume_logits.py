@@ -1,7 +1,11 @@
-"""Worker: resume a run with the real Trainer, train to its end, then write the trained model's logits on a
+"""Worker: run (or resume) a run with the real Trainer to its end, then write the trained model's logits on a
 fixed input, gathered over the tensor-parallel shards (global rank 0 writes them).
 
-    python checkpoint_resume_logits.py OUT.pt CONFIG.yaml key=value ...   (once per rank; tests/helpers/distributed.py)
+    python checkpoint_resume_logits.py OUT.pt CONFIG.yaml key=value ... [-- OUT.pt CONFIG.yaml key=value ...]
+    (once per rank; tests/helpers/distributed.py)
+
+Runs separated by `--` share the process group, one Trainer after the other (one layout: DeepSpeed keeps its
+tensor-parallel groups for the process).
 """
 
 from __future__ import annotations
@@ -11,16 +15,17 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain import distributed
 from ntl_pretrain.config import load_config
 from ntl_pretrain.train import Trainer
 
+TEXT = "12 + 345 = 357. The answer is 4096 and 17 - 9 = 8."
 
-def main() -> None:
-    out_file, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+
+def run(out_file: str, config: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(config, overrides))
     trainer.fit()
-    text = "12 + 345 = 357. The answer is 4096 and 17 - 9 = 8."
-    input_ids = torch.tensor([trainer.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    input_ids = torch.tensor([trainer.tokenizer(TEXT, add_special_tokens=False)["input_ids"]])
     trainer.engine.eval()
     with torch.no_grad():
         local = trainer.engine(input_ids=input_ids.to(trainer.device)).logits.float().cpu()
@@ -32,7 +37,20 @@ def main() -> None:
         logits = local
     if dist.get_rank() == 0:
         torch.save({"input_ids": input_ids, "logits": logits, "step": trainer.step}, out_file)
+    dist.barrier()
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    while args:
+        end = args.index("--") if "--" in args else len(args)
+        out_file, config, *overrides = args[:end]
+        run(out_file, config, overrides)
+        args = args[end + 1:]
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        distributed.shutdown_distributed()

@@ -2,7 +2,12 @@
 device-to-host sync (tests/helpers/sync_counter.py) during `steps` more optimizer steps, apart for the
 micro-batch loop (the forward + loss and the backward of each micro-batch) and the rest of the step.
 
-    python trainer_syncs.py OUT.json STEPS CONFIG.yaml key=value ...   (once per rank; tests/helpers/distributed.py)
+Several cases (overrides of one layout) share the process group, one Trainer after the other; rank 0 writes
+OUT/<case>.json for each.
+
+    python trainer_syncs.py OUT STEPS CONFIG.yaml CASES.json   (once per rank; tests/helpers/distributed.py)
+
+CASES.json: [{"name": ..., "overrides": ["key=value", ...]}, ...]
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.sync_counter import SyncCounter  # noqa: E402
 
+from ntl_pretrain import distributed  # noqa: E402
 from ntl_pretrain.config import load_config  # noqa: E402
 from ntl_pretrain.train import Trainer  # noqa: E402
 
 
-def main() -> None:
-    out_file, steps, config, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+def count_case(out_file: Path, steps: int, config: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(config, overrides))
     trainer.train_step()  # warm-up: first-use work (caches, DeepSpeed's lazy set-up) is not the step
     counter = SyncCounter()
@@ -46,5 +51,14 @@ def main() -> None:
     dist.barrier()
 
 
+def main() -> None:
+    out, steps, config, cases = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    for case in json.loads(cases.read_text()):
+        count_case(out / f"{case['name']}.json", steps, config, case["overrides"])
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        distributed.shutdown_distributed()
