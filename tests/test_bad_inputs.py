@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.distributed import free_port  # noqa: E402
+from helpers.distributed import free_port, rank_env  # noqa: E402
+from helpers.launch import dry_run  # noqa: E402
 from ntl_pretrain.config import ConfigError, DataSourceConfig, load_config
 from ntl_pretrain.data import DataError, PretrainingData
 
@@ -148,11 +149,8 @@ def test_deepspeed_train_batch_size_is_resolved_or_refused(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- dry run
 def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--dry-run", "--config", DEMO,
-                           "--world-size", "2", f"train.output_dir={tmp_path / 'run'}", *overrides],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    return dry_run("--config", DEMO, "--world-size", "2", f"train.output_dir={tmp_path / 'run'}", *overrides,
+                   cwd=tmp_path)
 
 
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
@@ -245,12 +243,6 @@ def test_all_whitespace_corpus_is_refused(tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- full runs
-def _rank_env(rank: int, world: int, port: int) -> dict:
-    return dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def _train_command(tmp_path: Path, tokenizer_dir: str, corpus: Path, *overrides: str) -> list[str]:
     return [sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", DEMO, "tokenizer.train_vocab_size=0",
             f"tokenizer.name_or_path={tokenizer_dir}", "data.sources.0.generate_arithmetic=0",
@@ -271,7 +263,7 @@ def test_deepspeed_json_batch_mismatch_fails_before_the_build(tmp_path, tokenize
     command = _train_command(tmp_path, tokenizer.name_or_path, _corpus(tmp_path), "parallel.tp_size=1",
                              f"deepspeed.config={tmp_path / 'ds.json'}", f"train.output_dir={tmp_path / 'run'}")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env=_rank_env(0, 1, free_port()))
+                            env=rank_env(0, 1, free_port()))
     assert result.returncode == 2, result.stderr[-3000:]
     assert "AssertionError" not in result.stderr and "Traceback" not in result.stderr
     assert "train_batch_size=64 must equal" in result.stderr and "8 x 3 x 1 = 24" in result.stderr
@@ -302,7 +294,7 @@ def test_read_only_output_folder_stops_every_rank_with_one_clear_line(tmp_path, 
     port = free_port()
     command = _train_command(tmp_path, tokenizer.name_or_path, _corpus(tmp_path), "parallel.tp_size=1",
                              f"train.output_dir={out}")
-    payload = json.dumps([[command, command], [_rank_env(0, 2, port), _rank_env(1, 2, port)], 400])
+    payload = json.dumps([[command, command], [rank_env(0, 2, port), rank_env(1, 2, port)], 400])
     driver = [sys.executable, "-c", _TWO_RANKS, payload]
     if os.geteuid() == 0:
         driver = ["unshare", "-m", "sh", "-c", f'mount --bind "{out}" "{out}" && mount -o remount,bind,ro "{out}" '
@@ -391,7 +383,7 @@ def test_a_real_run_and_its_export_follow_the_umask(tmp_path, tokenizer):
     command = _train_command(tmp_path, tokenizer.name_or_path, _corpus(tmp_path), "parallel.tp_size=2",
                              f"train.output_dir={out}", "checkpoint.export_hf_at_end=true",
                              f"checkpoint.export_dir={tmp_path / 'export'}")
-    payload = json.dumps([[command, command], [_rank_env(0, 2, port), _rank_env(1, 2, port)], 500])
+    payload = json.dumps([[command, command], [rank_env(0, 2, port), rank_env(1, 2, port)], 500])
     result = subprocess.run([sys.executable, "-c", _TWO_RANKS, payload], capture_output=True, text=True,
                             timeout=600, cwd=tmp_path, preexec_fn=lambda: os.umask(0o002))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.models import tiny_llama
+from helpers.numeric import relative_error
 from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums
 from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums, chunked_model_ce_ntl_sums
 from ntl_pretrain.numbers import NumberVocab
@@ -39,10 +41,6 @@ def make_labels(seed: int = 0, rows: int = 2, length: int = 13) -> torch.Tensor:
     labels[0, 7:11] = torch.tensor(NUMBER_IDS[:4])  # a 4-digit number across chunk boundaries
     labels[1, :3] = -100
     return labels
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 def combine(sums):
@@ -196,13 +194,7 @@ def test_bf16_weight_gradient_accumulates_in_float32(chunks):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_model_forward_equals_logits_path(tied):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(4)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tied)
-    model = LlamaForCausalLM(config).double()
+    model = tiny_llama(VOCAB, seed=4, tie_word_embeddings=tied).double()
     input_ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(7))
     labels = make_labels(seed=8)
     settings = NTLSettings(variant="mse", reweigh=True)

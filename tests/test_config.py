@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.launch import dry_run
 from ntl_pretrain.config import Config, ConfigError, iter_keys, load_config, to_dict, write_resolved
 from ntl_pretrain.train import deepspeed_config, parse_args
 
@@ -150,9 +151,7 @@ def test_missing_or_broken_deepspeed_json(tmp_path):
 
 
 def _dry_run(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.run([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--dry-run", *args],
-                          capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+    return dry_run(*args, cwd=cwd)
 
 
 @pytest.mark.parametrize("config, world", [(p.name, w) for p, w in

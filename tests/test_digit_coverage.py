@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from ntl_pretrain.tokenizer import split_digits
 from ntl_pretrain.tokenizer.coverage import DIGIT_LEVEL_SHARE, check_training_digits, first_samples
 
 from test_tokenizer_families import build_gpt2_style, build_llama3_style, number_corpus
-from helpers.distributed import free_port
+from helpers.distributed import finish_ranks, start_ranks
 from test_train_errors import _cli
 
 pytestmark = pytest.mark.timeout(600)
@@ -134,23 +132,13 @@ def test_every_rank_refuses_and_none_hangs(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in number_corpus(600)), encoding="utf-8")
     tokenizer = build_gpt2_style(tmp_path / "gpt2_style")
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", str(REPO / "configs" / "demo.yaml"),
-             "parallel.tp_size=1", "tokenizer.train_vocab_size=0", f"tokenizer.name_or_path={tokenizer}",
-             f"data.sources.0.path={corpus}", "data.sources.0.generate_arithmetic=0", "data.validation_documents=10",
-             f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}"],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        results = [proc.communicate(timeout=400) for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        raise AssertionError("the ranks did not stop within 400 s (a hang?)") from None
+    procs = start_ranks(
+        [sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", str(REPO / "configs" / "demo.yaml"),
+         "parallel.tp_size=1", "tokenizer.train_vocab_size=0", f"tokenizer.name_or_path={tokenizer}",
+         f"data.sources.0.path={corpus}", "data.sources.0.generate_arithmetic=0", "data.validation_documents=10",
+         f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}"],
+        2, cwd=tmp_path, merge_stderr=False)
+    results = finish_ranks(procs, 400)
     for proc, (_out, err) in zip(procs, results):
         assert proc.returncode == 2, err[-3000:]
     # the error every rank agreed on is printed once, by rank 0

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.distributed import free_port  # noqa: E402
+from helpers.distributed import free_port, rank_env  # noqa: E402
 
 PROMPTS = ["12+3=", "a", "hello world 123*45=", "7-8=", "q: what?", "1", "zz", "the answer is", "9*9="]
 MAX_NEW = [1, 2, 1, 3, 2, 40, 36, 45, 38]
@@ -75,13 +75,14 @@ def reference(tmp_path_factory):
     """The saved model and tokenizer, and what one plain process produces with them."""
     import torch
 
-    from test_eval_generate import char_tokenizer, naive_greedy, tiny_llama
+    from helpers.models import char_tokenizer, eval_llama
+    from test_eval_generate import naive_greedy
     from ntl_pretrain.eval.generate import greedy_generate
     from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
 
     model_dir = tmp_path_factory.mktemp("model")
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=0, initializer_range=0.3)
+    model = eval_llama(len(tokenizer), seed=0, initializer_range=0.3)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     gsm_dir = model_dir / "gsm"
@@ -109,9 +110,7 @@ def _launch(world_size: int, tp_size: int, model_dir: Path, out_dir: Path) -> No
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        env = rank_env(rank, world_size, port)
         log = open(out_dir / f"rank{rank}.log", "w", encoding="utf-8")
         procs.append((subprocess.Popen([sys.executable, __file__, str(model_dir), str(tp_size), str(out_dir)],
                                        env=env, stdout=log, stderr=subprocess.STDOUT), log))

@@ -11,40 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.models import char_tokenizer, eval_llama
+from helpers.tensorboard import scalars, tensor_tags
 from ntl_pretrain.eval.arithmetic import generate_problems, is_interpolation_problem, make_problem
 from ntl_pretrain.eval.config import EvalConfig
 from ntl_pretrain.eval.generate import global_argmax, greedy_generate, truncate_at_stop
 from ntl_pretrain.loss import VocabShard
 from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
-
-CHARS = "0123456789+-*=.,$ \nabcdefghijklmnopqrstuvwxyzQA:?#"
-
-
-def char_tokenizer(chars: str = CHARS):
-    """One token per character (digits are single tokens), with <pad>=0 and </s>=1."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
-    for char in chars:
-        vocab.setdefault(char, len(vocab))
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
-
-
-def tiny_llama(vocab_size: int, seed: int = 0, initializer_range: float = 0.02, max_positions: int = 256):
-    """A 2-layer Llama small enough for CPU tests (4 heads, 2 KV heads: shardable over 2 TP ranks)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         initializer_range=initializer_range, tie_word_embeddings=False, bos_token_id=None,
-                         eos_token_id=1, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
-
 
 def naive_greedy(model, tokenizer, prompt: str, max_new_tokens: int, stop=()) -> tuple[str, float]:
     """Reference decoding: no cache, no padding, one prompt at a time, full forward every step.
@@ -76,7 +49,7 @@ PROMPTS = ["12+3=", "a", "hello world 123*45=", "7-8=", "q: what?", "1", "zz", "
 
 def test_batched_cached_generation_matches_naive_reference():
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=0, initializer_range=0.3)
+    model = eval_llama(len(tokenizer), seed=0, initializer_range=0.3)
     max_new = [1, 20, 3, 12, 30, 7, 25, 16]
     stop = ["?", "zz"]
     expected = [naive_greedy(model, tokenizer, p, m, stop)[0] for p, m in zip(PROMPTS, max_new)]
@@ -89,7 +62,7 @@ def test_batched_cached_generation_matches_naive_reference():
 
 def test_generation_stops_at_eos_and_respects_zero_budget():
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=1, initializer_range=0.3)
+    model = eval_llama(len(tokenizer), seed=1, initializer_range=0.3)
     free_run, _ = naive_greedy(model, tokenizer, "12", 12)
     assert len(set(free_run)) > 2, free_run
     # Declare the third generated character the end-of-sequence token: decoding must stop just before it.
@@ -102,7 +75,7 @@ def test_generation_stops_at_eos_and_respects_zero_budget():
 
 def test_all_tied_logits_pick_the_lowest_id():
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=1, initializer_range=0.3)
+    model = eval_llama(len(tokenizer), seed=1, initializer_range=0.3)
     with torch.no_grad():
         model.model.norm.weight.zero_()  # hidden states become 0, so every logit is exactly 0
     assert torch.all(model(torch.tensor([[5, 6]])).logits == 0)
@@ -126,7 +99,7 @@ def test_truncate_at_stop_cuts_at_earliest_stop():
 
 def test_prompts_longer_than_the_model_keep_their_end():
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=2, initializer_range=0.3, max_positions=16)
+    model = eval_llama(len(tokenizer), seed=2, initializer_range=0.3, max_positions=16)
     long_prompt = "abcdefghijklmnopqrstuvwxyz" * 2 + "1+2="
     output = greedy_generate(model, tokenizer, [long_prompt], max_new_tokens=4)
     expected, _ = naive_greedy(model, tokenizer, long_prompt[-12:], 4)  # 16 positions - 4 new tokens
@@ -135,7 +108,7 @@ def test_prompts_longer_than_the_model_keep_their_end():
 
 def test_truncation_is_warned_with_the_numbers_and_no_room_is_refused(caplog):
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=2, initializer_range=0.3, max_positions=16)
+    model = eval_llama(len(tokenizer), seed=2, initializer_range=0.3, max_positions=16)
     long_prompt = "abcdefghijklmnopqrstuvwxyz" * 2 + "1+2="  # 56 tokens
     with caplog.at_level("WARNING", logger="ntl_pretrain.eval.generate"):
         output = greedy_generate(model, tokenizer, [long_prompt, "1+2="], max_new_tokens=4)
@@ -152,7 +125,7 @@ def test_truncation_is_warned_with_the_numbers_and_no_room_is_refused(caplog):
 
 def test_generation_rejects_bad_arguments():
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer))
+    model = eval_llama(len(tokenizer))
     with pytest.raises(ValueError, match="one per prompt"):
         greedy_generate(model, tokenizer, ["1", "2"], max_new_tokens=[3])
     with pytest.raises(ValueError, match="batch_size=0"):
@@ -166,7 +139,7 @@ def test_generation_rejects_bad_arguments():
 def addition_model():
     """A tiny Llama trained (plain torch, full batch) on all 100 single-digit additions "a+b=c</s>"."""
     tokenizer = char_tokenizer("0123456789+-*=")
-    model = tiny_llama(len(tokenizer), seed=0)
+    model = eval_llama(len(tokenizer), seed=0)
     model.train()
     documents = [make_problem(a, b, "+") for a in range(10) for b in range(10)]
     encoded = [tokenizer(p.text)["input_ids"] + [tokenizer.eos_token_id] for p in documents]
@@ -195,7 +168,6 @@ def _expected_scores(model, tokenizer, problems, max_new_tokens):
 
 
 def test_toy_addition_model_evaluates_to_known_accuracy(addition_model, tmp_path: Path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
     model, tokenizer = addition_model
@@ -234,16 +206,14 @@ def test_toy_addition_model_evaluates_to_known_accuracy(addition_model, tmp_path
     assert os.path.basename(predictions_path(str(tmp_path), 7)) == "step_0000007.jsonl"
 
     # TensorBoard: the scalars read back with tensorboard's own reader, plus the sample text.
-    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    scalar_tags = set(events.Tags()["scalars"])
+    logged = scalars(tmp_path / "tb")
     for tag in ("eval/arith/interpolation/accuracy", "eval/arith/extrapolation/smape",
                 "eval/arith/extrapolation/digit_accuracy", "eval/arith/interpolation/parseable"):
-        assert tag in scalar_tags
-        (event,) = events.Scalars(tag)
-        assert event.step == 7
-        assert event.value == pytest.approx(metrics[tag], rel=1e-6)
-    assert "eval/samples/arith/text_summary" in events.Tags()["tensors"]
+        assert tag in logged
+        ((step, value),) = logged[tag]
+        assert step == 7
+        assert value == pytest.approx(metrics[tag], rel=1e-6)
+    assert "eval/samples/arith/text_summary" in tensor_tags(tmp_path / "tb")
 
 
 def test_hook_runs_gsm8k_from_a_local_folder(addition_model, tmp_path: Path):

@@ -5,14 +5,13 @@ config load, in --dry-run and at the trainer's start-up, never a raw error after
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers.distributed import free_port
+from helpers.launch import dry_run, launch_env
 
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.eval.config import EvalConfig
@@ -104,9 +103,7 @@ def test_benchmark_digits_must_match_the_generated_corpus():
 
 
 def _dry_run(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--dry-run", *args],
-                          capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    return dry_run(*args)
 
 
 def test_dry_run_reads_the_gsm8k_files_and_names_a_broken_line(tmp_path):
@@ -144,9 +141,7 @@ def test_trainer_refuses_a_broken_gsm8k_file_before_training(tmp_path):
     folder = _gsm8k_folder(tmp_path / "gsm8k", broken_line=2, split="train")
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_RUN.replace("ASSETS", str(assets)).replace("RUN", str(run_dir)), encoding="utf-8")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", NTL_CPU_PROCS="1",
-               NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = launch_env(NTL_CPU_PROCS="1", NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}")
     command = ["bash", str(REPO / "launch" / "pretrain.sh"), "--config", str(config), "parallel.tp_size=1",
                f"eval.gsm8k_path={folder}", "eval.gsm8k_max_new_tokens=8"]
     try:

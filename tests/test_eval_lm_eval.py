@@ -70,32 +70,22 @@ def test_limited_prompts_are_lm_evals_limited_prompts_and_ranks_do_not_change_ou
 
 
 def bos_tokenizer():
-    """A Llama-style tokenizer whose default encoding prepends BOS (a TemplateProcessing post-processor)."""
-    from test_eval_generate import CHARS
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    """A Llama-style tokenizer whose default encoding prepends BOS."""
+    from helpers.models import char_tokenizer
 
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<s>": 3}
-    for char in CHARS:
-        vocab.setdefault(char, len(vocab))
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
+    return char_tokenizer(bos=True)
 
 
 def test_prompts_are_encoded_as_lm_evals_hflm_encodes_them(tmp_path):
     import accelerate  # noqa: F401  (lm-eval's HF model needs it; in the dev extra)
     from lm_eval.models.huggingface import HFLM
-    from test_eval_generate import tiny_llama
+    from helpers.models import eval_llama
 
     from ntl_pretrain.eval.arithmetic import generate_problems
     from ntl_pretrain.eval.hooks import run_evaluation
 
     tokenizer = bos_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=1)
+    model = eval_llama(len(tokenizer), seed=1)
     seen: list[list[int]] = []
 
     def record_first_forward(module, args, kwargs):

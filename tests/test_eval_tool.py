@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers.distributed import free_port
+from helpers.launch import launch_env
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "evaluate.py"
@@ -26,13 +26,13 @@ def _load_tool():
 
 
 def test_tool_on_hf_folder_matches_the_hook(tmp_path: Path, capsys):
-    from test_eval_generate import char_tokenizer, tiny_llama
+    from helpers.models import char_tokenizer, eval_llama
 
     from ntl_pretrain.eval.config import EvalConfig
     from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
 
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=4, initializer_range=0.3)
+    model = eval_llama(len(tokenizer), seed=4, initializer_range=0.3)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     tool = _load_tool()
@@ -54,12 +54,12 @@ def test_tool_on_hf_folder_matches_the_hook(tmp_path: Path, capsys):
 
 
 def test_tool_on_an_export_uses_the_runs_saved_settings_and_writes_beside_it(tmp_path: Path, capsys, monkeypatch):
-    from test_eval_generate import char_tokenizer, tiny_llama
+    from helpers.models import char_tokenizer, eval_llama
 
     from ntl_pretrain.eval.config import EvalConfig, save_eval_settings
 
     tokenizer = char_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=4, initializer_range=0.3)
+    model = eval_llama(len(tokenizer), seed=4, initializer_range=0.3)
     export = tmp_path / "run" / "hf_export"
     model.save_pretrained(export)
     tokenizer.save_pretrained(export)
@@ -117,9 +117,7 @@ eval: {every_n_steps: 0, at_end: true, arithmetic_n: 6, arithmetic_max_new_token
 
 
 def _run(command: list[str], cwd: Path, timeout: int) -> None:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", NTL_CPU_PROCS="2",
-               NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = launch_env(NTL_CPU_PROCS="2", NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}")
     try:
         done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:

@@ -22,7 +22,7 @@ from ntl_pretrain import distributed, lifecycle
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.lifecycle import RunLock, RunLockError
 
-from helpers.distributed import free_port  # noqa: E402
+from helpers.distributed import finish_ranks, free_port, start_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -177,25 +177,12 @@ def test_filesystem_type_reads_the_mount_table(tmp_path):
 
 def _ranks(world: int, ranks: list[int], overrides: list[str], tmp_path: Path,
            port: int | None = None) -> list[subprocess.Popen]:
-    port = str(port or free_port())
-    procs = []
-    for rank in ranks:
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", DEMO,
-                                       f"train.output_dir={tmp_path / 'run'}", *overrides], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
+    return start_ranks([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--config", DEMO,
+                        f"train.output_dir={tmp_path / 'run'}", *overrides], world, ranks=ranks, port=port, cwd=tmp_path)
 
 
 def _outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    try:
-        return [proc.communicate(timeout=timeout)[0] for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        raise AssertionError("did not end: " + "\n---\n".join(proc.communicate()[0][-2000:] for proc in procs)) from None
+    return [out for out, _ in finish_ranks(procs, timeout)]
 
 
 @pytest.mark.multiprocess

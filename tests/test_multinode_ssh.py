@@ -22,9 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers.distributed import free_port  # noqa: E402
-from helpers.multinode import REPO, LoggedRun, demo_overrides, end_processes_with, local_cluster, processes_with  # noqa: E402
-from test_checkpoint_resume import _scalars  # noqa: E402
+from helpers.distributed import free_port
+from helpers.launch import DEMO, REPO, demo_overrides, deepspeed_command, launch_env
+from helpers.multinode import LoggedRun, end_processes_with, local_cluster, processes_with
+from helpers.tensorboard import scalars as _scalars
 
 from ntl_pretrain.checkpoint import verify_checkpoint  # noqa: E402
 
@@ -52,16 +53,10 @@ def cluster(tmp_path_factory):
         end_processes_with(str(tmp_path_factory.getbasetemp()))
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ssh_assets")
-
-
 def _two_nodes(cluster, assets: Path, out: Path, *extra: str) -> LoggedRun:
     nodes, env = cluster
     command = ["deepspeed", "--hostfile", str(nodes.hostfile), "--master_addr", "127.0.0.1", "--master_port",
-               str(free_port()), "launch/pretrain.sh", "--config", "configs/demo.yaml",
-               *demo_overrides(assets, out, *extra)]
+               str(free_port()), "launch/pretrain.sh", "--config", DEMO, *demo_overrides(assets, out, *extra)]
     return LoggedRun(command, env)
 
 
@@ -69,11 +64,8 @@ def _two_nodes(cluster, assets: Path, out: Path, *extra: str) -> LoggedRun:
 def single_node(assets, tmp_path_factory) -> tuple[Path, LoggedRun]:
     """The reference: one node, 2 processes, ZeRO-3, T=2."""
     out = tmp_path_factory.mktemp("single") / "run"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    run = LoggedRun(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.sh",
-                     "--config", "configs/demo.yaml",
-                     *demo_overrides(assets, out, "parallel.tp_size=2", "train.max_steps=6",
-                                    "checkpoint.save_final=false")], env)
+    run = LoggedRun(deepspeed_command(2, "--config", DEMO, *demo_overrides(
+        assets, out, "parallel.tp_size=2", "train.max_steps=6", "checkpoint.save_final=false")), launch_env())
     assert run.wait(TIMEOUT) == 0, run.output[-4000:]
     return out, run
 

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.distributed import free_port  # noqa: E402
-from helpers.multinode import REPO, demo_overrides, end_processes_with, local_cluster  # noqa: E402
-from test_checkpoint_resume import _fp32_partitions, _scalars  # noqa: E402
+from helpers.distributed import free_port
+from helpers.launch import REPO, demo_overrides
+from helpers.multinode import end_processes_with, local_cluster
+from helpers.tensorboard import scalars as _scalars
+from test_checkpoint_resume import _fp32_partitions
 
 TIMEOUT = 420  # per job (a requeued one: both runs); a hang fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(4 * TIMEOUT)]
@@ -83,11 +85,6 @@ def slurm(tmp_path_factory):
         cluster.stop()
         end_processes_with(f"SLURM_CONF={cluster.conf}")  # slurmstepd and job processes that outlived slurmd
         end_processes_with(str(root))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("slurm_assets")
 
 
 @pytest.fixture(scope="module")

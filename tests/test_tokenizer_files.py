@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from helpers.models import tiny_llama
 from ntl_pretrain.tokenizer import inspect_tokenizer, load_tokenizer, resize_model, split_digits, verify_conversion
 from ntl_pretrain.tokenizer.analysis import digit_split_problems
 from ntl_pretrain.tokenizer.split_digits import plan_digit_split, save_split_tokenizer
@@ -125,13 +126,11 @@ def test_resize_model_output_loads_verbatim_beside_a_qwen2_config(folders, tmp_p
 
 
 def test_resize_model_output_beside_a_llama_config_loads_verbatim_everywhere(folders, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     split = tmp_path / "split"
     split_digits(folders["plain"], split)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(load_tokenizer(split)), hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
-                     ).save_pretrained(str(tmp_path / "llama"))
+    tiny_llama(len(load_tokenizer(split)), num_hidden_layers=1, num_attention_heads=2,
+               max_position_embeddings=2048).save_pretrained(str(tmp_path / "llama"))
     report, _ = resize_model(tmp_path / "llama", split, tmp_path / "out", pad_to_multiple_of=64)
     assert report.tokenizer_note == ""
     text = "In 2024, café $hello DON'T x86"

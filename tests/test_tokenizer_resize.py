@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from helpers.models import tiny_llama
 from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.tokenizer import load_tokenizer, resize_model_embeddings, split_digits
 
@@ -44,11 +45,8 @@ def tokenizers_before_after(tmp_path_factory):
 
 
 def _tiny_llama(vocab_size: int, tied: bool, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=tied)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(vocab_size, seed, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("tied", [True, False])

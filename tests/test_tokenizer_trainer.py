@@ -9,8 +9,9 @@ import huggingface_hub.constants
 import pytest
 import sentencepiece
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
+from helpers.models import tiny_llama
 from ntl_pretrain.config import load_config
 from ntl_pretrain.model import load_tokenizer
 
@@ -34,8 +35,7 @@ def _three_token_tokenizer(folder: Path) -> Path:
 
 
 def _tiny_llama(folder: Path, vocab_size: int = 512) -> Path:
-    LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(folder)
+    tiny_llama(vocab_size, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=2048).save_pretrained(folder)
     return folder
 
 

@@ -92,10 +92,9 @@ def test_command_line_errors_name_the_problem_and_write_nothing(tmp_path, case, 
 
 
 def test_model_vocabulary_smaller_than_the_tokenizer(tmp_path, digit_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers.models import tiny_llama
 
-    small = LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    small = tiny_llama(200, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=2048)
     small.save_pretrained(tmp_path / "small")
     cfg = _cfg(f"model.name_or_path={tmp_path / 'small'}", "model.dtype=fp32")
     assert len(digit_tokenizer) > 200

@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers.distributed import free_port
+from helpers.distributed import REPO, free_port
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO = "configs/demo.yaml"
 TIMEOUT = 420.0  # seconds; generous: 2 cores shared with other jobs
 
@@ -65,9 +64,13 @@ def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def dry_run(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`launch/pretrain.sh --dry-run args` in this interpreter (resolves and validates the config, starts nothing)."""
+    """`launch/pretrain.sh --dry-run args` in this interpreter (resolves and validates the config, starts nothing);
+    the world size comes from `--world-size`, never from a WORLD_SIZE of the test's environment."""
+    if env is None:
+        env = launch_env()
+        env.pop("WORLD_SIZE", None)
     return run([sys.executable, str(REPO / "launch" / "pretrain.sh"), "--dry-run", *args], cwd=cwd, env=env,
-               timeout=120)
+               timeout=300)
 
 
 def _text(data) -> str:

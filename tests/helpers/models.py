@@ -40,18 +40,22 @@ def eval_llama(vocab_size: int, seed: int = 0, initializer_range: float = 0.02, 
                       initializer_range=initializer_range, bos_token_id=None, eos_token_id=1, pad_token_id=0)
 
 
-def char_tokenizer(chars: str = EVAL_CHARS):
-    """One token per character (digits are single tokens), with <pad>=0 and </s>=1."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def char_tokenizer(chars: str = EVAL_CHARS, bos: bool = False):
+    """One token per character (digits are single tokens), with <pad>=0 and </s>=1; with `bos`, a Llama-style
+    <s>=3 that the default encoding prepends (a TemplateProcessing post-processor)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **({"<s>": 3} if bos else {})}
     for char in chars:
         vocab.setdefault(char, len(vocab))
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                   **({"bos_token": "<s>"} if bos else {}))
 
 
 def word_level_tokenizer():

@@ -1,5 +1,5 @@
-"""Helpers of the multi-node tests (tests/test_multinode_ssh.py, tests/test_slurm.py): the demo config's
-test overrides, a launcher run whose output lines are timed, and the clean-up of a test's processes."""
+"""Helpers of the multi-node tests (tests/test_multinode_ssh.py, tests/test_slurm.py): a launcher run whose
+output lines are timed, and the clean-up of a test's processes."""
 
 from __future__ import annotations
 
@@ -12,17 +12,10 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers.launch import REPO
+
 sys.path.insert(0, str(REPO / "tools"))
 import local_cluster  # noqa: E402,F401  (re-exported for the tests)
-
-
-def demo_overrides(assets: Path, out: Path, *extra: str) -> list[str]:
-    """configs/demo.yaml made small (as in tests/test_checkpoint_resume.py), `extra` last."""
-    return [f"data.sources.0.path={assets / 'arithmetic.jsonl'}", "data.sources.0.generate_arithmetic=3000",
-            f"tokenizer.name_or_path={assets / 'tokenizer'}", f"data.cache_dir={assets / 'cache'}",
-            "data.validation_documents=100", f"train.output_dir={out}", "train.log_every_n_steps=1",
-            "monitor.progress_bar=never", "train.val_every_n_steps=-1", "eval.at_end=false", *extra]
 
 
 class LoggedRun:
