@@ -81,3 +81,19 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
         raise AssertionError(f"{script} failed on ranks {failed}:\n" +
                              "\n----\n".join(out[-4000:] for out in outputs))
     return outputs
+
+
+def tp_groups_from_args():
+    """For a worker started by `run_workers` with `--tp N`: init gloo (env://), split the world into tensor-parallel
+    groups of N consecutive ranks; returns (tp_group, tp_rank, tp_size, rank, world)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, required=True)
+    tp_size = parser.parse_args().tp
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group(list(range(first, first + tp_size))) for first in range(0, world, tp_size)]
+    return groups[rank // tp_size], rank % tp_size, tp_size, rank, world

@@ -10,27 +10,26 @@ collectives of one call and checks that a bad layout fails on every rank.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
+from pathlib import Path
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums
-from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums
-from ntl_pretrain.numbers import NumberVocab
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.distributed import tp_groups_from_args  # noqa: E402
+from helpers.numeric import relative_error  # noqa: E402
+from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums  # noqa: E402
+from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums  # noqa: E402
+from ntl_pretrain.numbers import NumberVocab  # noqa: E402
 
 TOKENIZER_SIZE, VOCAB, HIDDEN, ROWS, LENGTH = 60, 64, 8, 2, 15
 NUMBER_IDS = [3, 9, 17, 22, 30, 35, 41, 47, 52, 58]
 SETTINGS = [NTLSettings(variant=v, reweigh=r) for v, r in itertools.product(
     ["was", "mse", "mae", "huber", "number_level"], [False, True])] + [
     NTLSettings(variant="was", squash_factor=3.0), NTLSettings(variant="was", smoothing_sigma=0.8)]
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(seed: int):
@@ -82,19 +81,13 @@ def check(settings, tp_group, tp_rank, tp_size, uneven, chunk_tokens, seed) -> f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    groups = [dist.new_group(list(range(first, first + args.tp))) for first in range(0, world, args.tp)]
-    tp_group, tp_rank = groups[rank // args.tp], rank % args.tp
+    tp_group, tp_rank, tp_size, rank, world = tp_groups_from_args()
 
     worst = 0.0
     for index, (settings, uneven, chunk_tokens) in enumerate(itertools.product(SETTINGS, (False, True), (4, 30))):
         # data-parallel groups see different data; TP ranks of a group the same
-        worst = max(worst, check(settings, tp_group, tp_rank, args.tp, uneven, chunk_tokens,
-                                 seed=index * 10 + rank // args.tp))
+        worst = max(worst, check(settings, tp_group, tp_rank, tp_size, uneven, chunk_tokens,
+                                 seed=index * 10 + rank // tp_size))
     assert worst < 1e-11, worst
 
     # collectives of one call: the layout check (one SUM, check_inputs=True by default), per chunk one MAX and
@@ -107,7 +100,7 @@ def main() -> None:
         return original(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_reduce = counting
-    check(NTLSettings(variant="number_level", reweigh=True), tp_group, tp_rank, args.tp, False, 8, seed=99)
+    check(NTLSettings(variant="number_level", reweigh=True), tp_group, tp_rank, tp_size, False, 8, seed=99)
     dist.all_reduce = original
     chunks = -(-ROWS * LENGTH // 8)
     assert dict(calls) == {"MAX": chunks, "SUM": chunks + 2}, dict(calls)
@@ -118,7 +111,7 @@ def main() -> None:
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
     try:
         chunked_ce_ntl_sums(hidden, head, labels, vocab, chunk_tokens=8,
-                            shard=VocabShard(tp_group, tp_rank * VOCAB // args.tp))
+                            shard=VocabShard(tp_group, tp_rank * VOCAB // tp_size))
     except ValueError as error:
         assert "do not tile the vocabulary" in str(error), error
     else:

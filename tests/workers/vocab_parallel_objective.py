@@ -8,15 +8,18 @@ objective call and checks that a full-vocabulary tensor passed as a shard fails 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums, number_token_loss
-from ntl_pretrain.numbers import NumberVocab
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.distributed import tp_groups_from_args  # noqa: E402
+from helpers.numeric import relative_error  # noqa: E402
+from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums, number_token_loss  # noqa: E402
+from ntl_pretrain.numbers import NumberVocab  # noqa: E402
 
 TOKENIZER_SIZE, PADDED_VOCAB = 60, 64  # the model's vocabulary is padded past the tokenizer's
 PLACEMENTS = {
@@ -28,10 +31,6 @@ VALUE_ORDER = [7, 3, 0, 9, 1, 5, 2, 8, 4, 6]  # ids not in numeric order, like L
 SETTINGS = [NTLSettings(variant=v, reweigh=r) for v, r in itertools.product(
     ["was", "mse", "mae", "huber", "number_level"], [False, True])] + [
     NTLSettings(variant="was", squash_factor=3.0), NTLSettings(variant="was", smoothing_sigma=0.8)]
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 def make_batch(number_ids: list[int], seed: int):
@@ -115,14 +114,7 @@ def _forbidden(name):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tp_size = args.tp
-    groups = [dist.new_group(list(range(first, first + tp_size))) for first in range(0, world, tp_size)]
-    tp_group, tp_rank = groups[rank // tp_size], rank % tp_size
+    tp_group, tp_rank, tp_size, rank, world = tp_groups_from_args()
 
     worst = 0.0
     for (_placement, ids), settings in itertools.product(PLACEMENTS.items(), SETTINGS):
