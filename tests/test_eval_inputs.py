@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers.distributed import free_port
-from helpers.launch import dry_run, launch_env
+from helpers.launch import dry_run, launch_env, run
 
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.eval.config import EvalConfig
@@ -144,10 +144,7 @@ def test_trainer_refuses_a_broken_gsm8k_file_before_training(tmp_path):
     env = launch_env(NTL_CPU_PROCS="1", NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}")
     command = ["bash", str(REPO / "launch" / "pretrain.sh"), "--config", str(config), "parallel.tp_size=1",
                f"eval.gsm8k_path={folder}", "eval.gsm8k_max_new_tokens=8"]
-    try:
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the trainer did not stop in 300 s (hang?): {str(error.stdout)[-2000:]}")
+    done = run(command, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode != 0
     assert f"GSM8K file {folder / 'train.jsonl'} line 2 is not valid JSON" in done.stderr, done.stderr[-3000:]
     assert "ArrowInvalid" not in done.stderr and "Traceback" not in done.stderr

@@ -6,15 +6,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers.distributed import free_port
-from helpers.launch import launch_env
+from helpers.launch import REPO, launch_env, run_ok
 
-REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "evaluate.py"
 
 
@@ -117,12 +115,8 @@ eval: {every_n_steps: 0, at_end: true, arithmetic_n: 6, arithmetic_max_new_token
 
 
 def _run(command: list[str], cwd: Path, timeout: int) -> None:
-    env = launch_env(NTL_CPU_PROCS="2", NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}")
-    try:
-        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"{command[:3]} did not finish in {timeout}s (hang?): {str(error.stdout)[-2000:]}")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    run_ok(command, cwd=cwd, env=launch_env(NTL_CPU_PROCS="2", NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}"),
+           timeout=timeout)
 
 
 @pytest.mark.multiprocess
