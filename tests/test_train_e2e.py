@@ -167,7 +167,7 @@ def test_bash_form_refuses_a_folder_with_another_runs_checkpoints(tp2_run, asset
                  timeout=TIMEOUT)
     assert result.returncode != 0
     assert "no GPU found: starting 2 CPU processes" in result.stderr
-    assert "already holds checkpoints of another run (global_step16)" in result.stdout + result.stderr
+    assert "already holds checkpoints of another run (global_step15, global_step16)" in result.stdout + result.stderr
     assert sorted(str(p) for p in out.rglob("*")) == before
 
 
