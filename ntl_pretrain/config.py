@@ -18,12 +18,24 @@ import signal
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import yaml
 
 from .eval.arithmetic import check_corpus_options
 from .eval.config import EvalConfig, check_corpus_digits
+
+
+# The allowed values of every choice key, in one place: loading refuses any other value, naming these.
+DType = Literal["bf16", "fp16", "fp32"]
+AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+NTLScheduleName = Literal["constant", "linear_warmup"]
+NTLVariantName = Literal["was", "mse", "mae", "huber", "number_level"]  # ntl_pretrain.loss.VARIANTS
+OffloadDevice = Literal["none", "cpu", "nvme"]
+ZeroStage = Literal[0, 1, 2, 3]
+LRScheduleName = Literal["cosine", "linear", "constant"]
+ProgressBar = Literal["auto", "always", "never"]
+ResumeLRSchedule = Literal["error", "keep", "replan"]
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -41,8 +53,8 @@ class ModelConfig:
     architecture: dict[str, Any] = _doc(
         "transformers config keys for a model built from scratch (needs model_type, e.g. llama); with "
         "name_or_path set, these keys override the loaded config", default_factory=dict)
-    dtype: str = _doc("training precision: bf16 | fp16 | fp32 (DeepSpeed's bf16/fp16 sections)", default="bf16")
-    attn_implementation: str = _doc(
+    dtype: DType = _doc("training precision: bf16 | fp16 | fp32 (DeepSpeed's bf16/fp16 sections)", default="bf16")
+    attn_implementation: AttnImplementation = _doc(
         "auto (flash_attention_2 when flash-attn imports and CUDA is present, else sdpa) | sdpa | eager | "
         "flash_attention_2", default="auto")
     gradient_checkpointing: bool = _doc("recompute activations in backward to save memory", default=False)
@@ -126,10 +138,10 @@ class LossConfig:
 
     enabled: bool = _doc("add NTL to CE (false: CE only)", default=True)
     ntl_weight: float = _doc("lambda: loss = CE + lambda * NTL", default=0.3)
-    ntl_schedule: str = _doc("constant | linear_warmup (lambda rises from 0 over ntl_warmup_steps)",
+    ntl_schedule: NTLScheduleName = _doc("constant | linear_warmup (lambda rises from 0 over ntl_warmup_steps)",
                              default="constant")
     ntl_warmup_steps: int = _doc("steps of the linear lambda warm-up", default=0)
-    variant: str = _doc("was | mse | mae | huber | number_level (needs tokenizer.digit_level=true)", default="was")
+    variant: NTLVariantName = _doc("was | mse | mae | huber | number_level (needs tokenizer.digit_level=true)", default="was")
     reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
     squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
     smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)
@@ -139,17 +151,23 @@ class LossConfig:
     check_every_step: bool = _doc("debug: re-check labels and the vocabulary-shard layout on every micro-batch "
                                   "(host syncs; normally checked once at start-up)", default=False)
 
+    @property
+    def ntl_on(self) -> bool:
+        """The one switch of NTL (training, validation, the number-vocabulary checks): on unless
+        loss.enabled=false or loss.ntl_weight=0."""
+        return self.enabled and self.ntl_weight > 0
+
 
 @dataclass
 class ParallelConfig:
     """Parallelism (DeepSpeed ZeRO and AutoTP)."""
 
-    tp_size: int | str = _doc("tensor-parallel size (DeepSpeed tensor_parallel.autotp_size); divides the world "
+    tp_size: int | Literal["auto"] = _doc("tensor-parallel size (DeepSpeed tensor_parallel.autotp_size); divides the world "
                               "size; auto: the largest that divides the world size and the model's heads, "
                               "within one node (the choice is logged)", default=1)
-    zero_stage: int = _doc("ZeRO stage 0-3 (DeepSpeed zero_optimization.stage)", default=3)
-    offload_optimizer: str = _doc("none | cpu | nvme (zero_optimization.offload_optimizer.device)", default="none")
-    offload_param: str = _doc("none | cpu | nvme (zero_optimization.offload_param.device, stage 3)", default="none")
+    zero_stage: ZeroStage = _doc("ZeRO stage 0-3 (DeepSpeed zero_optimization.stage)", default=3)
+    offload_optimizer: OffloadDevice = _doc("none | cpu | nvme (zero_optimization.offload_optimizer.device)", default="none")
+    offload_param: OffloadDevice = _doc("none | cpu | nvme (zero_optimization.offload_param.device, stage 3)", default="none")
 
 
 @dataclass
@@ -160,7 +178,7 @@ class OptimConfig:
     weight_decay: float = _doc("AdamW weight decay", default=0.1)
     betas: list[float] = _doc("AdamW betas", default_factory=lambda: [0.9, 0.95])
     eps: float = _doc("AdamW epsilon", default=1e-8)
-    lr_schedule: str = _doc("cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR)",
+    lr_schedule: LRScheduleName = _doc("cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR)",
                             default="cosine")
     warmup_steps: int = _doc("learning-rate warm-up steps", default=100)
     min_lr_ratio: float = _doc("cosine: final lr as a fraction of lr", default=0.1)
@@ -216,7 +234,7 @@ class CheckpointConfig:
     export_hf_at_end: bool = _doc("after the final checkpoint, export it as a Hugging Face folder", default=False)
     export_dir: str | None = _doc("folder of that export; null uses train.output_dir/hf_export", default=None)
     export_max_shard_size: str = _doc("largest safetensors shard of an export (e.g. 5GB, 500MB)", default="5GB")
-    resume_lr_schedule: str = _doc(
+    resume_lr_schedule: ResumeLRSchedule = _doc(
         "a resume whose learning-rate schedule differs from the checkpoint's (e.g. another train.max_steps): "
         "error | keep (continue the saved schedule; its final lr past its end) | replan (this run's schedule "
         "at the resumed step; the lr jumps)", default="error")
@@ -230,7 +248,7 @@ class MonitorConfig:
     """TensorBoard and console output."""
 
     tensorboard_dir: str | None = _doc("TensorBoard folder; null uses output_dir/tensorboard", default=None)
-    progress_bar: str = _doc("auto (tqdm on a terminal, log lines otherwise) | always | never", default="auto")
+    progress_bar: ProgressBar = _doc("auto (tqdm on a terminal, log lines otherwise) | always | never", default="auto")
 
 
 @dataclass
@@ -304,6 +322,10 @@ def _list_item_dataclass(hint: Any) -> type | None:
 def _type_name(hint: Any) -> str:
     if isinstance(hint, type):
         return hint.__name__
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(str(choice) for choice in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join("None" if option is type(None) else _type_name(option) for option in typing.get_args(hint))
     return str(hint).replace("typing.", "")
 
 
@@ -408,9 +430,17 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ConfigError as error:
                 errors.append(str(error))
+        if len(errors) > 1:  # int | Literal["auto"]: name every kind of value the key takes
+            expected = " or ".join(_expected(option) for option in options if option is not type(None))
+            raise ConfigError(f"{key} must be {expected}, got {type(value).__name__} {value!r}")
         raise ConfigError(errors[0] if errors else f"{key}: cannot be null")
     if hint is Any:
         return value
+    if origin is Literal:
+        for choice in typing.get_args(hint):
+            if value == choice and type(value) is type(choice):  # true is not 1, "3" is not 3
+                return choice
+        raise ConfigError(f"{key}={value!r} is not one of {_choices(hint)}")
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping of {hint.__name__} keys, got {value!r}")
@@ -451,6 +481,18 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key} must be a string, got {type(value).__name__} {value!r}; quote it in YAML")
     raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _choices(hint: Any) -> str:
+    """The allowed values of a Literal type, as a user writes them."""
+    return ", ".join(str(choice) for choice in typing.get_args(hint))
+
+
+def _expected(hint: Any) -> str:
+    """What a value of type `hint` is, in words (for an error naming every kind a key takes)."""
+    if typing.get_origin(hint) is Literal:
+        return f"one of {_choices(hint)}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, _type_name(hint))
 
 
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
@@ -558,19 +600,6 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     return config
 
 
-_CHOICES = {
-    "model.dtype": ("bf16", "fp16", "fp32"),
-    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
-    "loss.ntl_schedule": ("constant", "linear_warmup"),
-    "loss.variant": ("was", "mse", "mae", "huber", "number_level"),
-    "parallel.offload_optimizer": ("none", "cpu", "nvme"),
-    "parallel.offload_param": ("none", "cpu", "nvme"),
-    "optim.lr_schedule": ("cosine", "linear", "constant"),
-    "monitor.progress_bar": ("auto", "always", "never"),
-    "checkpoint.resume_lr_schedule": ("error", "keep", "replan"),
-}
-
-
 def get_key(config: Config, key: str) -> Any:
     node: Any = config
     for part in key.split("."):
@@ -580,10 +609,6 @@ def get_key(config: Config, key: str) -> Any:
 
 def validate(config: Config) -> None:
     """Checks that need several keys or value ranges (types were checked while loading)."""
-    for key, choices in _CHOICES.items():
-        value = get_key(config, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
     positive = ["data.seq_len", "data.micro_batch_size", "train.max_steps", "train.grad_accum_steps",
                 "model.pad_vocab_to_multiple_of", "train.log_every_n_steps",
                 "data.num_proc", "train.dist_timeout_minutes", "train.val_batches", "train.max_nonfinite_steps"]
@@ -591,12 +616,10 @@ def validate(config: Config) -> None:
         if get_key(config, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {get_key(config, key)}")
     tp_size = config.parallel.tp_size
-    if isinstance(tp_size, str) and tp_size != "auto" or isinstance(tp_size, int) and tp_size < 1:
+    if isinstance(tp_size, int) and tp_size < 1:
         raise ConfigError(f"parallel.tp_size must be >= 1 or auto, got {tp_size!r}")
     if not config.train.startup_timeout_s > 0:
         raise ConfigError(f"train.startup_timeout_s must be > 0, got {config.train.startup_timeout_s}")
-    if config.parallel.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {config.parallel.zero_stage}")
     if config.parallel.offload_param != "none" and config.parallel.zero_stage != 3:
         raise ConfigError("parallel.offload_param needs parallel.zero_stage=3")
     if config.model.name_or_path is None and not config.model.architecture:
@@ -638,7 +661,7 @@ def validate(config: Config) -> None:
     _check_ranges(config)
     if config.loss.chunk_tokens < 0:
         raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
-    if config.loss.enabled and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
+    if config.loss.ntl_on and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
         raise ConfigError("loss.variant=number_level composes numbers from single-digit tokens and needs "
                           "tokenizer.digit_level=true, not tokenizer.digit_level=false (multi-digit tokens); or "
                           "choose a token-level loss.variant (was, mse, mae, huber)")
@@ -660,7 +683,7 @@ def validate(config: Config) -> None:
                               f"(e.g. SIGTERM, SIGUSR1, SIGUSR2)")
     if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
         raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
-    ntl_settings(config)  # the loss's own checks (squash_factor, smoothing with number_level, ...) now, not after the build
+    ntl_settings(config.loss)  # the loss's own checks (squash_factor, smoothing with number_level, ...) now, not after the build
 
 
 # (key, low, high or None, low allowed, high allowed, what it means): the range of every float key
@@ -693,11 +716,10 @@ def _check_ranges(config: Config) -> None:
         raise ConfigError(f"loss.squash_factor must be a finite number > 1 or null, got {config.loss.squash_factor}")
 
 
-def ntl_settings(config: Config) -> Any:
+def ntl_settings(loss: LossConfig) -> Any:
     """The loss's `NTLSettings` from the loss section; its own checks as a ConfigError naming the keys."""
     from .loss import NTLSettings
 
-    loss = config.loss
     try:
         return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)

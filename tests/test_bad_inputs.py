@@ -124,18 +124,19 @@ def test_seq_len_beyond_the_models_positions_is_refused():
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed JSON
 def test_deepspeed_train_batch_size_is_resolved_or_refused(tmp_path):
-    from ntl_pretrain.train import deepspeed_config
+    from ntl_pretrain.ds_config import deepspeed_config, resolve_run
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 64}))
     cfg = load_config(DEMO, [f"deepspeed.config={path}", "parallel.tp_size=1", "data.micro_batch_size=8"])
-    ds = deepspeed_config(cfg, on_cpu=True, world_size=2)  # 64 = 8 x accumulation x dp 2
+    run = resolve_run(cfg, on_cpu=True, world_size=2)  # 64 = 8 x accumulation x dp 2
+    ds = run.ds_config
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (64, 8, 4)
-    assert cfg.train.grad_accum_steps == 4  # the resolved config tells the truth
+    assert run.cfg.train.grad_accum_steps == 4  # the resolved config tells the truth
     path.write_text(json.dumps({"train_batch_size": 64, "gradient_accumulation_steps": 2}))
     cfg = load_config(DEMO, [f"deepspeed.config={path}", "parallel.tp_size=1"])
-    ds = deepspeed_config(cfg, on_cpu=True, world_size=4)
-    assert (ds["train_micro_batch_size_per_gpu"], cfg.data.micro_batch_size) == (8, 8)
+    run = resolve_run(cfg, on_cpu=True, world_size=4)
+    assert (run.ds_config["train_micro_batch_size_per_gpu"], run.cfg.data.micro_batch_size) == (8, 8)
     path.write_text(json.dumps({"train_batch_size": 60, "gradient_accumulation_steps": 2,
                                 "train_micro_batch_size_per_gpu": 8}))
     cfg = load_config(DEMO, [f"deepspeed.config={path}", "parallel.tp_size=1"])

@@ -195,7 +195,7 @@ def test_another_max_steps_stops_unless_the_schedule_choice_is_given(run, assets
     from ntl_pretrain.checkpoint import CheckpointManager, data_description, lr_schedule_description
     from ntl_pretrain.config import load_config
     from ntl_pretrain.distributed import ParallelLayout
-    from ntl_pretrain.train import deepspeed_config
+    from ntl_pretrain.ds_config import deepspeed_config
 
     out = _copy(run, tmp_path)
     saved = json.loads((out / "global_step3" / MANIFEST_NAME).read_text())

@@ -14,7 +14,9 @@ import yaml
 
 from helpers.launch import dry_run
 from ntl_pretrain.config import Config, ConfigError, iter_keys, load_config, to_dict, write_resolved
-from ntl_pretrain.train import deepspeed_config, parse_args
+from ntl_pretrain.ds_config import deepspeed_config, resolve_run
+from ntl_pretrain.train import parse_args
+from ntl_pretrain.training_objective import Objective
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", "data.sources.0.path=corpus.jsonl"]
@@ -131,13 +133,19 @@ def test_user_deepspeed_json_is_merged_and_read_back(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(user))
     cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}", "optim.grad_clip=0.7", "parallel.tp_size=2"])
-    ds = deepspeed_config(cfg, on_cpu=False)
+    before = to_dict(cfg)
+    run = resolve_run(cfg, on_cpu=False, world_size=8)
+    ds = run.ds_config
+    assert ds == deepspeed_config(cfg, on_cpu=False, world_size=8)
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["reduce_bucket_size"] == 1000
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert ds["gradient_clipping"] == 0.7  # "auto" keeps the YAML's value
     assert ds["tensor_parallel"]["autotp_size"] == 4 and ds["tensor_parallel"]["vocab_parallel_lm_head"] is True
-    # the YAML view is updated to what DeepSpeed will do, so the resolved config tells the truth
-    assert (cfg.parallel.tp_size, cfg.parallel.zero_stage, cfg.model.dtype, cfg.data.micro_batch_size) == (4, 2, "fp16", 3)
+    # the resolved config says what DeepSpeed will do; the loaded one is left as it was (resolved once, a copy)
+    resolved = run.cfg
+    assert (resolved.parallel.tp_size, resolved.parallel.zero_stage, resolved.model.dtype,
+            resolved.data.micro_batch_size, resolved.optim.grad_clip) == (4, 2, "fp16", 3, 0.7)
+    assert to_dict(cfg) == before
 
 
 def test_missing_or_broken_deepspeed_json(tmp_path):
@@ -179,13 +187,25 @@ def test_every_key_has_a_doc_and_a_default():
     assert dataclasses.asdict(Config())  # every section builds from defaults
 
 
-def test_ntl_weight_schedules():
-    from ntl_pretrain.train import ntl_lambda
+def _objective(*overrides: str) -> Objective:
+    return Objective.from_config(load_config(None, MINIMAL + list(overrides)).loss)
 
-    constant = load_config(None, MINIMAL + ["loss.ntl_weight=0.5"])
-    assert [ntl_lambda(constant, s) for s in (1, 10, 1000)] == [0.5, 0.5, 0.5]
-    warm = load_config(None, MINIMAL + ["loss.ntl_weight=0.4", "loss.ntl_schedule=linear_warmup",
-                                        "loss.ntl_warmup_steps=4"])
-    assert [ntl_lambda(warm, s) for s in (1, 2, 4, 9)] == pytest.approx([0.1, 0.2, 0.4, 0.4])
-    off = load_config(None, MINIMAL + ["loss.enabled=false"])
-    assert ntl_lambda(off, 5) == 0.0
+
+def test_ntl_weight_schedules():
+    constant = _objective("loss.ntl_weight=0.5")
+    assert constant.ntl_on and [constant.ntl_lambda(s) for s in (1, 10, 1000)] == [0.5, 0.5, 0.5]
+    warm = _objective("loss.ntl_weight=0.4", "loss.ntl_schedule=linear_warmup", "loss.ntl_warmup_steps=4")
+    assert [warm.ntl_lambda(s) for s in (1, 2, 4, 9)] == pytest.approx([0.1, 0.2, 0.4, 0.4])
+    for off in (_objective("loss.enabled=false"), _objective("loss.ntl_weight=0")):  # one switch, two ways to say off
+        assert not off.ntl_on and off.ntl_lambda(5) == 0.0
+
+
+def test_objective_decides_ntl_and_the_head_once():
+    full = _objective("loss.chunk_tokens=0")
+    chunked = _objective("loss.chunk_tokens=256", "loss.variant=mse")
+    assert (full.chunk_tokens, chunked.chunk_tokens, chunked.settings.variant) == (0, 256, "mse")
+    assert "full logits" in full.describe() and "chunked LM head (256 tokens" in chunked.describe()
+    # number_level needs digit tokens only where NTL is on: with ntl_weight=0 the run is CE only and starts
+    with pytest.raises(ConfigError, match="number_level composes numbers"):
+        load_config(None, MINIMAL + ["loss.variant=number_level", "tokenizer.digit_level=false"])
+    assert not _objective("loss.variant=number_level", "tokenizer.digit_level=false", "loss.ntl_weight=0").ntl_on

@@ -90,7 +90,7 @@ def test_tp_size_auto_reads_a_local_model_folder(tmp_path):
     cfg = _demo_cfg(f"model.name_or_path={tmp_path / 'm'}", "model.architecture={}", "parallel.tp_size=auto")
     distributed.resolve_tp_size(cfg, 8, 8)
     assert cfg.parallel.tp_size == 4
-    with pytest.raises(ConfigError, match="parallel.tp_size must be >= 1 or auto"):
+    with pytest.raises(ConfigError, match="parallel.tp_size must be an integer or one of auto, got str 'biggest'"):
         _demo_cfg("parallel.tp_size=biggest")
 
 

@@ -14,7 +14,8 @@ import torch
 from ntl_pretrain.config import load_config
 from ntl_pretrain.distributed import check_tp_divides, layout
 from ntl_pretrain.model import build_model, padded_vocab_size, train_digit_bpe
-from ntl_pretrain.train import _number_vocab, check_output_dir
+from ntl_pretrain.preflight import check_output_dir, number_vocab_for
+from ntl_pretrain.training_objective import Objective
 from helpers.distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +51,8 @@ def _cfg(*overrides: str):
 def test_tokenizer_without_digits_when_ntl_is_on(tmp_path):
     tokenizer = _words_only_tokenizer(tmp_path / "words")
     with pytest.raises(ValueError) as info:
-        _number_vocab(_cfg("loss.ntl_weight=0.3"), tokenizer)
+        cfg = _cfg("loss.ntl_weight=0.3")
+        number_vocab_for(cfg, Objective.from_config(cfg.loss), tokenizer)
     message = str(info.value)
     assert "NTL is on" in message and "no bare digit tokens" in message and "loss.enabled=false" in message
 

@@ -1,0 +1,144 @@
+"""Start-up checks shared by the trainer and `--dry-run`: everything that needs neither data, weights nor
+communication runs in `preflight` (the same on every rank, before DeepSpeed's communication start-up),
+so a dry run refuses what a real start would refuse."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from . import distributed
+from .checkpoint import resolve_resume
+from .config import Config, to_yaml
+from .data import DataError, resolve_files
+from .ds_config import ResolvedRun, resolve_run
+from .eval.config import validate_eval_inputs
+from .fs import writable_problem
+from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
+from .numbers import NumberVocab
+from .training_objective import Objective
+
+logger = logging.getLogger("ntl_pretrain")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks resolved: the run's configuration, its objective and the model's config."""
+
+    run: ResolvedRun  # the resolved configuration and the DeepSpeed config
+    objective: Objective  # the training objective (NTL on/off, weight schedule, head), decided here once
+    model_config: Any | None  # the transformers config (None: a hub id not cached here; checked at load)
+
+
+def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int | None = None,
+              local_files_only: bool = False) -> Preflight:
+    """Every check that needs neither data, weights nor communication: the DeepSpeed config and its batch
+    sizes, the tensor-parallel size, the objective's settings, the model config (architecture keys, model
+    path, data.seq_len within its positions). Raises ConfigError/ValueError naming the key and the fix."""
+    run = resolve_run(cfg, on_cpu, world_size, local_world_size)
+    distributed.check_tp_divides(world_size, run.cfg.parallel.tp_size)
+    objective = Objective.from_config(run.cfg.loss)
+    try:
+        model_config = load_model_config(run.cfg.model, local_files_only=local_files_only)
+    except FileNotFoundError:
+        logger.warning("model.name_or_path=%r is not cached locally: its config (architecture keys, "
+                       "max_position_embeddings) is checked when the trainer loads it", cfg.model.name_or_path)
+        model_config = None
+    else:
+        check_sequence_length(model_config, run.cfg.data.seq_len)
+    return Preflight(run=run, objective=objective, model_config=model_config)
+
+
+def output_problems(cfg: Config) -> str | None:
+    """None if every folder the run writes can be written on this process; else one line naming the key."""
+    folders = [("train.output_dir", cfg.train.output_dir)]
+    if cfg.monitor.tensorboard_dir:
+        folders.append(("monitor.tensorboard_dir", cfg.monitor.tensorboard_dir))
+    if cfg.checkpoint.export_hf_at_end and cfg.checkpoint.export_dir:
+        folders.append(("checkpoint.export_dir", cfg.checkpoint.export_dir))
+    for key, folder in folders:
+        problem = writable_problem(folder, key)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_eval_inputs(cfg: Config, model_config: Any | None, read_hub: bool) -> list[str]:
+    """Read what the evaluation will read (GSM8K files, exemplars) and check its length budget against the
+    model's positions (`model_config`, a pretrained model's included) now, so a bad input fails at start-up
+    and not after training (see `eval.config.validate_eval_inputs`)."""
+    if not (cfg.eval.at_end or cfg.eval.every_n_steps > 0):
+        return []  # no evaluation will run
+    corpora = [(f"data.sources.{i}.path", s.path) for i, s in enumerate(cfg.data.sources)
+               if s.generate_arithmetic > 0 and os.path.isfile(s.path)]
+    positions = (max_positions(model_config) if model_config is not None
+                 else cfg.model.architecture.get("max_position_embeddings"))
+    return validate_eval_inputs(cfg.eval, max_position_embeddings=positions, read_hub=read_hub,
+                                generated_corpora=corpora)
+
+
+def check_output_dir(cfg: Config) -> str | None:
+    """The checkpoint tag to resume from, or None; refuses a folder holding another run's checkpoints
+    (see `checkpoint.resolve_resume`)."""
+    return resolve_resume(cfg.train.output_dir, cfg.train.resume)
+
+
+def check_data_files(cfg: Config) -> None:
+    """The local data files that exist already (generated corpora are written later) are there, the same
+    on every rank: an AgreedError (reported once)."""
+    for index, source in enumerate(cfg.data.sources):
+        if not source.generate_arithmetic:
+            try:
+                resolve_files(source, f"data.sources.{index}")
+            except DataError as error:
+                raise distributed.AgreedError(str(error)) from None
+
+
+def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> NumberVocab:
+    """The number tokens NTL acts on (with NTL off they still feed the number-token figures)."""
+    try:
+        return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level)
+    except ValueError as error:
+        if objective.ntl_on:
+            raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "
+                             f"Or train with CE only: loss.enabled=false") from None
+        try:  # CE only: any number-like tokens will do for monitoring
+            return NumberVocab.from_tokenizer(tokenizer, digit_level=False)
+        except ValueError:
+            raise ValueError(f"{error} (tokenizer.name_or_path={tokenizer_source(cfg.tokenizer, cfg.model)!r}); "
+                             f"the trainer's number-token figures need at least one number token") from None
+
+
+def dry_run(cfg: Config, world_size: int | None) -> None:
+    """Validate a configuration without loading data or weights (the model's config.json is read when it
+    is local or cached); print it and its DeepSpeed config. Runs the trainer's own pre-build checks."""
+    from deepspeed.accelerator import get_accelerator
+
+    on_cpu = get_accelerator().device_name() == "cpu"
+    world = world_size or int(os.environ.get("WORLD_SIZE", "0"))
+    if not world:  # one process per TP rank; the user's JSON may set the TP size, which this then follows
+        tp_size = cfg.parallel.tp_size
+        world = resolve_run(cfg, on_cpu, tp_size if isinstance(tp_size, int) else 1).cfg.parallel.tp_size
+    checked = preflight(cfg, world, on_cpu, local_files_only=True)
+    resolved = checked.run.cfg
+    # a dry run may run on another machine than the job (a laptop, a login node): a warning, not a refusal
+    problem = output_problems(resolved)
+    eval_inputs = check_eval_inputs(resolved, checked.model_config, read_hub=False)
+    dp = world // resolved.parallel.tp_size
+    global_batch = resolved.data.micro_batch_size * resolved.train.grad_accum_steps * dp
+    print(to_yaml(resolved))
+    print("# DeepSpeed config")
+    print(json.dumps(checked.run.ds_config, indent=1))
+    for line in eval_inputs:
+        print(f"# evaluation input OK: {line}")
+    if checked.run.tp_note:
+        print(f"# {checked.run.tp_note}")
+    print(f"# {checked.objective.describe()}")
+    print(f"# dry run OK: world {world} = dp {dp} x tp {resolved.parallel.tp_size}; global batch {global_batch} "
+          f"sequences = {global_batch * resolved.data.seq_len} tokens per step")
+    if problem is not None:
+        print(f"warning: {problem} (here; the trainer refuses to start where this holds)", file=sys.stderr)
