@@ -39,7 +39,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from ntl_pretrain.train import main  # noqa: E402
+from ntl_pretrain.cli import main  # noqa: E402
 
 code = main()  # raises (traceback, exit 1) only on a bug; errors a user can fix return 2
 # Leave without the interpreter's teardown: by now the process group is destroyed, the lock released and

@@ -13,58 +13,40 @@ with the DeepSpeed config), `training_objective` (what a step optimises), `nonfi
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import logging
 import os
-import sys
 import time
-from dataclasses import asdict
-from typing import Any, Callable, Sequence, TypeVar
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from . import distributed, lifecycle
-from .checkpoint import (CheckpointError, CheckpointManager, data_description, export_hf, fingerprint,
-                         lr_schedule_description, run_on_main, write_hf_assets)
-from .config import Config, ConfigError, help_text, load_config, to_yaml, write_resolved
+from .checkpoint import (CheckpointManager, data_description, export_hf, fingerprint, lr_schedule_description,
+                         run_on_main, write_hf_assets)
+from .config import Config, to_yaml, write_resolved
 from .data import PretrainingData, document_texts, load_documents, prepare_generated_corpus
 from .ds_config import resumed_deepspeed_config
 from .eval.config import save_eval_settings
 from .fs import write_json_atomic
 from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
 from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
-from .model import build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
+from .model import ModelReport, build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib, purge_tensorboard_after
+from .numbers import NumberVocab
 from .nonfinite import (NonfiniteGuard, TrainingDiverged, check_weights_finite, finite_step, nan_gradient_if_nonfinite,
                         unpartitioned_grad_norm, update_skipped)
 from .preemption import PreemptionHandler
-from .preflight import (check_data_files, check_eval_inputs, check_output_dir, dry_run, number_vocab_for,
+from .preflight import (check_data_files, check_eval_inputs, check_output_dir, number_vocab_for,
                         output_problems, preflight)
 from .tokenizer.coverage import check_training_digits
 from .training_objective import StepFigures
 
 logger = logging.getLogger("ntl_pretrain")
 T = TypeVar("T")
-__all__ = ["Trainer", "TrainingDiverged", "main", "parse_args"]
-
-
-# ---------------------------------------------------------------------------------------------- arguments
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="launch/pretrain.sh",
-        description="Continued pretraining / pretraining of a Hugging Face causal LM with CE + Number Token Loss "
-                    "on DeepSpeed (ZeRO 0-3, AutoTP). Overrides: key.sub=value (values are YAML).",
-        epilog="Configuration keys:\n" + help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML run configuration (e.g. configs/demo.yaml)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate the configuration and print it with the DeepSpeed config; load nothing")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="--dry-run: number of processes the run will have (default: WORLD_SIZE or tp_size)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                        help="set by DeepSpeed's launcher (LOCAL_RANK is used)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
-    return parser.parse_intermixed_args(list(argv))
+__all__ = ["BuiltEngine", "Trainer", "TrainingDiverged", "build_engine", "collective_call"]
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -100,6 +82,48 @@ def _prepare_assets(cfg: Config) -> None:
         texts = document_texts(documents, source)
         out = train_digit_bpe(texts, cfg.tokenizer.train_vocab_size, tokenizer_source(cfg.tokenizer, cfg.model))
         logger.info("trained a digit-level BPE tokenizer (%d tokens) into %s", cfg.tokenizer.train_vocab_size, out)
+
+
+@dataclass
+class BuiltEngine:
+    """The DeepSpeed engine of a run and what was built with it (`build_engine`)."""
+
+    engine: Any
+    model_report: ModelReport
+    number_vocab: NumberVocab  # sized to the model's vocabulary
+    checkpoints: CheckpointManager
+    ds_config: dict  # as handed to deepspeed.initialize (a resume's schedule and universal load included)
+    load_tag: str | None  # the checkpoint to load into `engine` (`checkpoints.load`), None: a fresh start
+
+
+def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: NumberVocab, layout: Any,
+                 resume_tag: str | None, data: dict | None = None, lr_schedule: dict | None = None,
+                 watchdog: Any = None) -> BuiltEngine:
+    """Model, checkpoint manager and DeepSpeed engine of the resolved `cfg` on every rank (the trainer's and
+    tools/evaluate.py's). With `resume_tag` (a checkpoint in train.output_dir) the manager checks it first
+    (manifest, fingerprint of model, tokenizer and number vocabulary; `data` and `lr_schedule`: the
+    descriptions a resume must match, None: not checked) and plans its load (its universal form when the
+    layout changed)."""
+    model, report = build_model(cfg.model, tokenizer, cfg.parallel.tp_size, ds_config)
+    number_vocab = number_vocab.with_vocab_size(report.vocab_size)
+    logger.info("model %s: %.1fM parameters, vocabulary %d (tokenizer %d), attention %s, %s", report.source,
+                report.parameters / 1e6, report.vocab_size, report.tokenizer_size, report.attn_implementation,
+                report.dtype)
+    checkpoints = CheckpointManager(cfg.checkpoint, cfg.train.output_dir, layout, cfg.parallel.zero_stage,
+                                    fingerprint(model.config, tokenizer, number_vocab), seed=cfg.train.seed,
+                                    data=data, lr_schedule=lr_schedule)
+    load_tag = None
+    if resume_tag is not None:
+        kept = checkpoints.resume_lr_schedule(resume_tag)  # checkpoint.resume_lr_schedule=keep
+        load_tag = checkpoints.plan_resume(resume_tag)  # checks; universal form if the layout changed
+        ds_config = resumed_deepspeed_config(ds_config, kept, load_universal=load_tag != resume_tag)
+    import deepspeed
+
+    with (watchdog.waiting("every rank to set up the DeepSpeed engine (deepspeed.initialize)") if watchdog
+          else contextlib.nullcontext()):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return BuiltEngine(engine=engine, model_report=report, number_vocab=number_vocab, checkpoints=checkpoints,
+                       ds_config=ds_config, load_tag=load_tag)
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -179,26 +203,11 @@ class Trainer:
         if cfg.train.val_every_n_steps >= 0:
             self.data.check_validation(cfg.train.val_batches)
 
-        model, self.model_report = build_model(cfg.model, self.tokenizer, cfg.parallel.tp_size, self.ds_config)
-        self.number_vocab = number_vocab.with_vocab_size(self.model_report.vocab_size)
-        logger.info("model %s: %.1fM parameters, vocabulary %d (tokenizer %d), attention %s, %s",
-                    self.model_report.source, self.model_report.parameters / 1e6, self.model_report.vocab_size,
-                    self.model_report.tokenizer_size, self.model_report.attn_implementation, self.model_report.dtype)
-        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.train.output_dir, self.layout, cfg.parallel.zero_stage,
-                                             fingerprint(model.config, self.tokenizer, self.number_vocab),
-                                             seed=cfg.train.seed, data=data_description(cfg.data),
-                                             lr_schedule=lr_schedule_description(self.ds_config))
-        load_tag = None
-        if self.resume_tag is not None:
-            kept = self.checkpoints.resume_lr_schedule(self.resume_tag)  # checkpoint.resume_lr_schedule=keep
-            load_tag = self.checkpoints.plan_resume(self.resume_tag)  # checks; universal form if the layout changed
-            self.ds_config = resumed_deepspeed_config(self.ds_config, kept, load_universal=load_tag != self.resume_tag)
-        import deepspeed
-
-        with self.watchdog.waiting("every rank to set up the DeepSpeed engine (deepspeed.initialize)"):
-            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                        config=self.ds_config)
-        del model
+        built = build_engine(cfg, self.ds_config, self.tokenizer, number_vocab, self.layout, self.resume_tag,
+                             data=data_description(cfg.data), lr_schedule=lr_schedule_description(self.ds_config),
+                             watchdog=self.watchdog)
+        self.engine, self.model_report, self.number_vocab = built.engine, built.model_report, built.number_vocab
+        self.checkpoints, self.ds_config = built.checkpoints, built.ds_config
         derived = (self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps())
         if derived != (cfg.data.micro_batch_size, cfg.train.grad_accum_steps):  # resolved as DeepSpeed does
             raise RuntimeError(f"DeepSpeed derived (micro batch, accumulation) = {derived}, the resolved config "
@@ -215,8 +224,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonfiniteGuard(cfg.train.max_nonfinite_steps, cfg.train.output_dir, self.layout.is_main)
-        if load_tag is not None:
-            self._resume(load_tag)
+        if built.load_tag is not None:
+            self._resume(built.load_tag)
         self._open_run_folder()
 
     def _open_run_folder(self) -> None:
@@ -456,43 +465,3 @@ class Trainer:
 
 def _write_json(path: str, data: Any) -> None:
     write_json_atomic(path, data, indent=1, default=str)
-
-
-def _report_error(error: BaseException) -> None:
-    """Print a start-up or run error once: errors every rank raises together (configuration, agreed by a
-    collective) are printed by global rank 0 only; anything else by the rank that hit it."""
-    shared = isinstance(error, (ConfigError, distributed.AgreedError))
-    if lifecycle.global_rank() == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    elif not shared:
-        print(f"error: [rank {lifecycle.global_rank()}] {error}", file=sys.stderr, flush=True)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    trainer = None
-    try:
-        try:
-            cfg = load_config(args.config, args.overrides)
-            if args.dry_run:
-                dry_run(cfg, args.world_size)
-                return 0
-            trainer = Trainer(cfg)
-        except ValueError as error:  # ConfigError, DataError, CheckpointError, RunLockError, ...: exit 2
-            _report_error(error)
-            return 2
-        try:
-            trainer.fit()
-        except (CheckpointError, TrainingDiverged) as error:
-            _report_error(error)
-            return 2
-        lifecycle.report_to_supervisor("done", how="stopped" if trainer.stopped_by else "finished", step=trainer.step)
-        return 0
-    finally:
-        if trainer is not None:
-            trainer.lock.release()
-        distributed.shutdown_distributed()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

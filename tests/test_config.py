@@ -15,7 +15,7 @@ import yaml
 from helpers.launch import dry_run
 from ntl_pretrain.config import Config, ConfigError, iter_keys, load_config, to_dict, write_resolved
 from ntl_pretrain.ds_config import deepspeed_config, resolve_run
-from ntl_pretrain.train import parse_args
+from ntl_pretrain.cli import parse_args
 from ntl_pretrain.training_objective import Objective
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,6 +19,7 @@ process's peak resident set size (VmHWM) on CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -87,18 +88,22 @@ def main() -> int:
             overrides.append(f"parallel.tp_size={args.tp}")
         overrides += args.overrides
         cfg = load_config(args.config, overrides)
-        if not cfg.loss.enabled or cfg.loss.ntl_weight == 0:
+        if not cfg.loss.ntl_on:
             parser.error("the config must have NTL on (loss.enabled=true, loss.ntl_weight > 0)")
         trainer = Trainer(cfg)
+        cfg = trainer.cfg  # as resolved (DeepSpeed's batch sizes, the TP size a user's JSON sets)
+        # the run's objective and the same with NTL off (CE only), swapped between steps
+        objectives = {True: trainer.objective, False: dataclasses.replace(trainer.objective, ntl_on=False)}
         for _ in range(args.warmup):
-            trainer.train_step(with_ntl=True)
+            trainer.train_step()
         times: dict[bool, list[float]] = {True: [], False: []}
         rates: dict[bool, list[float]] = {True: [], False: []}
         block_ratios = []  # (on + on) / (off + off) within each ABBA block: cancels slow drift in machine load
         block: list[float] = []
         for i in range(args.steps - args.steps % 4):
             with_ntl = (i % 4) in (0, 3)  # ABBA
-            figures = trainer.train_step(with_ntl=with_ntl)
+            trainer.objective = objectives[with_ntl]
+            figures = trainer.train_step()
             times[with_ntl].append(figures["train/step_time_s"])
             rates[with_ntl].append(figures["train/tokens_per_s"])
             block.append(figures["train/step_time_s"])

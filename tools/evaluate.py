@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import os
 import re
 import sys
@@ -141,40 +140,40 @@ def _checkpoint_tag(run_dir: str, tag: str | None) -> str:
         return handle.read().strip()
 
 
-def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalConfig, str]:
-    """(engine, tokenizer, description, the run's eval settings, tag) for a training checkpoint."""
-    import deepspeed
+def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalConfig, str, Any]:
+    """(engine, tokenizer, description, the run's eval settings, tag, model config) for a training checkpoint.
+
+    Built as the trainer builds a resume: the run's config.yaml resolved for the processes launched, the
+    checkpoint verified (sizes and hashes of its files, no unsafe pickles), then the run's tokenizer, model
+    and engine (`train.build_engine`: the fingerprint of model, tokenizer and number vocabulary checked
+    against the checkpoint's; its universal form when the layout differs and checkpoint.reshard_on_resume
+    allows) and the checkpoint loaded through the checkpoint manager.
+    """
     from deepspeed.accelerator import get_accelerator
 
-    from ntl_pretrain import distributed
+    from ntl_pretrain import distributed, lifecycle
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.model import build_model, load_tokenizer
-    from ntl_pretrain.train import deepspeed_config
+    from ntl_pretrain.model import load_tokenizer
+    from ntl_pretrain.preflight import check_output_dir, number_vocab_for, preflight
+    from ntl_pretrain.train import build_engine
 
     config_path = os.path.join(args.run, "config.yaml")
     if not os.path.isfile(config_path):
         raise ValueError(f"{args.run!r} is not a training run folder: {config_path} is missing")
-    cfg = load_config(config_path)
     tag = _checkpoint_tag(args.run, args.tag)
-    checkpoint_dir = os.path.join(args.run, tag)
-    saved_ranks = len(glob.glob(os.path.join(checkpoint_dir, "*model_states.pt")))
-    if saved_ranks == 0:
-        raise ValueError(f"no DeepSpeed checkpoint in {checkpoint_dir!r}; list {args.run!r} for tags (global_stepN)")
+    # the run folder where it is now, and the checkpoint to load, as a resume of the run would name them
+    saved = load_config(config_path, [f"train.output_dir={args.run}", f"train.resume={tag}"])
     world = _world_size()
-    zero3 = cfg.parallel.zero_stage == 3
-    if zero3 and saved_ranks != world:
-        raise ValueError(f"checkpoint {checkpoint_dir!r} was saved by {saved_ranks} ZeRO-3 ranks but {world} were "
-                         f"launched; start {saved_ranks} processes (tp={cfg.parallel.tp_size}), or export the "
-                         f"checkpoint to a HF folder and use --model")
-    ds_config = deepspeed_config(cfg, on_cpu=get_accelerator().device_name() == "cpu")
+    checked = preflight(saved, world, get_accelerator().device_name() == "cpu", lifecycle.local_world_size())
+    cfg = checked.run.cfg
     distributed.init_distributed(cfg.train.dist_timeout_minutes)
+    check_output_dir(cfg)  # every rank: the checkpoint's files checked in shares, the result agreed
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
-    model, _ = build_model(cfg.model, tokenizer, cfg.parallel.tp_size)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    path, _ = engine.load_checkpoint(args.run, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
-    if path is None:
-        raise ValueError(f"DeepSpeed could not load checkpoint {tag!r} from {args.run!r}")
-    return engine, tokenizer, f"{checkpoint_dir} ({world} processes, tp={cfg.parallel.tp_size})", cfg.eval, tag
+    built = build_engine(cfg, checked.run.ds_config, tokenizer, number_vocab_for(cfg, checked.objective, tokenizer),
+                         distributed.layout(cfg.parallel.tp_size), resume_tag=tag)
+    built.checkpoints.load(built.engine, built.load_tag)
+    description = f"{os.path.join(args.run, tag)} ({world} processes, tp={cfg.parallel.tp_size})"
+    return built.engine, tokenizer, description, cfg.eval, tag, checked.model_config
 
 
 def format_table(metrics: dict[str, float]) -> str:
@@ -201,21 +200,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    from ntl_pretrain.config import ModelConfig
     from ntl_pretrain.eval.hooks import run_evaluation
+    from ntl_pretrain.model import load_model_config, max_positions
 
     try:
         if args.model:
             base, settings_source = model_eval_settings(args)
             cfg = eval_config(base, args.overrides)
-            validate_eval_inputs(cfg, read_hub=True)  # a broken GSM8K line fails before the model loads
+            # a broken GSM8K line, or no room for an answer within the model's positions, fails before the weights load
+            positions = max_positions(load_model_config(ModelConfig(name_or_path=args.model)))
+            validate_eval_inputs(cfg, max_position_embeddings=positions, read_hub=True)
             model, tokenizer, description = load_hf_model(args)
             step = args.step if args.step is not None else 0
             output_dir = args.output_dir or default_output_dir(args.model)
         else:
-            model, tokenizer, description, run_eval_cfg, tag = load_run_checkpoint(args)
+            model, tokenizer, description, run_eval_cfg, tag, model_config = load_run_checkpoint(args)
             settings_source = f"the training run's, from {os.path.join(args.run, 'config.yaml')}"
             cfg = eval_config(run_eval_cfg, args.overrides)
-            validate_eval_inputs(cfg, read_hub=True)
+            validate_eval_inputs(cfg, max_position_embeddings=max_positions(model_config), read_hub=True)
             match = re.search(r"(\d+)$", tag)
             step = args.step if args.step is not None else (int(match.group(1)) if match else 0)
             output_dir = args.output_dir or args.run

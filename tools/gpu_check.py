@@ -53,7 +53,7 @@ import tempfile
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -550,12 +550,14 @@ def measure_chunked_head(trainer: Any, sizes: Sizes, budget_s: float) -> dict:
     (chunked, full, full, chunked): median step time and peak memory of each."""
     times: dict[bool, list[float]] = {True: [], False: []}
     peaks = {True: 0.0, False: 0.0}
-    original = trainer.cfg.loss.chunk_tokens  # the trainer reads it at every micro-batch
+    original = trainer.objective  # decides the head (Objective.chunk_tokens) at every micro-batch
+    heads = {chunked: replace(original, chunk_tokens=sizes.chunk_tokens if chunked else 0)
+             for chunked in (True, False)}
     started = time.monotonic()
     try:
         for i in range(max(4, sizes.chunked_steps - sizes.chunked_steps % 4)):
             chunked = (i % 4) in (0, 3)
-            trainer.cfg.loss.chunk_tokens = sizes.chunk_tokens if chunked else 0
+            trainer.objective = heads[chunked]
             reset_peak_memory(trainer.device)
             figures = trainer.train_step()
             times[chunked].append(figures["train/step_time_s"])
@@ -563,7 +565,7 @@ def measure_chunked_head(trainer: Any, sizes: Sizes, budget_s: float) -> dict:
             if time.monotonic() - started > budget_s and i % 4 == 3:
                 break
     finally:
-        trainer.cfg.loss.chunk_tokens = original
+        trainer.objective = original
     full, chunked = statistics.median(times[False]), statistics.median(times[True])
     return {"chunk_tokens": sizes.chunk_tokens, "tokens_per_micro_batch": sizes.seq_len * sizes.micro_batch_size,
             "steps_each": len(times[True]), "median_step_time_s_full": full, "median_step_time_s_chunked": chunked,

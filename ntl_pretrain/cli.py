@@ -1,0 +1,75 @@
+"""The trainer's command line: `launch/pretrain.sh [--config X.yaml] [--dry-run [--world-size N]] [key.sub=value ...]`.
+
+Exit codes: 0 done (or stopped by a pre-emption signal after saving), 2 an error a user can fix (printed
+once, one line naming the key, file or value), 1 a bug (traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import distributed, lifecycle
+from .checkpoint import CheckpointError
+from .config import ConfigError, help_text, load_config
+from .nonfinite import TrainingDiverged
+from .preflight import dry_run
+from .train import Trainer
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch/pretrain.sh",
+        description="Continued pretraining / pretraining of a Hugging Face causal LM with CE + Number Token Loss "
+                    "on DeepSpeed (ZeRO 0-3, AutoTP). Overrides: key.sub=value (values are YAML).",
+        epilog="Configuration keys:\n" + help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML run configuration (e.g. configs/demo.yaml)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the configuration and print it with the DeepSpeed config; load nothing")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: number of processes the run will have (default: WORLD_SIZE or tp_size)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="set by DeepSpeed's launcher (LOCAL_RANK is used)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
+    return parser.parse_intermixed_args(list(argv))
+
+
+def _report_error(error: BaseException) -> None:
+    """Print a start-up or run error once: errors every rank raises together (configuration, agreed by a
+    collective) are printed by global rank 0 only; anything else by the rank that hit it."""
+    shared = isinstance(error, (ConfigError, distributed.AgreedError))
+    if lifecycle.global_rank() == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    elif not shared:
+        print(f"error: [rank {lifecycle.global_rank()}] {error}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    trainer = None
+    try:
+        try:
+            cfg = load_config(args.config, args.overrides)
+            if args.dry_run:
+                dry_run(cfg, args.world_size)
+                return 0
+            trainer = Trainer(cfg)
+        except ValueError as error:  # ConfigError, DataError, CheckpointError, RunLockError, ...: exit 2
+            _report_error(error)
+            return 2
+        try:
+            trainer.fit()
+        except (CheckpointError, TrainingDiverged) as error:
+            _report_error(error)
+            return 2
+        lifecycle.report_to_supervisor("done", how="stopped" if trainer.stopped_by else "finished", step=trainer.step)
+        return 0
+    finally:
+        if trainer is not None:
+            trainer.lock.release()
+        distributed.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
