@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from helpers.launch import dry_run
-from ntl_pretrain.config import Config, ConfigError, iter_keys, load_config, to_dict, write_resolved
+from ntl_pretrain.config import Config, ConfigError, help_text, iter_keys, load_config, to_dict, write_resolved
 from ntl_pretrain.ds_config import deepspeed_config, resolve_run
-from ntl_pretrain.cli import parse_args
+from ntl_pretrain.cli import main, parse_args
 from ntl_pretrain.training_objective import Objective
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,3 +209,43 @@ def test_objective_decides_ntl_and_the_head_once():
     with pytest.raises(ConfigError, match="number_level composes numbers"):
         load_config(None, MINIMAL + ["loss.variant=number_level", "tokenizer.digit_level=false"])
     assert not _objective("loss.variant=number_level", "tokenizer.digit_level=false", "loss.ntl_weight=0").ntl_on
+
+
+def test_choices_live_in_their_types():
+    import typing
+
+    from ntl_pretrain.config import LossConfig
+    from ntl_pretrain.eval.config import GSM8K_VARIANTS
+    from ntl_pretrain.eval.gsm8k import DEFAULT_NUM_FEWSHOT
+    from ntl_pretrain.loss import VARIANTS
+
+    # the loss's own list of variants and the harness defaults per GSM8K variant agree with the config's types
+    assert typing.get_args(typing.get_type_hints(LossConfig)["variant"]) == VARIANTS
+    assert tuple(DEFAULT_NUM_FEWSHOT) == GSM8K_VARIANTS
+    assert "parallel.zero_stage (0 | 1 | 2 | 3, default 3)" in help_text()
+
+
+@pytest.mark.parametrize("override, allowed", [
+    ("loss.variant=wass", "loss.variant='wass' is not one of was, mse, mae, huber, number_level"),
+    ("parallel.zero_stage=4", "parallel.zero_stage=4 is not one of 0, 1, 2, 3"),
+    ("eval.gsm8k_variant=gsm8k_cott", "eval.gsm8k_variant='gsm8k_cott' is not one of gsm8k, gsm8k_cot"),
+    ("parallel.tp_size=most", "parallel.tp_size must be an integer or one of auto, got str 'most'"),
+])
+def test_dry_run_refuses_a_bad_choice_naming_the_allowed_values(override, allowed, capsys):
+    assert main(["--dry-run", "--config", str(REPO / "configs" / "demo.yaml"), "--world-size", "2", override]) == 2
+    assert f"error: {allowed}\n" in capsys.readouterr().err
+
+
+def test_dry_run_checks_eval_budgets_against_a_pretrained_models_positions(tmp_path, capsys):
+    # a model folder (config.json only: the dry run loads no weights) with 64 positions
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(tmp_path / "model")
+    args = ["--dry-run", "--config", str(REPO / "configs" / "demo.yaml"), "--world-size", "2",
+            f"model.name_or_path={tmp_path / 'model'}", "model.architecture={}", "data.seq_len=64"]
+    assert main(args) == 0 and "dry run OK" in capsys.readouterr().out
+    # before, the budget was checked against model.architecture's max_position_embeddings only (none here)
+    assert main(args + ["eval.arithmetic_max_new_tokens=64"]) == 2
+    assert ("eval.arithmetic_max_new_tokens=64 leaves no room for the prompt within 64 tokens (the model's "
+            "max_position_embeddings)") in capsys.readouterr().err

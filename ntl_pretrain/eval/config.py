@@ -6,14 +6,15 @@ import dataclasses
 import difflib
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ntl_pretrain.eval.arithmetic import ALL_OPS, SPLITS
+from ntl_pretrain.eval.gsm8k import FEWSHOT_SAMPLERS, FewshotSampler, GSM8KVariant
 from ntl_pretrain.fs import write_json_atomic
-from ntl_pretrain.eval.gsm8k import DEFAULT_NUM_FEWSHOT, FEWSHOT_SAMPLERS
 
-GSM8K_VARIANTS = tuple(DEFAULT_NUM_FEWSHOT)
+GSM8K_VARIANTS: tuple[str, ...] = typing.get_args(GSM8KVariant)
 # The run's evaluation settings, written into every checkpoint's hf/ folder (and so into its export), so that
 # tools/evaluate.py --model EXPORT evaluates as the run did.
 EVAL_SETTINGS_FILE = "ntl_eval.json"
@@ -49,7 +50,7 @@ class EvalConfig:
         "GSM8K source: a local folder with test.jsonl/train.jsonl, a test .jsonl file, or a datasets id such "
         "as openai/gsm8k; empty skips GSM8K", default="")
     gsm8k_dataset_config: str = _doc("configuration name when gsm8k_path is a datasets hub id", default="main")
-    gsm8k_variant: str = _doc(
+    gsm8k_variant: GSM8KVariant = _doc(
         "gsm8k: lm-evaluation-harness's gsm8k task ('Question: ...\\nAnswer: ...', train-split exemplars); "
         "gsm8k_cot: its gsm8k_cot task ('Q: ... A: ... The answer is N.', 8 fixed exemplars)", default="gsm8k")
     gsm8k_limit: int = _doc("at most this many GSM8K test problems in periodic evaluations (0: all)", default=100)
@@ -60,7 +61,7 @@ class EvalConfig:
         default=None)
     fewshot_seed: int = _doc("seed that picks the few-shot examples from the train split (gsm8k variant; the "
                              "harness's fewshot_random_seed is 1234)", default=1234)
-    fewshot_sampler: str = _doc(
+    fewshot_sampler: FewshotSampler = _doc(
         "lm_eval: one generator draws every question's exemplars in test order, as lm-evaluation-harness does "
         "in one process (prompts equal its prompts); per_question: a generator per question index", default="lm_eval")
     gsm8k_cot_exemplars: str = _doc(

@@ -33,7 +33,7 @@ import os
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 FILTERS = ("strict-match", "flexible-extract")
 _STRICT = {"gsm8k": re.compile(r"#### (\-?[0-9\.\,]+)"),
@@ -97,9 +97,11 @@ def gold_answer(solution: str) -> str:
     return normalize(solution)
 
 
-FEWSHOT_SAMPLERS = ("lm_eval", "per_question")
+FewshotSampler = Literal["lm_eval", "per_question"]
+FEWSHOT_SAMPLERS: tuple[str, ...] = get_args(FewshotSampler)
+GSM8KVariant = Literal["gsm8k", "gsm8k_cot"]
 # The task defaults of lm-evaluation-harness (its gsm8k.yaml and gsm8k-cot.yaml).
-DEFAULT_NUM_FEWSHOT = {"gsm8k": 5, "gsm8k_cot": 8}
+DEFAULT_NUM_FEWSHOT: dict[GSM8KVariant, int] = {"gsm8k": 5, "gsm8k_cot": 8}
 LM_EVAL_COT_TASK = ("tasks", "gsm8k", "gsm8k-cot.yaml")
 
 
