@@ -8,34 +8,32 @@ sums -> loss scaled so the update is CE_mean + lambda * NTL_mean of the GLOBAL b
 `engine.step()` (DeepSpeed clips and steps at the accumulation boundary) -> log.
 
 The pieces: `preflight` (start-up checks, `--dry-run`), `ds_config` (the configuration resolved once,
-with the DeepSpeed config), `training_objective` (what a step optimises), `nonfinite` (the step's guard).
+with the DeepSpeed config), `engine` (model, checkpoint manager and engine), `training_objective` (what a
+step optimises), `nonfinite` (the step's guard); `cli` is the command line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable, TypeVar
 
 import torch
 
 from . import distributed, lifecycle
-from .checkpoint import (CheckpointManager, data_description, export_hf, fingerprint, lr_schedule_description,
-                         run_on_main, write_hf_assets)
+from .checkpoint import (data_description, export_hf, lr_schedule_description, run_on_main, write_hf_assets)
 from .config import Config, to_yaml, write_resolved
 from .data import PretrainingData, document_texts, load_documents, prepare_generated_corpus
-from .ds_config import resumed_deepspeed_config
+from .engine import build_engine
 from .eval.config import save_eval_settings
 from .fs import write_json_atomic
 from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
 from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
-from .model import ModelReport, build_model, load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
+from .model import load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib, purge_tensorboard_after
-from .numbers import NumberVocab
 from .nonfinite import (NonfiniteGuard, TrainingDiverged, check_weights_finite, finite_step, nan_gradient_if_nonfinite,
                         unpartitioned_grad_norm, update_skipped)
 from .preemption import PreemptionHandler
@@ -46,7 +44,7 @@ from .training_objective import StepFigures
 
 logger = logging.getLogger("ntl_pretrain")
 T = TypeVar("T")
-__all__ = ["BuiltEngine", "Trainer", "TrainingDiverged", "build_engine", "collective_call"]
+__all__ = ["Trainer", "TrainingDiverged", "collective_call"]
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -82,48 +80,6 @@ def _prepare_assets(cfg: Config) -> None:
         texts = document_texts(documents, source)
         out = train_digit_bpe(texts, cfg.tokenizer.train_vocab_size, tokenizer_source(cfg.tokenizer, cfg.model))
         logger.info("trained a digit-level BPE tokenizer (%d tokens) into %s", cfg.tokenizer.train_vocab_size, out)
-
-
-@dataclass
-class BuiltEngine:
-    """The DeepSpeed engine of a run and what was built with it (`build_engine`)."""
-
-    engine: Any
-    model_report: ModelReport
-    number_vocab: NumberVocab  # sized to the model's vocabulary
-    checkpoints: CheckpointManager
-    ds_config: dict  # as handed to deepspeed.initialize (a resume's schedule and universal load included)
-    load_tag: str | None  # the checkpoint to load into `engine` (`checkpoints.load`), None: a fresh start
-
-
-def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: NumberVocab, layout: Any,
-                 resume_tag: str | None, data: dict | None = None, lr_schedule: dict | None = None,
-                 watchdog: Any = None) -> BuiltEngine:
-    """Model, checkpoint manager and DeepSpeed engine of the resolved `cfg` on every rank (the trainer's and
-    tools/evaluate.py's). With `resume_tag` (a checkpoint in train.output_dir) the manager checks it first
-    (manifest, fingerprint of model, tokenizer and number vocabulary; `data` and `lr_schedule`: the
-    descriptions a resume must match, None: not checked) and plans its load (its universal form when the
-    layout changed)."""
-    model, report = build_model(cfg.model, tokenizer, cfg.parallel.tp_size, ds_config)
-    number_vocab = number_vocab.with_vocab_size(report.vocab_size)
-    logger.info("model %s: %.1fM parameters, vocabulary %d (tokenizer %d), attention %s, %s", report.source,
-                report.parameters / 1e6, report.vocab_size, report.tokenizer_size, report.attn_implementation,
-                report.dtype)
-    checkpoints = CheckpointManager(cfg.checkpoint, cfg.train.output_dir, layout, cfg.parallel.zero_stage,
-                                    fingerprint(model.config, tokenizer, number_vocab), seed=cfg.train.seed,
-                                    data=data, lr_schedule=lr_schedule)
-    load_tag = None
-    if resume_tag is not None:
-        kept = checkpoints.resume_lr_schedule(resume_tag)  # checkpoint.resume_lr_schedule=keep
-        load_tag = checkpoints.plan_resume(resume_tag)  # checks; universal form if the layout changed
-        ds_config = resumed_deepspeed_config(ds_config, kept, load_universal=load_tag != resume_tag)
-    import deepspeed
-
-    with (watchdog.waiting("every rank to set up the DeepSpeed engine (deepspeed.initialize)") if watchdog
-          else contextlib.nullcontext()):
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    return BuiltEngine(engine=engine, model_report=report, number_vocab=number_vocab, checkpoints=checkpoints,
-                       ds_config=ds_config, load_tag=load_tag)
 
 
 # ---------------------------------------------------------------------------------------------- the run

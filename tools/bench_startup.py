@@ -112,11 +112,12 @@ def tokenizer_folder(arch: str, tmp: str) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import ntl_pretrain.engine as engine
     import ntl_pretrain.train as train
     from ntl_pretrain.config import load_config
 
     figures = {"after_imports_rss_kib": status_kib("VmRSS")}
-    build_model = train.build_model
+    build_model = engine.build_model
 
     def recording_build_model(*a, **k):
         figures["before_build_hwm_kib"] = status_kib("VmHWM")  # tokenizer and data preparation
@@ -136,7 +137,7 @@ def worker(args: argparse.Namespace) -> None:
         DeepSpeedEngine._configure_tensor_parallel = recording_slice_model
         return model, report
 
-    train.build_model = recording_build_model
+    engine.build_model = recording_build_model
     cfg = load_config(None, json.loads(args.overrides))
     started = time.perf_counter()
     trainer = train.Trainer(cfg)

@@ -145,7 +145,7 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
 
     Built as the trainer builds a resume: the run's config.yaml resolved for the processes launched, the
     checkpoint verified (sizes and hashes of its files, no unsafe pickles), then the run's tokenizer, model
-    and engine (`train.build_engine`: the fingerprint of model, tokenizer and number vocabulary checked
+    and engine (`engine.build_engine`: the fingerprint of model, tokenizer and number vocabulary checked
     against the checkpoint's; its universal form when the layout differs and checkpoint.reshard_on_resume
     allows) and the checkpoint loaded through the checkpoint manager.
     """
@@ -155,7 +155,7 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     from ntl_pretrain.config import load_config
     from ntl_pretrain.model import load_tokenizer
     from ntl_pretrain.preflight import check_output_dir, number_vocab_for, preflight
-    from ntl_pretrain.train import build_engine
+    from ntl_pretrain.engine import build_engine
 
     config_path = os.path.join(args.run, "config.yaml")
     if not os.path.isfile(config_path):

@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+import ntl_pretrain.engine as engine
 import ntl_pretrain.train as train
 from ntl_pretrain import distributed
 from ntl_pretrain.config import load_config
@@ -29,8 +30,8 @@ def _recording_build_model(*args, **kwargs):
     return model, report
 
 
-BUILD_MODEL = train.build_model
-train.build_model = _recording_build_model
+BUILD_MODEL = engine.build_model
+engine.build_model = _recording_build_model
 
 
 def main() -> None:
