@@ -5,8 +5,8 @@ One process (plain PyTorch), on the export a training run writes at its end (tra
 Several ranks (DeepSpeed ZeRO-3, optionally AutoTP with a vocabulary-parallel head; on CPU add
 DS_ACCELERATOR=cpu):
     deepspeed --num_gpus 2 tools/evaluate.py --model DIR --tp 2 arithmetic_n=500
-A training run's checkpoint (its config.yaml rebuilds tokenizer and model; launch the same number of
-processes and the same parallel.tp_size as the training run, as DeepSpeed checkpoints require):
+A training run's checkpoint (its config.yaml rebuilds tokenizer and model, and the checkpoint is checked and
+loaded as a resume of the run would; launch the same number of processes as the training run):
     deepspeed --num_gpus 2 tools/evaluate.py --run runs/demo [--tag global_step150]
 
 Settings: with --run, the run's `eval` section (its config.yaml); with --model, the training run's settings
