@@ -249,3 +249,17 @@ def test_dry_run_checks_eval_budgets_against_a_pretrained_models_positions(tmp_p
     assert main(args + ["eval.arithmetic_max_new_tokens=64"]) == 2
     assert ("eval.arithmetic_max_new_tokens=64 leaves no room for the prompt within 64 tokens (the model's "
             "max_position_embeddings)") in capsys.readouterr().err
+
+
+def test_preflight_resolves_a_copy_once():
+    from ntl_pretrain.preflight import preflight
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    before = to_dict(cfg)
+    checked = preflight(cfg, world_size=4, on_cpu=True, local_files_only=True)
+    assert to_dict(cfg) == before and cfg.parallel.tp_size == "auto"  # what was loaded stays as it was
+    resolved = checked.run.cfg
+    assert resolved.parallel.tp_size == 2 and checked.run.ds_config["tensor_parallel"]["autotp_size"] == 2
+    assert "tp_size=2 for world size 4" in checked.run.tp_note
+    assert checked.objective == Objective.from_config(resolved.loss) and checked.objective.ntl_on
+    assert checked.model_config.max_position_embeddings == resolved.model.architecture["max_position_embeddings"]
