@@ -703,6 +703,7 @@ def loss_bench(spec: dict) -> dict:
     one forward + backward of each and the loss it computed."""
     import torch
 
+    from ntl_pretrain.loss import VocabShard
     from ntl_pretrain.numbers import NumberVocab
 
     sizes = Sizes(**spec["sizes"])
@@ -722,7 +723,7 @@ def loss_bench(spec: dict) -> dict:
                           / hidden_size ** 0.5)
     leaves = [logits, hidden, head.weight]
     ctx = {"vocab": NumberVocab(tuple(range(first_digit, first_digit + 10)), tuple(float(d) for d in range(10)), vocab),
-           "group": None, "start": 0, "vocab_size": vocab, "chunk_tokens": sizes.loss_chunk_tokens,
+           "group": None, "start": 0, "shard": VocabShard(), "vocab_size": vocab, "chunk_tokens": sizes.loss_chunk_tokens,
            "ds_chunk_tokens": 0}
     available, missing = loss_methods(device.type)
     results: dict[str, dict] = {name: {"status": "skipped", "detail": why} for name, why in missing.items()}
