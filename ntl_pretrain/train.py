@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from . import distributed, lifecycle
-from .checkpoint import (data_description, export_hf, lr_schedule_description, run_on_main, write_hf_assets)
+from .checkpoint import data_description, export_hf, lr_schedule_description, run_on_main, write_hf_assets
 from .config import Config, to_yaml, write_resolved
 from .data import PretrainingData, document_texts, load_documents, prepare_generated_corpus
 from .engine import build_engine
