@@ -1,0 +1,95 @@
+"""Typed run configuration: dataclasses loaded from YAML, `key.sub=value` overrides, strict validation.
+
+A run is described by one YAML file whose sections mirror the dataclasses below (`model`, `tokenizer`,
+`data`, `loss`, `parallel`, `optim`, `train`, `checkpoint`, `monitor`, `deepspeed`, `eval`). Any key can
+be overridden on the command line as `section.key=value` (values are parsed as YAML, so `true`, `3`,
+`[0.9, 0.95]` and `null` work; list items are addressed by index: `data.sources.0.weight=2`).
+Unknown keys are rejected with the nearest valid key named; values are type-checked.
+
+The package: `schema` (the dataclasses and the choice types), `parsing` (keys, `--help`, types,
+overrides), `validation` (cross-key and range checks); loading and saving are here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import yaml
+
+from .schema import (  # noqa: F401 (the package's API)
+    AttnImplementation,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DType,
+    DataConfig,
+    DataSourceConfig,
+    DeepSpeedSection,
+    LRScheduleName,
+    LossConfig,
+    ModelConfig,
+    MonitorConfig,
+    NTLScheduleName,
+    NTLVariantName,
+    OffloadDevice,
+    OptimConfig,
+    ParallelConfig,
+    ProgressBar,
+    ResumeLRSchedule,
+    TokenizerConfig,
+    TrainConfig,
+    ZeroStage,
+)
+from .parsing import (  # noqa: F401 (the package's API)
+    SYNONYMS,
+    get_key,
+    help_text,
+    iter_keys,
+    parse_override,
+)
+from .validation import (  # noqa: F401 (the package's API)
+    ntl_settings,
+    validate,
+)
+from .parsing import _build, _set_dotted, _validate_override_key
+
+
+# ---------------------------------------------------------------------------------------------- load/save
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or start from defaults), apply `key=value` overrides, validate."""
+    tree: dict = {}
+    if path is not None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist (pass --config configs/NAME.yaml)")
+        with open(path, encoding="utf-8") as handle:
+            try:
+                tree = yaml.safe_load(handle) or {}
+            except yaml.YAMLError as error:
+                raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(tree).__name__}")
+    for text in overrides:
+        key, value = parse_override(text)
+        _validate_override_key(key)
+        _set_dotted(tree, key, value)
+    config = _build(Config, tree)
+    validate(config)
+    return config
+
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
+
+
+def write_resolved(config: Config, directory: str, filename: str = "config.yaml") -> str:
+    """Write the resolved configuration into the run folder (atomically)."""
+    from ..fs import write_text_atomic
+
+    return write_text_atomic(os.path.join(directory, filename), to_yaml(config))

@@ -1,0 +1,263 @@
+"""The configuration schema: one dataclass a section, every field with a default and a one-line doc, and
+the allowed values of every choice key (`Literal`s) in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..eval.config import EvalConfig
+
+# The allowed values of every choice key, in one place: loading refuses any other value, naming these.
+DType = Literal["bf16", "fp16", "fp32"]
+AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+NTLScheduleName = Literal["constant", "linear_warmup"]
+NTLVariantName = Literal["was", "mse", "mae", "huber", "number_level"]  # ntl_pretrain.loss.VARIANTS
+OffloadDevice = Literal["none", "cpu", "nvme"]
+ZeroStage = Literal[0, 1, 2, 3]
+LRScheduleName = Literal["cosine", "linear", "constant"]
+ProgressBar = Literal["auto", "always", "never"]
+ResumeLRSchedule = Literal["error", "keep", "replan"]
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    """A dataclass field whose one-line doc is kept in its metadata (for `--help`)."""
+    return field(metadata={"doc": text}, **kwargs)
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to train and how to build it."""
+
+    name_or_path: str | None = _doc(
+        "Hub id or local folder for from_pretrained (continued pretraining); null builds a new model "
+        "from model.architecture", default=None)
+    architecture: dict[str, Any] = _doc(
+        "transformers config keys for a model built from scratch (needs model_type, e.g. llama); with "
+        "name_or_path set, these keys override the loaded config", default_factory=dict)
+    dtype: DType = _doc("training precision: bf16 | fp16 | fp32 (DeepSpeed's bf16/fp16 sections)", default="bf16")
+    attn_implementation: AttnImplementation = _doc(
+        "auto (flash_attention_2 when flash-attn imports and CUDA is present, else sdpa) | sdpa | eager | "
+        "flash_attention_2", default="auto")
+    gradient_checkpointing: bool = _doc("recompute activations in backward to save memory", default=False)
+    trust_remote_code: bool = _doc("allow model code from the hub (off unless you trust the repository)",
+                                   default=False)
+    resize_embeddings: bool = _doc(
+        "resize the embeddings when the tokenizer has more tokens than the model (new rows: mean init)",
+        default=False)
+    pad_vocab_to_multiple_of: int = _doc(
+        "pad a resized or newly built vocabulary to a multiple of this (times parallel.tp_size if that "
+        "does not divide it)", default=64)
+    init_seed: int = _doc("seed of the weight initialisation of a model built from scratch", default=1234)
+    partitioned_load: bool = _doc(
+        "under ZeRO-3, build the model partitioned: with model.name_or_path each rank reads only its share of the "
+        "safetensors weights (T=1: its ZeRO partition, T>1: its AutoTP slices); from scratch (T=1) the same "
+        "weights as the whole build; false: every rank builds or loads the full model first",
+        default=True)
+
+
+@dataclass
+class TokenizerConfig:
+    """The tokenizer and its number vocabulary."""
+
+    name_or_path: str | None = _doc("Hub id or local folder; null uses model.name_or_path", default=None)
+    train_vocab_size: int = _doc(
+        "> 0: when name_or_path does not exist yet, train a digit-level byte-level BPE of this size on the "
+        "training data and save it there (the demo's self-made tokenizer)", default=0)
+    digit_level: bool = _doc("NTL acts on the ten bare digits 0-9 (else on every token that parses as a number)",
+                             default=True)
+    allow_non_digit_level: bool = _doc(
+        "train digit-level NTL although fewer than 99% of the training data's digits are single-digit tokens "
+        "(measured at start-up and logged; the fix is tools/tokenizer.py split-digits)", default=False)
+
+
+@dataclass
+class DataSourceConfig:
+    """One dataset of the training mixture."""
+
+    path: str = _doc("local .jsonl/.json/.parquet/.txt file or glob, a folder of them, or a hub dataset id",
+                     default="")
+    name: str | None = _doc("hub dataset configuration name", default=None)
+    split: str = _doc("dataset split to read", default="train")
+    text_field: str = _doc("column that holds the document text (unused when prompt_field and completion_field "
+                           "are set)", default="text")
+    prompt_field: str | None = _doc(
+        "column of the prompt; with completion_field, a document is prompt + completion and only the completion's "
+        "tokens (and the EOS after it) are targets: the prompt's labels are ignored (null: every token is trained)",
+        default=None)
+    completion_field: str | None = _doc("column of the completion (set together with prompt_field)", default=None)
+    weight: float = _doc("sampling weight in the mixture (normalised over sources)", default=1.0)
+    streaming: bool = _doc("stream instead of downloading/tokenizing everything first (large corpora)",
+                           default=False)
+    generate_arithmetic: int = _doc(
+        "> 0: when path does not exist, write this many generated arithmetic and number-rich documents "
+        "there first (the demo's self-made corpus)", default=0)
+    generate_options: dict[str, Any] = _doc(
+        "settings of the generated corpus (seed, text_share, ops, train_digits, extrapolation_digits); with "
+        "generate_arithmetic they are its whole identity (recorded beside it; a file generated otherwise is refused)",
+        default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """Datasets, tokenization and packing."""
+
+    sources: list[DataSourceConfig] = _doc("datasets mixed by weight", default_factory=list)
+    seq_len: int = _doc("tokens per packed training sequence", default=2048)
+    micro_batch_size: int = _doc("sequences per data-parallel rank and micro-batch "
+                                 "(DeepSpeed train_micro_batch_size_per_gpu)", default=1)
+    validation_documents: int = _doc("documents of each source held out for validation", default=200)
+    mask_document_start: bool = _doc(
+        "no loss on the first token of a document (predicted from the previous document's EOS)", default=True)
+    seed: int = _doc("seed of the document split, shuffling and mixture", default=1234)
+    num_proc: int = _doc("processes for tokenization (datasets.map num_proc)", default=1)
+    cache_dir: str | None = _doc("datasets cache folder; null uses the Hugging Face default", default=None)
+
+
+@dataclass
+class LossConfig:
+    """Cross-entropy plus the Number Token Loss."""
+
+    enabled: bool = _doc("add NTL to CE (false: CE only)", default=True)
+    ntl_weight: float = _doc("lambda: loss = CE + lambda * NTL", default=0.3)
+    ntl_schedule: NTLScheduleName = _doc("constant | linear_warmup (lambda rises from 0 over ntl_warmup_steps)",
+                             default="constant")
+    ntl_warmup_steps: int = _doc("steps of the linear lambda warm-up", default=0)
+    variant: NTLVariantName = _doc("was | mse | mae | huber | number_level (needs tokenizer.digit_level=true)", default="was")
+    reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
+    squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
+    smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)
+    float_level: bool = _doc("number_level: a '.' between digits joins them into one number", default=False)
+    chunk_tokens: int = _doc("compute LM head + loss over chunks of this many tokens, never the full logits "
+                             "(docs/chunked.md; 0 = off)", default=0)
+    check_every_step: bool = _doc("debug: re-check labels and the vocabulary-shard layout on every micro-batch "
+                                  "(host syncs; normally checked once at start-up)", default=False)
+
+    @property
+    def ntl_on(self) -> bool:
+        """The one switch of NTL (training, validation, the number-vocabulary checks): on unless
+        loss.enabled=false or loss.ntl_weight=0."""
+        return self.enabled and self.ntl_weight > 0
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism (DeepSpeed ZeRO and AutoTP)."""
+
+    tp_size: int | Literal["auto"] = _doc("tensor-parallel size (DeepSpeed tensor_parallel.autotp_size); divides the world "
+                              "size; auto: the largest that divides the world size and the model's heads, "
+                              "within one node (the choice is logged)", default=1)
+    zero_stage: ZeroStage = _doc("ZeRO stage 0-3 (DeepSpeed zero_optimization.stage)", default=3)
+    offload_optimizer: OffloadDevice = _doc("none | cpu | nvme (zero_optimization.offload_optimizer.device)", default="none")
+    offload_param: OffloadDevice = _doc("none | cpu | nvme (zero_optimization.offload_param.device, stage 3)", default="none")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = _doc("peak learning rate", default=3e-4)
+    weight_decay: float = _doc("AdamW weight decay", default=0.1)
+    betas: list[float] = _doc("AdamW betas", default_factory=lambda: [0.9, 0.95])
+    eps: float = _doc("AdamW epsilon", default=1e-8)
+    lr_schedule: LRScheduleName = _doc("cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR)",
+                            default="cosine")
+    warmup_steps: int = _doc("learning-rate warm-up steps", default=100)
+    min_lr_ratio: float = _doc("cosine: final lr as a fraction of lr", default=0.1)
+    grad_clip: float = _doc("clip the global gradient norm to this (DeepSpeed gradient_clipping; 0 = off)",
+                            default=1.0)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    output_dir: str = _doc("run folder: resolved config, checkpoints, TensorBoard", default="runs/default")
+    max_steps: int = _doc("optimizer steps to train", default=1000)
+    grad_accum_steps: int = _doc("micro-batches per optimizer step (DeepSpeed gradient_accumulation_steps)",
+                                 default=1)
+    seed: int = _doc("seed of dropout and other runtime randomness", default=1234)
+    log_every_n_steps: int = _doc("steps between log lines / TensorBoard points", default=1)
+    val_every_n_steps: int = _doc("steps between validation losses (0 = only at the end, -1 = never)",
+                                  default=200)
+    val_batches: int = _doc("micro-batches per data-parallel rank in one validation", default=8)
+    resume: str = _doc("none | auto (newest complete checkpoint in output_dir, or a fresh start) | a checkpoint "
+                       "tag in output_dir (global_step300)", default="none")
+    dist_timeout_minutes: int = _doc("collectives that wait longer than this fail the job instead of hanging",
+                                     default=30)
+    max_nonfinite_steps: int = _doc("stop with an error (saving nothing) once this many optimizer steps in a row "
+                                    "had a non-finite loss or gradient norm; each such step's update is skipped",
+                                    default=3)
+    startup_timeout_s: float = _doc(
+        "each start-up wait (rendezvous, first collective, rank 0 preparing data or the tokenizer while the "
+        "others wait, the engine's set-up) fails after this many seconds with a message naming it",
+        default=1800.0)
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving checkpoints."""
+
+    every_n_steps: int = _doc("steps between checkpoints (0 = only at the end)", default=1000)
+    save_final: bool = _doc("save a checkpoint after the last step", default=True)
+    keep_last: int = _doc("keep the newest K complete checkpoints, delete older ones (0 = keep all)", default=3)
+    keep_every_n_steps: int = _doc(
+        "checkpoints at multiples of this step are permanent: never deleted by keep_last (0 = none; a KEEP "
+        "file in a checkpoint folder also makes it permanent)", default=0)
+    preempt_signals: list[str] = _doc(
+        "signals that make every rank save at the next step boundary and exit 0 (cluster pre-emption)",
+        default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    preempt_grace_s: float = _doc(
+        "seconds from a pre-emption signal to the exit; past it the process exits without the checkpoint "
+        "(set it below what the cluster allows, e.g. Slurm's --signal lead time)", default=300.0)
+    reshard_on_resume: bool = _doc(
+        "resume a checkpoint saved with another dp/tp size or ZeRO stage through a DeepSpeed universal "
+        "checkpoint (converted once, beside it)", default=True)
+    export_hf_at_end: bool = _doc("after the final checkpoint, export it as a Hugging Face folder", default=False)
+    export_dir: str | None = _doc("folder of that export; null uses train.output_dir/hf_export", default=None)
+    export_max_shard_size: str = _doc("largest safetensors shard of an export (e.g. 5GB, 500MB)", default="5GB")
+    resume_lr_schedule: ResumeLRSchedule = _doc(
+        "a resume whose learning-rate schedule differs from the checkpoint's (e.g. another train.max_steps): "
+        "error | keep (continue the saved schedule; its final lr past its end) | replan (this run's schedule "
+        "at the resumed step; the lr jumps)", default="error")
+    allow_data_change: bool = _doc(
+        "resume although the data configuration (sources, weights, files, validation_documents, ...) differs "
+        "from the checkpoint's: samples may repeat or be skipped (logged)", default=False)
+
+
+@dataclass
+class MonitorConfig:
+    """TensorBoard and console output."""
+
+    tensorboard_dir: str | None = _doc("TensorBoard folder; null uses output_dir/tensorboard", default=None)
+    progress_bar: ProgressBar = _doc("auto (tqdm on a terminal, log lines otherwise) | always | never", default="auto")
+
+
+@dataclass
+class DeepSpeedSection:
+    """A user's own DeepSpeed JSON, merged over the configuration generated from this file."""
+
+    config: str | None = _doc(
+        "path of a DeepSpeed JSON; its keys override the generated ones (\"auto\" keeps the generated value)",
+        default=None)
+
+
+@dataclass
+class Config:
+    """A whole training run."""
+
+    model: ModelConfig = _doc("the model", default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = _doc("the tokenizer", default_factory=TokenizerConfig)
+    data: DataConfig = _doc("the data", default_factory=DataConfig)
+    loss: LossConfig = _doc("the objective", default_factory=LossConfig)
+    parallel: ParallelConfig = _doc("parallelism", default_factory=ParallelConfig)
+    optim: OptimConfig = _doc("the optimizer", default_factory=OptimConfig)
+    train: TrainConfig = _doc("the loop", default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = _doc("checkpoints", default_factory=CheckpointConfig)
+    monitor: MonitorConfig = _doc("monitoring", default_factory=MonitorConfig)
+    deepspeed: DeepSpeedSection = _doc("DeepSpeed JSON merge", default_factory=DeepSpeedSection)
+    eval: EvalConfig = _doc("evaluation hooks (ntl_pretrain.eval)", default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration a user wrote is invalid; the message names the key and the fix."""

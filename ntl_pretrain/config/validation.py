@@ -1,0 +1,135 @@
+"""Checks of a loaded configuration that need several keys or value ranges (types were checked while
+loading)."""
+
+from __future__ import annotations
+
+import math
+import signal
+from typing import Any
+
+from ..eval.arithmetic import check_corpus_options
+from ..eval.config import check_corpus_digits
+from .parsing import get_key
+from .schema import Config, ConfigError, LossConfig
+
+
+def validate(config: Config) -> None:
+    """Checks that need several keys or value ranges (types were checked while loading)."""
+    positive = ["data.seq_len", "data.micro_batch_size", "train.max_steps", "train.grad_accum_steps",
+                "model.pad_vocab_to_multiple_of", "train.log_every_n_steps",
+                "data.num_proc", "train.dist_timeout_minutes", "train.val_batches", "train.max_nonfinite_steps"]
+    for key in positive:
+        if get_key(config, key) < 1:
+            raise ConfigError(f"{key} must be >= 1, got {get_key(config, key)}")
+    tp_size = config.parallel.tp_size
+    if isinstance(tp_size, int) and tp_size < 1:
+        raise ConfigError(f"parallel.tp_size must be >= 1 or auto, got {tp_size!r}")
+    if not config.train.startup_timeout_s > 0:
+        raise ConfigError(f"train.startup_timeout_s must be > 0, got {config.train.startup_timeout_s}")
+    if config.parallel.offload_param != "none" and config.parallel.zero_stage != 3:
+        raise ConfigError("parallel.offload_param needs parallel.zero_stage=3")
+    if config.model.name_or_path is None and not config.model.architecture:
+        raise ConfigError("set model.name_or_path (continued pretraining) or model.architecture "
+                          "(a new model, e.g. {model_type: llama, hidden_size: 256, ...})")
+    if config.model.name_or_path is None and "model_type" not in config.model.architecture:
+        raise ConfigError("model.architecture needs model_type (e.g. llama, qwen2, mistral) to build a new model")
+    if not config.data.sources:
+        raise ConfigError("data.sources is empty; add at least one source, e.g. "
+                          "data.sources=[{path: corpus.jsonl, text_field: text}]")
+    for i, source in enumerate(config.data.sources):
+        if not source.path:
+            raise ConfigError(f"data.sources.{i}.path is empty; give a file, folder or hub dataset id")
+        if not source.weight > 0:
+            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight}")
+        if source.generate_arithmetic < 0:
+            raise ConfigError(f"data.sources.{i}.generate_arithmetic must be >= 0")
+        if (source.prompt_field is None) != (source.completion_field is None):
+            given, missing = ("prompt_field", "completion_field") if source.completion_field is None else \
+                ("completion_field", "prompt_field")
+            raise ConfigError(f"data.sources.{i}.{given} is set but data.sources.{i}.{missing} is not: set both (loss "
+                              f"on the completion only) or neither (loss on every token of text_field)")
+        if source.prompt_field is not None and source.prompt_field == source.completion_field:
+            raise ConfigError(f"data.sources.{i}.prompt_field and completion_field are both {source.prompt_field!r}; "
+                              f"name two different columns")
+    try:  # the generated corpus's options, and the arithmetic benchmark's digits against them
+        corpora = [(f"data.sources.{i}.generate_options", source.generate_options)
+                   for i, source in enumerate(config.data.sources) if source.generate_arithmetic > 0]
+        for where, options in corpora:
+            check_corpus_options(options, where)
+        check_corpus_digits(config.eval, corpora)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if config.data.validation_documents < 0:
+        raise ConfigError("data.validation_documents must be >= 0")
+    if config.train.val_every_n_steps >= 0 and config.data.validation_documents == 0:
+        raise ConfigError("validation is on (train.val_every_n_steps >= 0) but data.validation_documents=0; "
+                          "hold out documents or set train.val_every_n_steps=-1")
+    _check_ranges(config)
+    if config.loss.chunk_tokens < 0:
+        raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
+    if config.loss.ntl_on and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
+        raise ConfigError("loss.variant=number_level composes numbers from single-digit tokens and needs "
+                          "tokenizer.digit_level=true, not tokenizer.digit_level=false (multi-digit tokens); or "
+                          "choose a token-level loss.variant (was, mse, mae, huber)")
+    if config.loss.ntl_schedule == "linear_warmup" and config.loss.ntl_warmup_steps < 1:
+        raise ConfigError("loss.ntl_schedule=linear_warmup needs loss.ntl_warmup_steps >= 1")
+    if len(config.optim.betas) != 2:
+        raise ConfigError(f"optim.betas must be two numbers, got {config.optim.betas}")
+    if config.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps must be >= 0, got {config.optim.warmup_steps}")
+    if config.checkpoint.every_n_steps < 0:
+        raise ConfigError("checkpoint.every_n_steps must be >= 0")
+    if config.checkpoint.keep_last < 0 or config.checkpoint.keep_every_n_steps < 0:
+        raise ConfigError("checkpoint.keep_last and checkpoint.keep_every_n_steps must be >= 0 (0 = keep all / none)")
+    if not config.checkpoint.preempt_grace_s > 0:
+        raise ConfigError(f"checkpoint.preempt_grace_s must be > 0, got {config.checkpoint.preempt_grace_s}")
+    for name in config.checkpoint.preempt_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"checkpoint.preempt_signals: {name!r} is not a catchable signal name "
+                              f"(e.g. SIGTERM, SIGUSR1, SIGUSR2)")
+    if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
+        raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
+    ntl_settings(config.loss)  # the loss's own checks (squash_factor, smoothing with number_level, ...) now, not after the build
+
+
+# (key, low, high or None, low allowed, high allowed, what it means): the range of every float key
+_FLOAT_RANGES = [
+    ("optim.lr", 0.0, None, False, None, "the peak learning rate, e.g. 3e-4"),
+    ("optim.weight_decay", 0.0, None, True, None, "0 turns weight decay off"),
+    ("optim.eps", 0.0, None, False, None, "AdamW's epsilon, e.g. 1e-8"),
+    ("optim.min_lr_ratio", 0.0, 1.0, True, True, "the final lr as a fraction of optim.lr"),
+    ("optim.grad_clip", 0.0, None, True, None, "0 turns clipping off"),
+    ("loss.ntl_weight", 0.0, None, True, None, "0 (or loss.enabled=false) turns NTL off"),
+    ("loss.smoothing_sigma", 0.0, None, True, None, "0 turns label smoothing off"),
+    ("checkpoint.preempt_grace_s", 0.0, None, False, None, "seconds from the signal to the exit"),
+]
+
+
+def _check_ranges(config: Config) -> None:
+    """Every float key within its range (non-finite values were refused while loading)."""
+    for key, low, high, low_ok, high_ok, meaning in _FLOAT_RANGES:
+        value = get_key(config, key)
+        below = value < low if low_ok else value <= low
+        above = high is not None and (value > high if high_ok else value >= high)
+        if below or above:
+            lower = f"{'>=' if low_ok else '>'} {low:g}"
+            bound = lower if high is None else f"{lower} and {'<=' if high_ok else '<'} {high:g}"
+            raise ConfigError(f"{key} must be {bound}, got {value:g} ({meaning})")
+    for i, beta in enumerate(config.optim.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.betas.{i}={beta:g} must be in [0, 1) (AdamW's moment decay, e.g. [0.9, 0.95])")
+    if config.loss.squash_factor is not None and not math.isfinite(config.loss.squash_factor):
+        raise ConfigError(f"loss.squash_factor must be a finite number > 1 or null, got {config.loss.squash_factor}")
+
+
+def ntl_settings(loss: LossConfig) -> Any:
+    """The loss's `NTLSettings` from the loss section; its own checks as a ConfigError naming the keys."""
+    from ..loss import NTLSettings
+
+    try:
+        return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
+                           smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
+    except ValueError as error:
+        raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
+                          f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do not "
+                          f"fit together: {error}") from None
