@@ -1,0 +1,167 @@
+"""Reading safetensors checkpoints by byte range: the file of each tensor, row ranges of a tensor at their
+offsets in bounded chunks (dtype converted per chunk), and the rows a vocabulary resize adds."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+READ_CHUNK_BYTES = 64 * 2**20  # the largest read at once: bounds the transient above the rank's share
+
+
+
+def safetensors_files(folder: str) -> dict[str, str]:
+    """{tensor name: file path} of a local model folder's safetensors weights (sharded or not)."""
+    index = os.path.join(folder, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    single = os.path.join(folder, SAFETENSORS_SINGLE)
+    if os.path.isfile(single):
+        with open(single, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        return {name: single for name in header if name != "__metadata__"}
+    raise ValueError(f"model.name_or_path={folder!r} holds no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}: the "
+                     f"partitioned ZeRO-3 load reads safetensors weights; convert the checkpoint (save_pretrained "
+                     f"with safe_serialization) or set model.partitioned_load=false")
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's full shape, also when ZeRO-3 has partitioned it (then `param.shape` is empty)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def full_numel(param: torch.Tensor) -> int:
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+class _Reader:
+    """Row-range reads of tensors spread over safetensors files.
+
+    Reads with plain file reads at the rows' byte offsets (the format is an 8-byte header length, a JSON
+    header of dtype, shape and data offsets, then the raw data): a memory map would count every page a
+    rank touches in its RSS and keep it mapped until the file is closed.
+    """
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self.stack = contextlib.ExitStack()
+        self.handles: dict[str, Any] = {}
+        self.headers: dict[str, tuple[int, dict]] = {}
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+
+    def _entry(self, name: str) -> tuple[Any, int, dict]:
+        path = self.files[name]
+        if path not in self.handles:
+            handle = self.stack.enter_context(open(path, "rb"))
+            length = int.from_bytes(handle.read(8), "little")
+            self.handles[path] = handle
+            self.headers[path] = (8 + length, json.loads(handle.read(length)))
+        data_start, header = self.headers[path]
+        return self.handles[path], data_start, header[name]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entry(name)[2]["shape"])
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` as a 2-D tensor (a 1-D or 0-D tensor's elements are rows of width 1)."""
+        handle, data_start, entry = self._entry(name)
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} in {self.files[name]!r} has dtype {entry['dtype']}, which the "
+                             f"partitioned load does not read; set model.partitioned_load=false")
+        shape = entry["shape"]
+        row_elements = math.prod(shape[1:]) if len(shape) > 1 else 1
+        row_bytes = row_elements * torch.empty((), dtype=dtype).element_size()
+        buffer = bytearray((stop - start) * row_bytes)
+        handle.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+        if handle.readinto(buffer) != len(buffer):
+            raise ValueError(f"{self.files[name]!r} is truncated (tensor {name!r}); download it again")
+        if not buffer:
+            return torch.empty(0, row_elements, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(stop - start, row_elements)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` (for small ones: buffers)."""
+        shape = self.shape(name)
+        return self.rows(name, 0, shape[0] if shape else 1).reshape(shape)
+
+
+def _file_key(name: str, files: dict[str, str], prefix: str) -> str | None:
+    """The checkpoint key of model parameter `name` (checkpoints are saved with or without the base prefix)."""
+    if name in files:
+        return name
+    if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1:] in files:
+        return name[len(prefix) + 1:]
+    if prefix and f"{prefix}.{name}" in files:
+        return f"{prefix}.{name}"
+    return None
+
+
+class _GrownRows:
+    """Rows of a vocabulary tensor grown by a `RowPlan`: the file's row of the same index, another file row
+    (a new digit copies another spelling), or the mean of the trained rows."""
+
+    def __init__(self, plan: Any, reader: _Reader, key: str, chunk_rows: int = 4096) -> None:
+        self.plan, self.reader, self.key = plan, reader, key
+        self.mean_rows = set(plan.mean_rows)
+        # the mean of the trained rows, read in chunks, accumulated in float32 (as the in-memory resize does)
+        trained = torch.tensor(plan.trained, dtype=torch.long)
+        total = 0.0
+        for start in range(0, plan.old_rows, chunk_rows):
+            stop = min(start + chunk_rows, plan.old_rows)
+            chosen = trained[(trained >= start) & (trained < stop)] - start
+            if len(chosen):
+                total = total + reader.rows(key, start, stop)[chosen].float().sum(dim=0)
+        self.mean = total / len(plan.trained)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the grown tensor."""
+        file_stop = min(stop, self.plan.old_rows)
+        if start < file_stop:
+            out = self.reader.rows(self.key, start, file_stop)
+            if stop > file_stop:
+                out = torch.cat([out, out.new_empty(stop - file_stop, out.shape[1])])
+        else:
+            out = self.mean.new_empty(stop - start, self.mean.numel())
+        for row in range(start, stop):
+            if row in self.plan.copy_from:
+                source = self.plan.copy_from[row]
+                out[row - start] = self.reader.rows(self.key, source, source + 1)[0]
+            elif row in self.mean_rows:
+                out[row - start] = self.mean.to(out.dtype)
+        return out
+
+
+
+def _release_freed_heap() -> None:
+    """Hand the heap pages freed while building (reads, module by module construction) back to the OS, so
+    they do not add to the RSS that `deepspeed.initialize` then builds on (glibc; elsewhere nothing)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

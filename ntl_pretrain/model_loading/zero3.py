@@ -1,0 +1,211 @@
+"""ZeRO-3 without tensor parallelism: the model built partitioned (from a config, with the whole build's
+weights, or from files), each rank reading only the elements of its own partition of each parameter."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from .reading import (READ_CHUNK_BYTES, _file_key, _GrownRows, _Reader, _release_freed_heap, full_numel, full_shape,
+                      safetensors_files)
+
+logger = logging.getLogger(__name__)
+
+
+
+def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
+    """True when the model can be loaded partitioned: under ZeRO-3, its ZeRO share (T=1) or its AutoTP slice
+    (T>1, the DeepSpeed config's `tensor_parallel.autotp_size`)."""
+    if ds_config is None or int(ds_config.get("zero_optimization", {}).get("stage", 0)) != 3:
+        return False
+    return tp_size == 1 or int(ds_config.get("tensor_parallel", {}).get("autotp_size", 0) or 1) == tp_size
+
+
+def _init_without_broadcast(ds_config: dict, data_parallel_group: Any = None) -> Any:
+    """A `deepspeed.zero.Init` context that partitions each parameter as it is built without first
+    broadcasting rank 0's values: every rank builds the same values (same seed), or the files overwrite
+    them; a full tensor that is allocated but never written never becomes resident."""
+    import deepspeed
+
+    class InitWithoutBroadcast(deepspeed.zero.Init):
+        def _zero_init_param(self, param: torch.nn.Parameter) -> None:
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return InitWithoutBroadcast(config_dict_or_path=ds_config, data_parallel_group=data_parallel_group)
+
+
+def _prevent_arange_dtype_change() -> Any:
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:  # transformers 4: RoPE buffers are built in float32 there anyway
+        return contextlib.nullcontext()
+    return prevent_arange_dtype_change()
+
+
+@contextlib.contextmanager
+def zero3_construction(ds_config: dict) -> Iterator[None]:
+    """Models built inside are partitioned module by module as they are built (`deepspeed.zero.Init`),
+    with weight initialisation skipped: transformers' own ZeRO-3 construction (`_from_config` under an
+    active HfDeepSpeedConfig) minus its `initialize_weights_zero3`, which would gather every module on
+    every rank to initialise weights that the files then overwrite."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    from transformers.modeling_utils import set_zero3_state
+
+    with no_init_weights(), _prevent_arange_dtype_change(), _init_without_broadcast(ds_config), set_zero3_state():
+        yield
+
+
+def _initialize_gathered(module: torch.nn.Module, init_fn: Any) -> None:
+    """transformers' `PreTrainedModel.initialize_weights` (post-order over the modules, a sub-model's own
+    `_initialize_weights` below it) on ZeRO-3-partitioned modules: each module's parameters (and its direct
+    children's, which `_init_weights` may touch) are gathered while `init_fn` runs, on every rank (same
+    seed, same draws as the whole build), and rank 0's values kept."""
+    import deepspeed
+    from transformers import PreTrainedModel
+
+    for child in module.children():
+        _initialize_gathered(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init_fn)
+    params = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not isinstance(child, PreTrainedModel):
+            params.extend(child.parameters(recurse=False))
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        init_fn(module, False)
+
+
+def build_from_config_partitioned(config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
+                                  trust_remote_code: bool) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_config(config)` ZeRO-3-partitioned as it is built, with the same weights as
+    the whole build after the same `torch.manual_seed` (and the same random state after it): every module is
+    constructed whole (torch's default init draws as in the whole build) and partitioned at once, and each
+    `post_init` initialises its model's modules one gathered module at a time, at the point where the whole
+    build does (a transformers model initialises its inner model inside its own construction)."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    original = PreTrainedModel.init_weights
+
+    def init_weights(model: PreTrainedModel) -> None:  # what PreTrainedModel.init_weights does, gathered
+        with torch.no_grad():
+            _initialize_gathered(model, model._initialize_weights)
+        model.tie_weights(recompute_mapping=False)
+
+    PreTrainedModel.init_weights = init_weights
+    try:
+        with _prevent_arange_dtype_change(), _init_without_broadcast(ds_config):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    finally:
+        PreTrainedModel.init_weights = original
+    _release_freed_heap()
+    return model
+
+
+
+def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, grown: _GrownRows | None) -> None:
+    """Write this rank's ZeRO-3 partition of `param` from the file (only its rows are read)."""
+    import deepspeed.comm as dist
+
+    shape = full_shape(param)
+    numel = full_numel(param)
+    rows_total = shape[0] if len(shape) else 1
+    row = numel // rows_total
+    partition = param.ds_tensor
+    size = int(partition.ds_numel)
+    start = size * dist.get_rank(group=param.ds_process_group)
+    stop = min(start + size, numel)
+    with torch.no_grad():
+        partition.zero_()  # the alignment padding past the last element
+        if start >= stop:
+            return
+        # rows [first, last) hold the elements [start, stop); read in chunks of about READ_CHUNK_BYTES
+        first, last = start // row, -(-stop // row)
+        chunk_rows = max(1, READ_CHUNK_BYTES // (row * partition.element_size()))
+        for chunk_first in range(first, last, chunk_rows):
+            chunk_last = min(chunk_first + chunk_rows, last)
+            values = reader.rows(key, chunk_first, chunk_last) if grown is None else grown.rows(chunk_first, chunk_last)
+            lo, hi = max(start, chunk_first * row), min(stop, chunk_last * row)
+            flat = values.reshape(-1)[lo - chunk_first * row: hi - chunk_first * row]
+            partition.narrow(0, lo - start, hi - lo).copy_(flat.to(partition.dtype))
+
+
+def _check_shapes(params: dict[str, torch.Tensor], reader: _Reader, keys: dict[str, str], grown: set[str],
+                  old_rows: int | None) -> None:
+    """Every file tensor has its parameter's shape (a grown vocabulary tensor: `old_rows` rows in the file)."""
+    for name, param in params.items():
+        expected = list(full_shape(param))
+        if name in grown:
+            expected[0] = old_rows
+        found = reader.shape(keys[name])
+        if expected != found:
+            raise ValueError(f"model.name_or_path: tensor {keys[name]!r} has shape {found} in the files but the model "
+                             f"built from its config expects {expected}; the config does not match the weights "
+                             f"(model.architecture overrides?)")
+
+
+def _vocab_parameter_names(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
+    """Names of the parameters of the input embedding and the output head (the rows a resize grows)."""
+    modules = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return {name for name, p in params.items()
+            if any(p is m.weight or p is getattr(m, "bias", None) for m in modules)}
+
+
+def _file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader: _Reader,
+               row_plan: Any | None) -> tuple[dict[str, str], set[str]]:
+    """{parameter name: file key} for every parameter of `model` (tied ones once) and the names of the
+    vocabulary parameters a resize grows; raises naming the fix when a tensor is missing or mis-shaped."""
+    prefix = getattr(model, "base_model_prefix", "")
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
+    missing = sorted(set(params) - set(keys))
+    if missing:
+        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
+                         f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "
+                         f"transformers' own loading: set model.partitioned_load=false")
+    vocab_params = _vocab_parameter_names(model, params) if row_plan is not None else set()
+    _check_shapes(params, reader, keys, vocab_params, row_plan.old_rows if row_plan else None)
+    return keys, vocab_params
+
+
+def _load_buffers(model: torch.nn.Module, files: dict[str, str], reader: _Reader) -> None:
+    """Persistent buffers that the files hold (not partitioned; e.g. none for Llama or Qwen2)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for name, buffer in model.named_buffers():
+        key = _file_key(name, files, prefix)
+        if key is not None:
+            with torch.no_grad():
+                buffer.copy_(reader.tensor(key).to(buffer.dtype))
+
+
+def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
+                     trust_remote_code: bool, row_plan: Any | None = None) -> torch.nn.Module:
+    """The causal LM of the local folder `folder`, ZeRO-3-partitioned, each rank holding only its share.
+
+    Args:
+        folder: a local Hugging Face model folder with safetensors weights.
+        config: its (possibly overridden) transformers config; with `row_plan`, `config.vocab_size` must
+            already be the grown row count.
+        ds_config: the DeepSpeed config the engine will use (ZeRO-3; its bf16/fp16 set the parameter dtype).
+        row_plan: `tokenizer.resize.RowPlan` when the vocabulary grows (new rows per the plan), else None.
+    """
+    from transformers import AutoModelForCausalLM
+
+    files = safetensors_files(folder)
+    with zero3_construction(ds_config):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    model.tie_weights()  # as transformers' ZeRO-3 construction does after building
+    with _Reader(files) as reader:
+        keys, vocab_params = _file_keys(model, folder, files, reader, row_plan)
+        for name, param in model.named_parameters():
+            grown = _GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
+            _fill_partition(param, reader, keys[name], grown)
+        _load_buffers(model, files, reader)
+    _release_freed_heap()
+    return model
