@@ -1,0 +1,45 @@
+"""Training data: `datasets` sources -> tokenized, packed, mixed, sharded by data-parallel rank, resumable.
+
+Each source (local jsonl/json/parquet/text/csv files, a folder of them, or a hub dataset id; optionally
+streamed) is split into held-out validation documents and training documents, tokenized, and packed
+Megatron-style: documents are concatenated with an EOS token after each one and cut into samples of
+`seq_len + 1` tokens where sample i covers tokens [i*seq_len, (i+1)*seq_len] (consecutive samples share
+one token, none is lost). A sample gives `input_ids = s[:-1]` and `labels = s[1:]`, already aligned
+with the logits, so the trainer never slices the `[B, S, V]` logits; the label after each EOS (a new
+document's first token, which the previous document cannot predict) is ignored (-100).
+
+A source with `prompt_field` and `completion_field` (supervised continued pretraining: loss on the answer
+only) packs each row as its prompt's tokens, its completion's tokens and EOS, tokenized separately (the
+completion's tokens are exactly what a model prompted with the prompt should generate). Beside the tokens
+each sample keeps a same-length `targets` mask, true on completion and EOS tokens: the label of a
+position is ignored when the token it predicts is not a target. The mask is cut with the same windows as
+the tokens, so it is exact across sample boundaries (a completion split over two samples keeps every
+target token). CE and NTL are normalised over the labels that are not ignored, as everywhere.
+
+The global sample stream is a pure function of the seed: global sample g comes from the source a
+seeded draw (by weight) assigns to it, and is that source's next sample in a per-epoch seeded
+permutation (streamed sources are read in order). A step takes the next `micro_batch * dp * grad_accum`
+global samples; data-parallel rank r takes its micro-batches from them, and every tensor-parallel rank
+of a group takes the same ones. The stream position (samples consumed) is all a checkpoint needs to
+resume without repeating or skipping a sample.
+
+Modules: `sources` (files, documents, packing), `stream` (mixture, order, micro-batches).
+"""
+
+from __future__ import annotations
+
+from .sources import (  # noqa: F401 (the package's API)
+    IGNORE_INDEX,
+    TARGETS,
+    TOKENS,
+    DataError,
+    Sample,
+    completion_only,
+    document_texts,
+    load_documents,
+    pack_documents,
+    prepare_generated_corpus,
+    resolve_files,
+    text_columns,
+)
+from .stream import Mixture, MicroBatch, PretrainingData  # noqa: F401
