@@ -181,7 +181,12 @@ class Trainer:
         self.tokens_seen = 0
         self.nonfinite = NonfiniteGuard(cfg.train.max_nonfinite_steps, cfg.train.output_dir, self.layout.is_main)
         if built.load_tag is not None:
-            self._resume(built.load_tag)
+            self._resume(built.load_tag)  # the scheduler's saved iteration comes with it
+        elif self.engine.lr_scheduler is not None:
+            # optimizer step k runs at the schedule's iteration k (a warmup of W steps peaks at step W, as in
+            # Megatron). DeepSpeed's schedulers start at iteration -1, whose lr is 0, and linear warmup's
+            # iteration 0 is 0 too: steps 1 and 2 would not train.
+            self.engine.lr_scheduler.step(1)
         self._open_run_folder()
 
     def _open_run_folder(self) -> None:
@@ -240,6 +245,7 @@ class Trainer:
             totals += sums.stack().double()  # ObjectiveSums order: the order StepFigures reads back
             if index < len(micro_batches) - 1:
                 self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-batch
+        lr = float(self.engine.get_lr()[0])  # what this step's update uses (the schedule moves with the step)
         figures = self._optimizer_step(totals)
         elapsed = time.perf_counter() - started
         self.step = step
@@ -250,7 +256,7 @@ class Trainer:
         loss, ce, ntl = objective.losses(figures, step)
         return {
             "train/loss": loss, "train/ce": ce, "train/ntl": ntl, "train/ntl_lambda": objective.ntl_lambda(step),
-            "train/lr": float(self.engine.get_lr()[0]),
+            "train/lr": lr,
             "train/grad_norm": figures.grad_norm if figures.grad_norm is not None else 0.0,
             "train/tokens_per_s": step_tokens / elapsed, "train/step_time_s": elapsed,
             "train/number_token_share": figures.number_tokens / max(figures.tokens, 1.0),

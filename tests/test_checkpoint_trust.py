@@ -51,13 +51,14 @@ def _lr_scalars(tensorboard_dir: Path) -> dict[int, float]:
 
 
 def _deepspeed_lr(total_steps: int, step: int) -> float:
-    """The lr DeepSpeed's WarmupCosineLR gives optimizer step `step` (from 1) of the demo's schedule."""
+    """The lr DeepSpeed's WarmupCosineLR gives optimizer step `step` (from 1) of the demo's schedule: its
+    iteration `step` (the trainer starts the scheduler at 1; DeepSpeed's own start, -1 and 0, has lr 0)."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
     scheduler = WarmupCosineLR(optimizer, total_num_steps=max(total_steps, 2), warmup_num_steps=1,
                                warmup_min_ratio=0.0, cos_min_ratio=MIN_RATIO, warmup_type="linear",
-                               last_batch_iteration=step - 1)
+                               last_batch_iteration=step)
     return scheduler.get_lr()[0]
 
 

@@ -144,14 +144,15 @@ def lr_schedule_description(ds_config: dict) -> dict:
 
 
 def lr_text(schedule: dict, steps_done: int) -> str:
-    """The lr of step steps_done + 1 under a schedule, as DeepSpeed's scheduler computes it."""
+    """The lr of step steps_done + 1 under a schedule, as DeepSpeed's scheduler computes it (optimizer step k
+    runs at the scheduler's iteration k: the trainer starts it at 1)."""
     from deepspeed.runtime import lr_schedules
 
     section = schedule.get("scheduler") or {}
     try:
         scheduler_class = getattr(lr_schedules, section["type"])
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(schedule.get("lr") or 0.0))
-        scheduler = scheduler_class(optimizer, **section.get("params", {}), last_batch_iteration=steps_done)
+        scheduler = scheduler_class(optimizer, **section.get("params", {}), last_batch_iteration=steps_done + 1)
         return f"{scheduler.get_lr()[0]:.3e}"
     except (KeyError, AttributeError, TypeError, ValueError):
         return "(not computable here)"
