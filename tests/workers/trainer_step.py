@@ -5,9 +5,9 @@ Each case builds a `Trainer` from CONFIG.yaml + the case's overrides, replaces i
 share of the batch file (split over data-parallel ranks and accumulation steps as `PretrainingData.next_step`
 splits a step), and runs steps on that same batch until one has a learning rate above 0 (the first one: the
 trainer starts the schedule at iteration 1; a schedule that started at lr 0 would make every step until then
-see the initial weights and the last one update them, Adam's moments holding that one gradient once a step). Rank 0 writes `OUT/<case>/result.json` (each
-step's figures and the lr its update used) and `OUT/<case>/weights.pt` (the weights after the last step,
-gathered over ZeRO-3 and TP).
+see the initial weights and the last one update them, Adam's moments holding that one gradient once a step).
+Rank 0 writes `OUT/<case>/result.json` (each step's figures and the lr its update used) and
+`OUT/<case>/weights.pt` (the weights after the last step, gathered over ZeRO-3 and TP).
 
     trainer_step.py OUT BATCH.pt CONFIG.yaml CASES.json   (once per rank; tests/helpers/distributed.py)
 
