@@ -56,7 +56,10 @@ def _origin() -> tuple[str, str]:
         if not name.startswith(TORCH_DIR) and name != __file__ and "contextlib" not in name:
             package = ("ntl_pretrain" if f"{os.sep}ntl_pretrain{os.sep}" in name else
                        "deepspeed" if f"{os.sep}deepspeed{os.sep}" in name else "other")
-            return package, f"{os.path.basename(name)}:{frame.f_lineno} {frame.f_code.co_name}"
+            where = os.path.basename(name)
+            if package == "ntl_pretrain":  # the path inside the package (data/stream.py), not only the file name
+                where = name.rsplit(f"{os.sep}ntl_pretrain{os.sep}", 1)[1].replace(os.sep, "/")
+            return package, f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "other", "?"
 
