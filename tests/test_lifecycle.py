@@ -254,10 +254,11 @@ def test_a_one_node_job_gets_a_free_port_when_the_default_is_taken(monkeypatch):
         moved = supervisor.with_free_master_port(args, default_port=busy)
         assert moved[0] == "--master_port" and int(moved[1]) != busy and moved[2:] == args
         # the user's own choice, several nodes, or a port in the environment: left as given
-        for chosen in (["--master_port", "29600", *args], ["--hostfile", "hosts.sh", *args],
-                       ["--master_port=29600", *args]):
+        own = str(free_port())  # never a fixed port: other runs share the machine
+        for chosen in (["--master_port", own, *args], ["--hostfile", "hosts.sh", *args],
+                       [f"--master_port={own}", *args]):
             assert supervisor.with_free_master_port(chosen, default_port=busy) == chosen
-        monkeypatch.setenv("MASTER_PORT", "29601")
+        monkeypatch.setenv("MASTER_PORT", own)
         assert supervisor.with_free_master_port(args, default_port=busy) == args
     monkeypatch.delenv("MASTER_PORT")
     assert supervisor.with_free_master_port(args, default_port=free_port()) == args  # default free: unchanged
