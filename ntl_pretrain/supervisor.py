@@ -194,6 +194,13 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
+def free_port() -> int:
+    """A TCP port free on every address now (the kernel's pick), for a rendezvous or a service."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
 def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PORT) -> list[str]:
     """The launcher arguments, with `--master_port` of a free port prepended when this is a one-node job
     that sets no port and the default one is taken (a second run on the machine would otherwise die in the
@@ -208,9 +215,7 @@ def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PO
         return args
     if _port_is_free(default_port):
         return args
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     print(f"note: port {default_port} is in use (another job on this machine?): this run's rendezvous uses "
           f"{port}; choose one with NTL_DEEPSPEED_ARGS=\"--master_port N\"", file=sys.stderr, flush=True)
     return ["--master_port", str(port), *args]

@@ -24,13 +24,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from ntl_pretrain.supervisor import free_port  # noqa: E402
 
 SHARED_TOKENIZERS = "/work/shared/data/tokenizers"
 # Published configs (config.json on the hub), written out: Qwen/Qwen2.5-0.5B, HuggingFaceTB/SmolLM2-135M,
@@ -154,15 +155,9 @@ def worker(args: argparse.Namespace) -> None:
     distributed.shutdown_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_case(tmp: str, name: str, overrides: list[str], timeout: float, no_step: bool) -> list[dict]:
     prefix = os.path.join(tmp, name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", ""))
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",

@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from ntl_pretrain.supervisor import free_port  # noqa: E402
+
 # binary -> the Debian package that provides it
 SSH_PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "pdsh": "pdsh"}
 SLURM_PACKAGES = {"munged": "munge", "mungekey": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd",
@@ -63,13 +66,6 @@ def require(binaries: dict[str, str]) -> dict[str, str]:
         if still:
             raise RuntimeError(f"could not install the Debian packages {' '.join(still)} with apt-get:\n" + "\n".join(log))
     return {name: find_binary(name) for name in binaries}
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the tests pass tests/helpers/distributed.free_port instead)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Daemon:

@@ -40,7 +40,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -55,6 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from ntl_pretrain.config import load_config  # noqa: E402
 from ntl_pretrain.fs import write_text_atomic  # noqa: E402
+from ntl_pretrain.supervisor import free_port  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 from repro_stats import (BEGIN_MARK, END_MARK, METRICS, OP_NAMES, SPLITS, compare, markdown, mean_std, paired, pairs_of,  # noqa: E402, F401
@@ -106,12 +106,6 @@ def final_predictions(output_dir: str, max_steps: int) -> str:
 def train_command(config: str, output_dir: str, seed: int, overrides: Sequence[str]) -> list[str]:
     return ["bash", "launch/pretrain.sh", "--config", config, f"train.output_dir={output_dir}",
             f"model.init_seed={seed}", f"train.seed={seed}", f"data.seed={seed}", *overrides]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 _LIVE: set[subprocess.Popen] = set()  # runs in progress, stopped when this script stops
