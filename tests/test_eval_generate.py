@@ -19,12 +19,14 @@ from ntl_pretrain.eval.generate import global_argmax, greedy_generate, truncate_
 from ntl_pretrain.loss import VocabShard
 from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
 
-def naive_greedy(model, tokenizer, prompt: str, max_new_tokens: int, stop=()) -> tuple[str, float]:
-    """Reference decoding: no cache, no padding, one prompt at a time, full forward every step.
+def naive_greedy(model, tokenizer, prompt: str, max_new_tokens: int, stop=(), prefix_ids=(),
+                 **encode) -> tuple[str, float]:
+    """Reference decoding: no cache, no padding, one prompt at a time, full forward every step, `prefix_ids`
+    before the encoded prompt.
 
     Also returns the smallest gap between the best and second-best logit seen, so a caller can check that
     its comparison is not decided by float round-off."""
-    ids = tokenizer(prompt)["input_ids"]
+    ids = [*prefix_ids, *tokenizer(prompt, **encode)["input_ids"]]
     generated: list[int] = []
     smallest_gap = math.inf
     for _ in range(max_new_tokens):
@@ -58,6 +60,12 @@ def test_batched_cached_generation_matches_naive_reference():
         assert output.texts == expected, f"batch_size={batch_size}"
     assert output.new_tokens > 0 and output.forward_passes > 0
     assert not model.training
+    # With prefix tokens before every prompt (the arithmetic benchmark's EOS): the same as the reference given them.
+    prefix = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("q")]
+    expected = [naive_greedy(model, tokenizer, p, m, stop, prefix_ids=prefix)[0] for p, m in zip(PROMPTS, max_new)]
+    output = greedy_generate(model, tokenizer, PROMPTS, max_new_tokens=max_new, stop=stop, batch_size=3,
+                             prefix_ids=prefix)
+    assert output.texts == expected
 
 
 def test_generation_stops_at_eos_and_respects_zero_budget():
@@ -137,16 +145,19 @@ def test_generation_rejects_bad_arguments():
 # ------------------------------------------------------------------ a toy model that has learnt an arithmetic task
 @pytest.fixture(scope="module")
 def addition_model():
-    """A tiny Llama trained (plain torch, full batch) on all 100 single-digit additions "a+b=c</s>"."""
+    """A tiny Llama trained (plain torch, full batch) on all 100 single-digit additions "</s>a+b=c</s>", each
+    after the EOS of the document before it as in a packed stream."""
     tokenizer = char_tokenizer("0123456789+-*=")
     model = eval_llama(len(tokenizer), seed=0)
     model.train()
     documents = [make_problem(a, b, "+") for a in range(10) for b in range(10)]
-    encoded = [tokenizer(p.text)["input_ids"] + [tokenizer.eos_token_id] for p in documents]
+    eos = tokenizer.eos_token_id
+    encoded = [[eos] + tokenizer(p.text)["input_ids"] + [eos] for p in documents]
     width = max(len(ids) for ids in encoded)
     inputs = torch.tensor([ids + [0] * (width - len(ids)) for ids in encoded])
-    labels = torch.tensor([[-100] * len(tokenizer(p.prompt)["input_ids"]) + ids[len(tokenizer(p.prompt)["input_ids"]):]
-                           + [-100] * (width - len(ids)) for p, ids in zip(documents, encoded)])
+    context = [1 + len(tokenizer(p.prompt)["input_ids"]) for p in documents]  # EOS + prompt: no loss
+    labels = torch.tensor([[-100] * start + ids[start:] + [-100] * (width - len(ids))
+                           for start, ids in zip(context, encoded)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     for _ in range(250):
         loss = model(input_ids=inputs, labels=labels).loss
@@ -157,9 +168,12 @@ def addition_model():
     return model, tokenizer
 
 
-def _expected_scores(model, tokenizer, problems, max_new_tokens):
-    """Accuracy, parseable share and MAE computed here from the naive decoder, independently of the eval code."""
-    outputs = [naive_greedy(model, tokenizer, p.prompt, max_new_tokens, ("\n",))[0] for p in problems]
+def _expected_scores(model, tokenizer, problems, max_new_tokens, prefix_ids=None):
+    """Accuracy, parseable share and MAE computed here from the naive decoder, independently of the eval code;
+    each prompt after `prefix_ids` (default: the EOS, as the benchmark's "document" prompt format does)."""
+    prefix = [tokenizer.eos_token_id] if prefix_ids is None else prefix_ids
+    outputs = [naive_greedy(model, tokenizer, p.prompt, max_new_tokens, ("\n",), prefix_ids=prefix)[0]
+               for p in problems]
     values = [int(o) if o.lstrip("-").isdigit() else None for o in outputs]
     parsed = [(v, p.answer) for v, p in zip(values, problems) if v is not None]
     return {"accuracy": sum(v == g for v, g in parsed) / len(problems),
@@ -214,6 +228,33 @@ def test_toy_addition_model_evaluates_to_known_accuracy(addition_model, tmp_path
         assert step == 7
         assert value == pytest.approx(metrics[tag], rel=1e-6)
     assert "eval/samples/arith/text_summary" in tensor_tags(tmp_path / "tb")
+
+
+def test_arithmetic_prompt_formats_encode_as_documented(addition_model, tmp_path: Path):
+    """"document" (the default) puts the EOS that precedes every packed training document before each prompt;
+    "plain" gives the prompt alone. A toy model trained only after an EOS tells the two apart."""
+    from helpers.models import char_tokenizer
+
+    model, tokenizer = addition_model
+    problems = generate_problems("extrapolation", 40, 1234, ops=("+",), train_digits=(1, 1), extrapolation_digits=(2, 2))
+    for prompt_format, prefix in (("document", [tokenizer.eos_token_id]), ("plain", [])):
+        cfg = EvalConfig(arithmetic_n=40, arithmetic_splits=["extrapolation"], arithmetic_ops=["+"],
+                         arithmetic_train_digits=[1, 1], arithmetic_extrapolation_digits=[2, 2],
+                         arithmetic_max_new_tokens=4, arithmetic_prompt_format=prompt_format)
+        run_evaluation(model, tokenizer, cfg, step=1, output_dir=str(tmp_path / prompt_format))
+        lines = [json.loads(line) for line in open(predictions_path(str(tmp_path / prompt_format), 1), encoding="utf-8")]
+        assert [line["output"] for line in lines] == _expected_scores(model, tokenizer, problems, 4, prefix)[1]
+    outputs = {f: [json.loads(line)["output"] for line in open(predictions_path(str(tmp_path / f), 1))]
+               for f in ("document", "plain")}
+    assert outputs["document"] != outputs["plain"], "the two formats gave the same outputs: the test cannot tell them apart"
+    with pytest.raises(ValueError, match="arithmetic_prompt_format"):
+        EvalConfig(arithmetic_prompt_format="chat")
+    no_eos = char_tokenizer("0123456789+-*=")
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="arithmetic_prompt_format=plain"):
+        run_evaluation(model, no_eos, EvalConfig(arithmetic_n=4, arithmetic_ops=["+"], arithmetic_train_digits=[1, 1],
+                                                 arithmetic_extrapolation_digits=[2, 2]),
+                       step=1, output_dir=str(tmp_path / "no_eos"))
 
 
 def test_hook_runs_gsm8k_from_a_local_folder(addition_model, tmp_path: Path):

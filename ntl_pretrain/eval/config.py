@@ -15,6 +15,8 @@ from ntl_pretrain.eval.gsm8k import FEWSHOT_SAMPLERS, FewshotSampler, GSM8KVaria
 from ntl_pretrain.fs import write_json_atomic
 
 GSM8K_VARIANTS: tuple[str, ...] = typing.get_args(GSM8KVariant)
+# How arithmetic prompts are encoded (EvalConfig.arithmetic_prompt_format).
+ArithmeticPromptFormat = typing.Literal["document", "plain"]
 # The run's evaluation settings, written into every checkpoint's hf/ folder (and so into its export), so that
 # tools/evaluate.py --model EXPORT evaluates as the run did.
 EVAL_SETTINGS_FILE = "ntl_eval.json"
@@ -46,6 +48,10 @@ class EvalConfig:
         default_factory=lambda: [5, 6])
     arithmetic_seed: int = _doc("seed of the arithmetic problems (same seed, same benchmark)", default=1234)
     arithmetic_max_new_tokens: int = _doc("tokens generated at most per arithmetic answer", default=16)
+    arithmetic_prompt_format: ArithmeticPromptFormat = _doc(
+        "document: each prompt as the training stream presents a document, after the EOS that ends the one "
+        "before it and without the tokenizer's special tokens; plain: the prompt alone, encoded as "
+        "add_special_tokens says", default="document")
     gsm8k_path: str = _doc(
         "GSM8K source: a local folder with test.jsonl/train.jsonl, a test .jsonl file, or a datasets id such "
         "as openai/gsm8k; empty skips GSM8K", default="")
@@ -110,6 +116,9 @@ class EvalConfig:
                 f"{self.arithmetic_train_digits[1] + 1}")
         if self.gsm8k_variant not in GSM8K_VARIANTS:
             raise ValueError(f"eval.gsm8k_variant={self.gsm8k_variant!r} must be one of {GSM8K_VARIANTS}")
+        formats = typing.get_args(ArithmeticPromptFormat)
+        if self.arithmetic_prompt_format not in formats:
+            raise ValueError(f"eval.arithmetic_prompt_format={self.arithmetic_prompt_format!r} must be one of {formats}")
         if self.fewshot_sampler not in FEWSHOT_SAMPLERS:
             raise ValueError(f"eval.fewshot_sampler={self.fewshot_sampler!r} must be one of {FEWSHOT_SAMPLERS}")
         if not self.gsm8k_cot_exemplars:

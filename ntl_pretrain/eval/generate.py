@@ -140,7 +140,7 @@ class _Batch:
 def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequence[str], *,
                     max_new_tokens: int | Sequence[int], stop: Sequence[str] | Sequence[Sequence[str]] = (),
                     batch_size: int = 16, max_length: int = 0, add_special_tokens: bool | None = None,
-                    dp_group: Any = None, tp_group: Any = None) -> GenerationOutput:
+                    prefix_ids: Sequence[int] = (), dp_group: Any = None, tp_group: Any = None) -> GenerationOutput:
     """Greedy continuations of `prompts`, returned in order and identically on every rank.
 
     Every rank of the world must call this with the same arguments (it runs collectives).
@@ -150,6 +150,8 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     the model's `max_position_embeddings`) keep their last tokens, with a warning giving the numbers
     (as lm-evaluation-harness does); a `max_new_tokens` that leaves no room for a prompt is an error.
     `add_special_tokens` None: the tokenizer's own default (BOS for Llama-style tokenizers).
+    `prefix_ids`: token ids put before every encoded prompt (e.g. the EOS that precedes every packed
+    training document); they count toward the length limit.
     `dp_group`: the group prompts are split over (default: `data_parallel_group`). `tp_group`: the
     group of a vocabulary-parallel LM head (default: the head's own, `vocab_shard_of`).
     """
@@ -194,6 +196,7 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     mine = list(range(dp_rank * chunk, min(n, (dp_rank + 1) * chunk)))
     encoded = {i: tokenizer(prompts[i], **special)["input_ids"] for i in mine}
     empty = [i for i in mine if not encoded[i]]
+    encoded = {i: [*prefix_ids, *ids] for i, ids in encoded.items()}
     # Only this rank tokenized its chunk: agree on the error first, so every rank raises and none waits.
     if _any_rank_flag(bool(empty), device):
         detail = f"prompt {empty[0]} ({prompts[empty[0]]!r})" if empty else "a prompt on another rank"

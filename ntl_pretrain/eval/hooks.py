@@ -71,11 +71,18 @@ def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group
             problems.append((split, problem))
     if not problems:
         return {}, [], 0, 0.0, 0
+    # Packed training puts every document right after the previous one's EOS and adds no special tokens
+    # (data.sources), so "document" prompts are encoded that way: the model sees what it was trained on.
+    as_document = cfg.arithmetic_prompt_format == "document"
+    if as_document and tokenizer.eos_token_id is None:
+        raise ValueError("eval.arithmetic_prompt_format=document puts the EOS token before each prompt, but the "
+                         "tokenizer has no EOS token; set eval.arithmetic_prompt_format=plain")
     generation = greedy_generate(model, tokenizer, [p.prompt for _, p in problems],
                                  max_new_tokens=cfg.arithmetic_max_new_tokens, stop=ARITHMETIC_STOP,
                                  batch_size=cfg.batch_size, max_length=cfg.max_length,
-                                 add_special_tokens=cfg.add_special_tokens, dp_group=dp_group,
-                                 tp_group=tp_group)
+                                 add_special_tokens=False if as_document else cfg.add_special_tokens,
+                                 prefix_ids=[tokenizer.eos_token_id] if as_document else (),
+                                 dp_group=dp_group, tp_group=tp_group)
     records = []
     for (split, problem), output in zip(problems, generation.texts):
         prediction = parse_integer_answer(output)
