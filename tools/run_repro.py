@@ -2,7 +2,7 @@
 """Run the arithmetic reproduction (configs/repro/*.yaml) and write its results table and figure.
 
     python tools/run_repro.py                      # every arm, seeds 1234 2345 3456, both phases, the table
-    python tools/run_repro.py --jobs 2             # two runs at a time (one thread each)
+    python tools/run_repro.py --jobs 1             # one run at a time (default 2, one thread each)
     python tools/run_repro.py --report-only        # rebuild the table and figure from finished runs
     python tools/run_repro.py --quick --out-dir /tmp/repro   # the whole pipeline at toy size (a smoke test)
 
@@ -279,7 +279,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the continued arms start from the CE run's checkpoint at this fraction of its steps "
                              "and train the rest (0: no continued phase)")
     parser.add_argument("--out-dir", default="runs/repro", help="runs go to OUT/seedS/ARM")
-    parser.add_argument("--jobs", type=int, default=None, help="runs trained at a time (default 1; --quick 2)")
+    parser.add_argument("--jobs", type=int, default=None, help="runs trained at a time (default 2: one a core of a 2-core machine)")
     parser.add_argument("--procs", type=int, default=1, help="CPU processes per run (NTL_CPU_PROCS)")
     parser.add_argument("--nice", type=int, default=10, help="nice level of the runs (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per process (OMP_NUM_THREADS)")
@@ -298,7 +298,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         assets = os.path.join(os.path.abspath(args.out_dir), "assets")
         args.overrides = [o.format(assets=assets) for o in QUICK["overrides"]] + list(args.overrides)
-    defaults = QUICK if args.quick else dict(configs=list(DEFAULT_CONFIGS), seeds=list(DEFAULT_SEEDS), jobs=1)
+    defaults = QUICK if args.quick else dict(configs=list(DEFAULT_CONFIGS), seeds=list(DEFAULT_SEEDS), jobs=2)
     for key in ("configs", "seeds", "jobs"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
