@@ -4,8 +4,10 @@
 For each vocabulary size and TP size, all methods are timed interleaved in the same process(es)
 (round-robin over repetitions, so machine noise hits all alike): the cold first iteration and the
 median of the warm ones, and ratios against CE alone measured in the same run. Peak memory is
-measured per method in a fresh process (peak RSS above the inputs), and the bytes each rank sends
-per collective are counted by wrapping `torch.distributed.all_reduce`.
+measured per method in a fresh process (per TP group: the largest rank's), on a second call after one
+untimed warm-up (peak RSS above the inputs, with glibc's mmap threshold fixed at 64 KiB so freed
+tensors leave the resident size), and the bytes each rank sends per collective are counted by
+wrapping `torch.distributed.all_reduce`.
 
 CE alone is `torch.nn.functional.cross_entropy` for TP=1 and DeepSpeed's
 `deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy` on the same shard for TP>1. Our methods
@@ -32,7 +34,6 @@ import json
 import math
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -241,12 +242,23 @@ def child(args) -> None:
     result: dict = {}
     if args.mode == "memory":
         (name, fn), = methods.items()
+        # One untimed call first, so that one-time allocations (gloo's buffers, kernel caches, tables built on
+        # first use) are not charged to the method; then its gradients are dropped and the second call measured.
+        run_once(fn)
+        for leaf in leaves:
+            leaf.grad = None
         baseline = _rss_kib()
         peak_reset = _reset_peak_rss()  # else building the inputs may have set a higher peak already
         sent_bytes.clear()
         run_once(fn)
         peak = _peak_rss_kib() if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        result = {"peak_extra_mib": (peak - baseline) / 1024, "bytes_per_collective": list(sent_bytes)}
+        per_rank = [(peak - baseline) / 1024]
+        if group is not None:  # the largest rank's peak: TP ranks hold different columns and numbers
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, per_rank[0], group=group)
+            per_rank = gathered
+        result = {"peak_extra_mib": max(per_rank), "peak_extra_mib_per_rank": per_rank,
+                  "bytes_per_collective": list(sent_bytes)}
     else:
         times = {name: [] for name in methods}
         cold = {name: run_once(fn) for name, fn in methods.items()}
@@ -284,9 +296,9 @@ def _reset_peak_rss() -> bool:
 
 # ------------------------------------------------------------------------------------ parent
 def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from ntl_pretrain.supervisor import free_port
+
+    port = free_port()
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--tokens", str(args.tokens), "--vocab", str(vocab),
            "--tp", str(tp), "--reps", str(args.reps), "--hidden", str(args.hidden), "--chunk-tokens",
            str(args.chunk_tokens), "--ds-chunk-tokens", str(args.ds_chunk_tokens), "--methods", *methods]
@@ -294,6 +306,10 @@ def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
     for rank in range(tp):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+        # A fixed mmap threshold: glibc then returns every freed block of 64 KiB or more to the system at once,
+        # so the resident size follows the live tensors (its default threshold grows after the first large free
+        # and keeps later blocks in the heap, which made peaks depend on what ran before).
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
     for proc, (_out, err) in zip(procs, outputs):
