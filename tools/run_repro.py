@@ -279,7 +279,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the continued arms start from the CE run's checkpoint at this fraction of its steps "
                              "and train the rest (0: no continued phase)")
     parser.add_argument("--out-dir", default="runs/repro", help="runs go to OUT/seedS/ARM")
-    parser.add_argument("--jobs", type=int, default=None, help="runs trained at a time (default 2: one a core of a 2-core machine)")
+    parser.add_argument("--jobs", type=int, default=None, help="runs trained at a time (default 2: one a core)")
     parser.add_argument("--procs", type=int, default=1, help="CPU processes per run (NTL_CPU_PROCS)")
     parser.add_argument("--nice", type=int, default=10, help="nice level of the runs (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per process (OMP_NUM_THREADS)")
