@@ -93,8 +93,10 @@ def test_prompts_are_encoded_as_lm_evals_hflm_encodes_them(tmp_path):
             seen.extend(row[mask.bool()].tolist() for row, mask in zip(kwargs["input_ids"], kwargs["attention_mask"]))
 
     model.register_forward_pre_hook(record_first_forward, with_kwargs=True)
+    # "plain" prompts follow add_special_tokens (the default "document" format encodes arithmetic prompts as the
+    # training stream encodes a document instead: EOS first, no BOS; tests/test_eval_generate.py covers it)
     cfg = EvalConfig(arithmetic_n=3, arithmetic_splits=["interpolation"], arithmetic_ops=["+"],
-                     arithmetic_max_new_tokens=2, batch_size=1)
+                     arithmetic_max_new_tokens=2, batch_size=1, arithmetic_prompt_format="plain")
     run_evaluation(model, tokenizer, cfg, step=0, output_dir=str(tmp_path))  # the defaults: add_special_tokens null
     harness = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=256, device="cpu")
     prompts = [p.prompt for p in generate_problems("interpolation", 3, cfg.arithmetic_seed, ops=("+",))]
