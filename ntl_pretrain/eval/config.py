@@ -17,6 +17,7 @@ from ntl_pretrain.fs import write_json_atomic
 GSM8K_VARIANTS: tuple[str, ...] = typing.get_args(GSM8KVariant)
 # How arithmetic prompts are encoded (EvalConfig.arithmetic_prompt_format).
 ArithmeticPromptFormat = typing.Literal["document", "plain"]
+ARITHMETIC_PROMPT_FORMATS: tuple[str, ...] = typing.get_args(ArithmeticPromptFormat)
 # The run's evaluation settings, written into every checkpoint's hf/ folder (and so into its export), so that
 # tools/evaluate.py --model EXPORT evaluates as the run did.
 EVAL_SETTINGS_FILE = "ntl_eval.json"
@@ -116,9 +117,9 @@ class EvalConfig:
                 f"{self.arithmetic_train_digits[1] + 1}")
         if self.gsm8k_variant not in GSM8K_VARIANTS:
             raise ValueError(f"eval.gsm8k_variant={self.gsm8k_variant!r} must be one of {GSM8K_VARIANTS}")
-        formats = typing.get_args(ArithmeticPromptFormat)
-        if self.arithmetic_prompt_format not in formats:
-            raise ValueError(f"eval.arithmetic_prompt_format={self.arithmetic_prompt_format!r} must be one of {formats}")
+        if self.arithmetic_prompt_format not in ARITHMETIC_PROMPT_FORMATS:
+            raise ValueError(f"eval.arithmetic_prompt_format={self.arithmetic_prompt_format!r} must be one of "
+                             f"{ARITHMETIC_PROMPT_FORMATS}")
         if self.fewshot_sampler not in FEWSHOT_SAMPLERS:
             raise ValueError(f"eval.fewshot_sampler={self.fewshot_sampler!r} must be one of {FEWSHOT_SAMPLERS}")
         if not self.gsm8k_cot_exemplars:
