@@ -217,7 +217,8 @@ class Trainer:
             return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
                                              {"input_ids": input_ids}, labels, self.number_vocab, self.objective.settings,
                                              chunk_tokens=self.objective.chunk_tokens, shard=self.vocab_shard,
-                                             with_ntl=with_ntl, check_inputs=check)
+                                             with_ntl=with_ntl, check_inputs=check,
+                                             backward=self.objective.chunk_backward)
         logits = self.engine(input_ids=input_ids).logits
         return ce_ntl_sums(logits, labels, self.number_vocab, self.objective.settings, shard=self.vocab_shard,
                            with_ntl=with_ntl, check_inputs=check)

@@ -42,6 +42,7 @@ class Objective:
     ntl_schedule: NTLScheduleName  # constant | linear_warmup
     ntl_warmup_steps: int  # steps of the linear warm-up of lambda
     chunk_tokens: int  # > 0: the chunked LM head over this many tokens at a time; 0: the full logits
+    chunk_backward: str  # the chunked head's gradient algorithm (loss.chunked.resolve_chunk_backward)
     settings: NTLSettings  # the NTL variant and its options
 
     @classmethod
@@ -55,7 +56,8 @@ class Objective:
                               f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do "
                               f"not fit together: {error}") from None
         return cls(ntl_on=loss.ntl_on, ntl_weight=loss.ntl_weight, ntl_schedule=loss.ntl_schedule,
-                   ntl_warmup_steps=loss.ntl_warmup_steps, chunk_tokens=loss.chunk_tokens, settings=settings)
+                   ntl_warmup_steps=loss.ntl_warmup_steps, chunk_tokens=loss.chunk_tokens,
+                   chunk_backward=loss.chunk_backward, settings=settings)
 
     def ntl_lambda(self, step: int) -> float:
         """The NTL weight at optimizer step `step` (numbering from 1); 0 with NTL off."""
@@ -69,7 +71,8 @@ class Objective:
         """One line for the log: the loss and the head."""
         loss = (f"CE + {self.ntl_weight:g} x NTL ({self.settings.variant}, {self.ntl_schedule})" if self.ntl_on
                 else "CE only (NTL off)")
-        head = f"chunked LM head ({self.chunk_tokens} tokens a chunk)" if self.chunk_tokens else "full logits"
+        head = (f"chunked LM head ({self.chunk_tokens} tokens a chunk, {self.chunk_backward} backward)"
+                if self.chunk_tokens else "full logits")
         return f"objective: {loss}, {head}"
 
     def count(self, labels: Sequence[torch.Tensor], number_vocab: NumberVocab,

@@ -20,7 +20,8 @@ TOKENS, HIDDEN, CHUNK = 64, 16, 24  # V = 4096: logits of 1 MiB, so the unchunke
 
 def test_bench_loss_chunked_methods(tmp_path):
     out = tmp_path / "bench.json"
-    methods = ["head_number_level_reweigh", "chunked_number_level_reweigh", "ds_fused_ce"]
+    methods = ["head_number_level_reweigh", "chunked_number_level_reweigh@rows",
+               "chunked_number_level_reweigh@vocab_blocks", "ds_fused_ce"]
     subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_loss.py"), "--tokens", str(TOKENS), "--vocab",
                     "4096", "--tp", "1", "2", "--reps", "1", "--hidden", str(HIDDEN), "--chunk-tokens", str(CHUNK),
                     "--methods", *methods, "--json", str(out)], check=True, timeout=600, capture_output=True,
@@ -42,4 +43,6 @@ def test_bench_loss_chunked_methods(tmp_path):
     for first in range(0, TOKENS, CHUNK):
         rows_in_chunk = min(CHUNK, TOKENS - first)
         per_chunk += [4 * rows_in_chunk, 4 * rows_in_chunk * 12]
-    assert by_method["chunked_number_level_reweigh"]["bytes_per_collective"] == per_chunk + [4 * TOKENS * HIDDEN]
+    for backward in ("rows", "vocab_blocks"):  # the same collectives for both gradient algorithms
+        sent = by_method[f"chunked_number_level_reweigh@{backward}"]["bytes_per_collective"]
+        assert sent == per_chunk + [4 * TOKENS * HIDDEN], backward

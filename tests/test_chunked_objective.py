@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers.models import tiny_llama
 from helpers.numeric import relative_error
 from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums
-from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums, chunked_model_ce_ntl_sums
+from ntl_pretrain.loss.chunked import (ROWS_BACKWARD_MIN_CHUNK_TOKENS, ROWS_BACKWARD_MIN_CHUNK_TOKENS_ACCELERATOR,
+                                       chunked_ce_ntl_sums, chunked_model_ce_ntl_sums, resolve_chunk_backward)
 from ntl_pretrain.numbers import NumberVocab
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,6 +27,7 @@ SETTINGS = [NTLSettings(variant=v, reweigh=r) for v, r in itertools.product(
     ["was", "mse", "mae", "huber", "number_level"], [False, True])] + [
     NTLSettings(variant="was", squash_factor=3.0), NTLSettings(variant="was", smoothing_sigma=0.8)]
 SUM_FIELDS = ("token_count", "ntl_count", "number_tokens", "abs_error_sum")
+BACKWARDS = ["rows", "vocab_blocks"]  # the two gradient algorithms (chunked.resolve_chunk_backward)
 
 
 def number_vocab() -> NumberVocab:
@@ -55,17 +57,18 @@ def reference_and_grads(hidden, head, labels, settings, **kwargs):
     return sums, loss, torch.autograd.grad(loss, [hidden, *head.parameters()])
 
 
-def chunked_and_grads(hidden, head, labels, settings, chunk_tokens, **kwargs):
+def chunked_and_grads(hidden, head, labels, settings, chunk_tokens, backward="auto", **kwargs):
     hidden = hidden.detach().clone().requires_grad_()
-    sums = chunked_ce_ntl_sums(hidden, head, labels, number_vocab(), settings, chunk_tokens=chunk_tokens, **kwargs)
+    sums = chunked_ce_ntl_sums(hidden, head, labels, number_vocab(), settings, chunk_tokens=chunk_tokens,
+                               backward=backward, **kwargs)
     loss = combine(sums)
     return sums, loss, torch.autograd.grad(loss, [hidden, *head.parameters()])
 
 
-def compare(hidden, head, labels, settings, chunk_tokens, tolerance, **kwargs) -> None:
+def compare(hidden, head, labels, settings, chunk_tokens, tolerance, backward, **kwargs) -> None:
     ref_sums, ref_loss, ref_grads = reference_and_grads(hidden, head, labels, settings, **kwargs)
-    sums, loss, grads = chunked_and_grads(hidden, head, labels, settings, chunk_tokens, **kwargs)
-    where = f"{settings}, chunk_tokens={chunk_tokens}"
+    sums, loss, grads = chunked_and_grads(hidden, head, labels, settings, chunk_tokens, backward, **kwargs)
+    where = f"{settings}, chunk_tokens={chunk_tokens}, backward={backward}"
     assert relative_error(loss, ref_loss) <= tolerance, where
     for name in ("ce_sum", "ntl_sum", *SUM_FIELDS):
         assert relative_error(getattr(sums, name), getattr(ref_sums, name)) <= tolerance, (name, where)
@@ -75,8 +78,9 @@ def compare(hidden, head, labels, settings, chunk_tokens, tolerance, **kwargs) -
         assert relative_error(grad, ref_grad) <= tolerance, (name, where)
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_variant_matches_the_unchunked_objective_float64(bias):
+def test_every_variant_matches_the_unchunked_objective_float64(bias, backward):
     torch.manual_seed(0)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias).double()
     hidden = torch.randn(2, 13, HIDDEN, dtype=torch.float64) * 2
@@ -84,21 +88,23 @@ def test_every_variant_matches_the_unchunked_objective_float64(bias):
     for settings in SETTINGS:
         # 1 and 7 do not divide 26 rows, 26 is one chunk, 100 more than all rows
         for chunk_tokens in (1, 7, 26, 100):
-            compare(hidden, head, labels, settings, chunk_tokens, tolerance=1e-11)
+            compare(hidden, head, labels, settings, chunk_tokens, 1e-11, backward)
 
 
-def test_float32_with_loss_weights_and_ce_only():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_float32_with_loss_weights_and_ce_only(backward):
     torch.manual_seed(1)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     hidden = torch.randn(3, 11, HIDDEN)
     labels = make_labels(seed=3, rows=3, length=11)
     weights = torch.rand(labels.shape, generator=torch.Generator().manual_seed(4))
     for settings in (NTLSettings(), NTLSettings(variant="number_level", reweigh=True)):
-        compare(hidden, head, labels, settings, 5, tolerance=2e-6, loss_weights=weights)
+        compare(hidden, head, labels, settings, 5, 2e-6, backward, loss_weights=weights)
     # CE only: the NTL sum is zero and does not move anything, the monitoring figures stay
     ref_sums, _, _ = reference_and_grads(hidden, head, labels, NTLSettings(), with_ntl=False)
     hidden_ours = hidden.clone().requires_grad_()
-    sums = chunked_ce_ntl_sums(hidden_ours, head, labels, number_vocab(), chunk_tokens=4, with_ntl=False)
+    sums = chunked_ce_ntl_sums(hidden_ours, head, labels, number_vocab(), chunk_tokens=4, with_ntl=False,
+                               backward=backward)
     assert sums.ntl_sum.item() == 0 and sums.ntl_count.item() == 0
     assert relative_error(sums.abs_error_sum, ref_sums.abs_error_sum) < 1e-6
     (sums.ce_sum + sums.ntl_sum).backward()
@@ -118,14 +124,15 @@ class _FunctionalHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight, self.bias)
 
 
-def test_gradient_matches_finite_differences():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_gradient_matches_finite_differences(backward):
     generator = torch.Generator().manual_seed(2)
     labels = make_labels(seed=5, rows=2, length=12)
     settings = NTLSettings(variant="number_level", reweigh=True)
 
     def objective(hidden, weight, bias):
         sums = chunked_ce_ntl_sums(hidden, _FunctionalHead(weight, bias), labels, number_vocab(), settings,
-                                   chunk_tokens=4)
+                                   chunk_tokens=4, backward=backward)
         return sums.ce_sum + 0.5 * sums.ntl_sum
 
     inputs = [torch.randn(shape, dtype=torch.float64, generator=generator).requires_grad_()
@@ -143,7 +150,8 @@ def test_gradient_matches_finite_differences():
         assert abs(numeric - analytic) <= 1e-6 * abs(analytic) + 1e-8, (numeric, analytic)
 
 
-def test_bf16_is_as_accurate_as_the_unchunked_path():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_bf16_is_as_accurate_as_the_unchunked_path(backward):
     torch.manual_seed(3)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(torch.bfloat16)
     hidden = (torch.randn(4, 16, HIDDEN) * 2).to(torch.bfloat16)
@@ -153,7 +161,7 @@ def test_bf16_is_as_accurate_as_the_unchunked_path():
     head64.weight.data = head.weight.data.double()
     _, exact_loss, exact_grads = reference_and_grads(hidden.double(), head64, labels, settings)
     _, bf16_loss, bf16_grads = reference_and_grads(hidden, head, labels, settings)
-    _, loss, grads = chunked_and_grads(hidden, head, labels, settings, chunk_tokens=24)
+    _, loss, grads = chunked_and_grads(hidden, head, labels, settings, 24, backward)
     assert grads[0].dtype == grads[1].dtype == torch.bfloat16
     assert relative_error(loss, exact_loss) <= 2 * relative_error(bf16_loss, exact_loss) + 1e-6
     for grad, bf16_grad, exact in zip(grads, bf16_grads, exact_grads):
@@ -162,8 +170,9 @@ def test_bf16_is_as_accurate_as_the_unchunked_path():
         assert relative_error(grad, exact) <= 2 * unchunked_error
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("chunks", [64, 128])
-def test_bf16_weight_gradient_accumulates_in_float32(chunks):
+def test_bf16_weight_gradient_accumulates_in_float32(chunks, backward):
     """Many chunks add up the weight gradient: rounding it to bf16 after every chunk makes its error grow
     with the number of chunks (3.2x the unchunked head's at 64 chunks); a float32 accumulator does not."""
     torch.manual_seed(11)
@@ -186,14 +195,15 @@ def test_bf16_weight_gradient_accumulates_in_float32(chunks):
     exact = weight_grad(head64, unchunked)
     unchunked_error = relative_error(weight_grad(head, unchunked), exact)
     chunked = weight_grad(head, lambda m: chunked_ce_ntl_sums(hidden, m, labels, vocab_ids,
-                                                               chunk_tokens=tokens // chunks))
+                                                               chunk_tokens=tokens // chunks, backward=backward))
     assert chunked.dtype == torch.bfloat16
     assert 0 < unchunked_error < 0.02
     assert relative_error(chunked, exact) <= 1.5 * unchunked_error, (relative_error(chunked, exact), unchunked_error)
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("tied", [False, True])
-def test_hf_model_forward_equals_logits_path(tied):
+def test_hf_model_forward_equals_logits_path(tied, backward):
     model = tiny_llama(VOCAB, seed=4, tie_word_embeddings=tied).double()
     input_ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(7))
     labels = make_labels(seed=8)
@@ -204,7 +214,7 @@ def test_hf_model_forward_equals_logits_path(tied):
     ref_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
     sums = chunked_model_ce_ntl_sums(model, model.get_output_embeddings(), {"input_ids": input_ids}, labels,
-                                     number_vocab(), settings, chunk_tokens=6)
+                                     number_vocab(), settings, chunk_tokens=6, backward=backward)
     combine(sums).backward()
     assert relative_error(combine(sums), combine(reference)) < 1e-12
     for name, p in model.named_parameters():
@@ -235,7 +245,8 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_no_tensor_larger_than_a_chunk_of_logits():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_no_tensor_larger_than_a_chunk_of_logits(backward):
     torch.manual_seed(5)
     rows, vocab, chunk = 2 * 64, 512, 24
     head = torch.nn.Linear(HIDDEN, vocab, bias=False)
@@ -248,10 +259,24 @@ def test_no_tensor_larger_than_a_chunk_of_logits():
             sums = ce_ntl_sums(head(hidden), labels, vocab_ids, settings)
             (sums.ce_sum + sums.ntl_sum).backward()
         with _LargestTensor() as chunked:
-            sums = chunked_ce_ntl_sums(hidden, head, labels, vocab_ids, settings, chunk_tokens=chunk)
+            sums = chunked_ce_ntl_sums(hidden, head, labels, vocab_ids, settings, chunk_tokens=chunk,
+                                       backward=backward)
             (sums.ce_sum + sums.ntl_sum).backward()
         assert unchunked.largest >= rows * vocab  # the detector sees the full logits when they exist
+        # a backward vocabulary block of all rows holds as many logits as a forward chunk (128 x 96 = 24 x 512)
         assert chunked.largest == max(chunk * vocab, head.weight.numel())
+
+
+def test_auto_backward_takes_vocab_blocks_for_small_chunks_only():
+    cpu = ROWS_BACKWARD_MIN_CHUNK_TOKENS["cpu"]
+    assert resolve_chunk_backward("auto", cpu, 4096, "cpu") == "rows"
+    assert resolve_chunk_backward("auto", cpu - 1, 4096, "cpu") == "vocab_blocks"
+    for device_type in ("cuda", "xpu"):  # accelerators: a higher FLOP/byte ratio, a larger crossover
+        assert resolve_chunk_backward("auto", ROWS_BACKWARD_MIN_CHUNK_TOKENS_ACCELERATOR, 8192, device_type) == "rows"
+        assert resolve_chunk_backward("auto", cpu, 8192, device_type) == "vocab_blocks"
+    assert resolve_chunk_backward("auto", 20, 20, "cuda") == "rows"  # one chunk takes every row
+    assert resolve_chunk_backward("rows", 9, 4096, "cpu") == "rows"
+    assert resolve_chunk_backward("vocab_blocks", 4096, 4096, "cuda") == "vocab_blocks"
 
 
 def test_errors_name_the_problem():
@@ -277,6 +302,9 @@ def test_errors_name_the_problem():
     small_head = torch.nn.Linear(HIDDEN, 40, bias=False)
     with pytest.raises(ValueError, match="vocab_size=60"):
         chunked_ce_ntl_sums(hidden, small_head, labels.clamp(max=39), number_vocab(), chunk_tokens=4)
+
+    with pytest.raises(ValueError, match="backward must be one of auto, rows, vocab_blocks, got 'columns'"):
+        chunked_ce_ntl_sums(hidden, head, labels, number_vocab(), chunk_tokens=4, backward="columns")
 
     sums = chunked_ce_ntl_sums(hidden.requires_grad_(), head, labels, number_vocab(), chunk_tokens=4)
     loss = sums.ce_sum + sums.ntl_sum

@@ -218,9 +218,11 @@ def test_choices_live_in_their_types():
     from ntl_pretrain.eval.config import GSM8K_VARIANTS
     from ntl_pretrain.eval.gsm8k import DEFAULT_NUM_FEWSHOT
     from ntl_pretrain.loss import VARIANTS
+    from ntl_pretrain.loss.chunked import CHUNK_BACKWARDS
 
     # the loss's own list of variants and the harness defaults per GSM8K variant agree with the config's types
     assert typing.get_args(typing.get_type_hints(LossConfig)["variant"]) == VARIANTS
+    assert typing.get_args(typing.get_type_hints(LossConfig)["chunk_backward"]) == CHUNK_BACKWARDS
     assert tuple(DEFAULT_NUM_FEWSHOT) == GSM8K_VARIANTS
     assert "parallel.zero_stage (0 | 1 | 2 | 3, default 3)" in help_text()
 

@@ -16,7 +16,12 @@ from helpers.launch import DEMO, demo_overrides
 TIMEOUT = 400
 STEPS = 2
 LAYOUTS = [1, 2]  # tp_size; each launch runs the full and the chunked head, one Trainer after the other
-CHUNK_TOKENS = [0, 48]
+CHUNKED = {"chunk0": ["loss.chunk_tokens=0"],  # the full head
+           "chunk48_rows": ["loss.chunk_tokens=48", "loss.chunk_backward=rows"],
+           "chunk48_vocab_blocks": ["loss.chunk_tokens=48", "loss.chunk_backward=vocab_blocks"],
+           # reweigh: its dense gradient comes with the recomputed blocks, no row count read on the host
+           "chunk48_vocab_blocks_reweigh": ["loss.chunk_tokens=48", "loss.chunk_backward=vocab_blocks",
+                                            "loss.reweigh=true"]}
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(5 * TIMEOUT)]  # the fixture: 2 launches
 
 
@@ -27,21 +32,21 @@ def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def counted(assets, tmp_path_factory) -> Path:
-    """The sync counts of every (tp, chunk_tokens) case: one launch per tp."""
+    """The sync counts of every (tp, head) case: one launch per tp."""
     root = tmp_path_factory.mktemp("syncs")
     for tp in LAYOUTS:
-        cases = [{"name": f"tp{tp}_chunk{chunk}", "overrides": overrides(
-            assets, root / f"run_tp{tp}_chunk{chunk}", f"parallel.tp_size={tp}", f"loss.chunk_tokens={chunk}")}
-            for chunk in CHUNK_TOKENS]
+        cases = [{"name": f"tp{tp}_{head}", "overrides": overrides(
+            assets, root / f"run_tp{tp}_{head}", f"parallel.tp_size={tp}", *head_overrides)}
+            for head, head_overrides in CHUNKED.items()]
         (root / f"cases_tp{tp}.json").write_text(json.dumps(cases))
         run_workers("trainer_syncs.py", 2, [str(root), str(STEPS), DEMO, str(root / f"cases_tp{tp}.json")],
                     timeout=2 * TIMEOUT)
     return root
 
 
-@pytest.mark.parametrize("tp,chunk_tokens", [(tp, chunk) for tp in LAYOUTS for chunk in CHUNK_TOKENS])
-def test_step_makes_no_host_sync_in_the_micro_batch_loop(counted, tp, chunk_tokens):
-    counts = json.loads((counted / f"tp{tp}_chunk{chunk_tokens}.json").read_text())
+@pytest.mark.parametrize("tp,head", [(tp, head) for tp in LAYOUTS for head in CHUNKED])
+def test_step_makes_no_host_sync_in_the_micro_batch_loop(counted, tp, head):
+    counts = json.loads((counted / f"tp{tp}_{head}.json").read_text())
     print(json.dumps({k: v for k, v in counts.items() if k != "figures"}, indent=1))
     # the data package builds each micro-batch from numpy arrays on the host, before it moves to the device: its
     # tensor calls touch CPU tensors only, on every machine, so they never wait for a device

@@ -48,11 +48,13 @@ NUMBER_LEVEL = ["loss.variant=number_level", "loss.reweigh=true"]
 LAUNCHES = {
     "t2": (2, {
         "t2_zero3": ["parallel.tp_size=2"],
-        "t2_zero3_chunk7": ["parallel.tp_size=2", "loss.chunk_tokens=7"],
+        # chunks under 32 rows take loss.chunk_backward=auto -> vocab_blocks on CPU; "rows" is named where wanted
+        "t2_zero3_chunk7_rows": ["parallel.tp_size=2", "loss.chunk_tokens=7", "loss.chunk_backward=rows"],
         "t2_zero3_chunk6_number_level": ["parallel.tp_size=2", "loss.chunk_tokens=6", *NUMBER_LEVEL],
     }),
     "dp2": (2, {
-        "dp2_zero3_ga2_chunk5": ["data.micro_batch_size=1", "train.grad_accum_steps=2", "loss.chunk_tokens=5"],
+        "dp2_zero3_ga2_chunk5_rows": ["data.micro_batch_size=1", "train.grad_accum_steps=2", "loss.chunk_tokens=5",
+                                      "loss.chunk_backward=rows"],
         "dp2_zero0_ga2": ["parallel.zero_stage=0", "data.micro_batch_size=1", "train.grad_accum_steps=2"],
         "dp2_zero0_chunk9_number_level": ["parallel.zero_stage=0", "data.micro_batch_size=2", "loss.chunk_tokens=9",
                                           *NUMBER_LEVEL],

@@ -17,7 +17,8 @@ The LM head + loss methods start from the hidden states `[n, H]` and the head's 
 `[V/T, H]` instead of the logits: `head_*` computes the full logits and the objective on them (for
 TP>1 with DeepSpeed's column-parallel input, whose backward all-reduces the hidden gradient),
 `chunked_*` the same objective with `ntl_pretrain.loss.chunked` (`--chunk-tokens` rows of logits at
-a time; `--chunk-tokens 0`: as many rows as DeepSpeed's fused head takes by default), `ds_fused_ce`
+a time; `--chunk-tokens 0`: as many rows as DeepSpeed's fused head takes by default; a suffix
+`@rows` or `@vocab_blocks` fixes its gradient algorithm, none leaves it to `auto`), `ds_fused_ce`
 DeepSpeed 0.19's fused head + CE (`deepspeed.sequence.linear_cross_entropy`, CE alone) on the same
 hidden states and head shard. Each `chunked_*` row reports its time and peak memory relative to the
 matching `head_*`, and every head row relative to `ds_fused_ce` when that was measured.
@@ -105,7 +106,7 @@ def build_methods(tp: int, names: list[str]):
                                        check_inputs=False)
         return setup
 
-    def chunked(variant: str | None, reweigh: bool = False):
+    def chunked(variant: str | None, reweigh: bool = False, backward: str = "auto"):
         settings = NTLSettings(variant=variant or "was", reweigh=reweigh)
         weight = 0.0 if variant is None else 0.3
 
@@ -116,7 +117,7 @@ def build_methods(tp: int, names: list[str]):
                 # as the trainer calls it: the shard layout is checked once, not per call (no host sync)
                 sums = chunked_ce_ntl_sums(hidden, module, labels, ctx["vocab"], settings,
                                            chunk_tokens=ctx["chunk_tokens"], shard=ctx["shard"],
-                                           with_ntl=weight != 0, check_inputs=False)
+                                           with_ntl=weight != 0, check_inputs=False, backward=backward)
                 total = sums.ce_sum / sums.token_count.clamp_min(1)
                 return total + weight * sums.ntl_sum / sums.ntl_count.clamp_min(1) if weight else total
             return loss
@@ -136,11 +137,13 @@ def build_methods(tp: int, names: list[str]):
     table = {"ce": ce, "ds_fused_ce": deepspeed_fused_ce, "ours_ce_only": ours(None), "ours_was": ours("was"),
              "ours_was_reweigh": ours("was", True),
              "ours_mse": ours("mse"), "ours_number_level": ours("number_level")}
-    for kind, build in (("head", head), ("chunked", chunked)):
-        table.update({f"{kind}_ce_only": build(None), f"{kind}_was": build("was"),
-                      f"{kind}_was_reweigh": build("was", True), f"{kind}_mse": build("mse"),
-                      f"{kind}_number_level": build("number_level"),
-                      f"{kind}_number_level_reweigh": build("number_level", True)})
+    objectives = {"ce_only": (None, False), "was": ("was", False), "was_reweigh": ("was", True), "mse": ("mse", False),
+                  "number_level": ("number_level", False), "number_level_reweigh": ("number_level", True)}
+    for objective, (variant, reweigh) in objectives.items():
+        table[f"head_{objective}"] = head(variant, reweigh)
+        table[f"chunked_{objective}"] = chunked(variant, reweigh)  # backward="auto"
+        for backward in ("rows", "vocab_blocks"):  # e.g. chunked_was@vocab_blocks: that gradient algorithm
+            table[f"chunked_{objective}@{backward}"] = chunked(variant, reweigh, backward)
     if tp == 1:
         table.update({"ntloss_was": reference(False), "ntloss_was_reweigh": reference(True)})
     unknown = [name for name in names if name not in table and not name.startswith("ntloss")]
@@ -380,7 +383,8 @@ def _write_json(path: str, document: dict) -> None:
 def _add_ratios_vs_unchunked(row: dict, rows: list[dict]) -> None:
     """Time and peak memory of a chunked_* row relative to the head_* row of the same run (same vocabulary
     and TP size), if that was measured."""
-    twin = next((other for other in rows if other["method"] == "head_" + row["method"][len("chunked_"):]), None)
+    objective = row["method"][len("chunked_"):].split("@")[0]
+    twin = next((other for other in rows if other["method"] == "head_" + objective), None)
     if twin is None:
         return
     row["time_vs_unchunked"] = row["median_s"] / twin["median_s"]
@@ -401,7 +405,9 @@ def _add_ratios_vs_deepspeed_fused(row: dict, rows: list[dict]) -> None:
 def _format_row(row: dict) -> str:
     ratio = f"{row['ratio_vs_ce']:.3f}x" if row.get("ratio_vs_ce") is not None else "-"
     memory = f"  peak +{row['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in row else ""
-    comm = f"  sent {row['bytes_per_collective']} B" if row.get("bytes_per_collective") else ""
+    sent = row.get("bytes_per_collective") or []
+    comm = f"  sent {sent} B" if 0 < len(sent) <= 8 else (
+        f"  sent {len(sent)} collectives, {sum(sent)} B (all in the JSON)" if sent else "")
     versus = ""
     if "time_vs_unchunked" in row:
         versus = f"  vs unchunked: time {row['time_vs_unchunked']:.3f}x"
@@ -411,7 +417,7 @@ def _format_row(row: dict) -> str:
         versus += f"  vs ds_fused_ce: time {row['time_vs_ds_fused']:.3f}x"
         if "memory_vs_ds_fused" in row:
             versus += f", memory {row['memory_vs_ds_fused']:.3f}x"
-    return (f"n={row['tokens']:<6} V={row['vocab']:<7} tp={row['tp']}  {row['method']:<26} "
+    return (f"n={row['tokens']:<6} V={row['vocab']:<7} tp={row['tp']}  {row['method']:<34} "
             f"warm {row['median_s'] * 1e3:8.1f} ms  cold {row['cold_s'] * 1e3:8.1f} ms  {ratio:>8}{memory}{comm}"
             f"{versus}")
 

@@ -130,11 +130,12 @@ TINY = Sizes(TINY_ARCHITECTURE, 64, 300, 1000, seq_len=32, micro_batch_size=2, g
              eval_prompts=4, loss_tokens=256, loss_vocab=1024, loss_hidden=32, loss_chunk_tokens=64, loss_reps=2)
 # bench_loss methods this check runs, where tools/bench_loss.py has them (it is extended in parallel).
 LOSS_METHODS = ("ce", "ours_ce_only", "ours_was", "ntloss_was", "head_ce_only", "head_was", "chunked_ce_only",
-                "chunked_was", "ds_fused_ce")
+                "chunked_was", "chunked_was@vocab_blocks", "ds_fused_ce")
 LIGER_METHOD = "liger_fused_ce"
 # Each method's loss is compared with the method computing the same quantity the plain way.
 SAME_LOSS_AS = {"ours_ce_only": "ce", "ntloss_was": "ours_was", "chunked_ce_only": "head_ce_only",
-                "ds_fused_ce": "head_ce_only", LIGER_METHOD: "head_ce_only", "chunked_was": "head_was"}
+                "ds_fused_ce": "head_ce_only", LIGER_METHOD: "head_ce_only", "chunked_was": "head_was",
+                "chunked_was@vocab_blocks": "head_was"}
 
 
 # ================================================================================== the parent

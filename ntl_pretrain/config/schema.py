@@ -13,6 +13,7 @@ DType = Literal["bf16", "fp16", "fp32"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
 NTLScheduleName = Literal["constant", "linear_warmup"]
 NTLVariantName = Literal["was", "mse", "mae", "huber", "number_level"]  # ntl_pretrain.loss.VARIANTS
+ChunkBackward = Literal["auto", "rows", "vocab_blocks"]  # ntl_pretrain.loss.chunked.CHUNK_BACKWARDS
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
 LRScheduleName = Literal["cosine", "linear", "constant"]
@@ -130,6 +131,10 @@ class LossConfig:
     float_level: bool = _doc("number_level: a '.' between digits joins them into one number", default=False)
     chunk_tokens: int = _doc("compute LM head + loss over chunks of this many tokens, never the full logits "
                              "(docs/chunked.md; 0 = off)", default=0)
+    chunk_backward: ChunkBackward = _doc(
+        "gradient of the chunked head: rows (formed per chunk in forward) | vocab_blocks (logits recomputed per "
+        "vocabulary block in backward, DeepSpeed's fused-head scheme) | auto (vocab_blocks for chunks under 1024 "
+        "tokens on GPUs, 32 on CPU)", default="auto")
     check_every_step: bool = _doc("debug: re-check labels and the vocabulary-shard layout on every micro-batch "
                                   "(host syncs; normally checked once at start-up)", default=False)
 

@@ -37,6 +37,7 @@ model's output.
 from __future__ import annotations
 
 import functools
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -62,6 +63,7 @@ class _Plan:
     settings: NTLSettings
     with_ntl: bool
     chunk_tokens: int
+    backward: str  # "rows" or "vocab_blocks" (CHUNK_BACKWARDS; "auto" resolved by `resolve_chunk_backward`)
     shard: VocabShard  # where the head's rows sit in the vocabulary
     check_inputs: bool  # host checks (shard layout, labels in the vocabulary); False: no host sync
 
@@ -88,6 +90,10 @@ class _ChunkedHeadObjective(torch.autograd.Function):
         target_cols, target_owned = shard.local_targets(flat_labels, width, settings.ignore_index)
         need_hidden_grad, need_weight_grad, need_bias_grad = need_grads
         need_any_grad = any(need_grads)
+        # "rows": the CE gradient is accumulated here, chunk by chunk; "vocab_blocks": forward keeps the row
+        # statistics only and backward recomputes the logits a vocabulary block at a time.
+        grads_in_forward = need_any_grad and plan.backward == "rows"
+        need_hidden_grad, need_weight_grad, need_bias_grad = (want and grads_in_forward for want in need_grads)
 
         shift = torch.empty(n, dtype=dtype, device=device)
         sum_exp = torch.empty(n, dtype=dtype, device=device)
@@ -111,7 +117,7 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                 shard.tp_group, exp_in_place=True)
             shift[rows], sum_exp[rows], target_logit[rows], number_logits[rows] = (
                 chunk_shift, table[:, 0], table[:, 1], table[:, 2:])
-            if need_any_grad:
+            if grads_in_forward:
                 # logit gradient of ce_sum: valid * softmax - onehot(target), written over probs
                 probs.mul_((valid[rows].to(dtype) / table[:, 0]).unsqueeze(1))
                 probs.scatter_add_(1, target_cols[rows].unsqueeze(1), target_owned[rows].to(dtype).neg().unsqueeze(1))
@@ -119,12 +125,15 @@ class _ChunkedHeadObjective(torch.autograd.Function):
             del probs
 
         stats = ShardStats(shift, sum_exp, target_logit, number_logits)
-        result, ntl_grads = _objective_from_stats(stats, plan, need_any_grad)
+        result, ntl_grads = _objective_from_stats(stats, plan, need_any_grad, dense_reweigh=not grads_in_forward)
         ctx.plan, ctx.columns, ctx.need_grads = plan, columns, need_grads
         ctx.grads_ce = (hidden_grad_ce, weight_grad, bias_grad)
         ctx.ntl_grads = ntl_grads
         ctx.weight, ctx.bias = weight, bias  # parameters: gathered again by ZeRO-3 before backward
-        ctx.save_for_backward(hidden, shift)
+        if grads_in_forward or not need_any_grad:
+            ctx.save_for_backward(hidden, shift)
+        else:
+            ctx.save_for_backward(hidden, shift, sum_exp, valid, target_cols, target_owned)
         ctx.used = False
         return result
 
@@ -135,12 +144,15 @@ class _ChunkedHeadObjective(torch.autograd.Function):
             raise RuntimeError("the chunked CE + NTL objective keeps one set of precomputed gradients and supports "
                                "a single backward pass (do not use retain_graph=True through it)")
         ctx.used = True
+        grads_of = ObjectiveSums.unstack(grad_packed)  # only ce_sum and ntl_sum are differentiable
+        grad_ce, grad_ntl = grads_of.ce_sum, grads_of.ntl_sum
+        if ctx.plan.backward == "vocab_blocks":
+            hidden_grad, weight_grad, bias_grad = _vocab_block_grads(ctx, grad_ce, grad_ntl)
+            return _finish_grads(ctx, hidden_grad, weight_grad, bias_grad)
         hidden, shift = ctx.saved_tensors
         weight, bias, columns, plan = ctx.weight, ctx.bias, ctx.columns, ctx.plan
         hidden_grad, weight_grad, bias_grad = ctx.grads_ce
         ctx.grads_ce = (None, None, None)
-        grads_of = ObjectiveSums.unstack(grad_packed)  # only ce_sum and ntl_sum are differentiable
-        grad_ce, grad_ntl = grads_of.ce_sum, grads_of.ntl_sum
         for grad in (hidden_grad, weight_grad, bias_grad):
             if grad is not None:
                 grad.mul_(grad_ce.to(grad.dtype))
@@ -166,16 +178,103 @@ class _ChunkedHeadObjective(torch.autograd.Function):
                     probs.mul_((reweigh_grad[first:first + plan.chunk_tokens] * grad_ntl).unsqueeze(1))
                     _accumulate_grads(probs, chunk, weight, rows, hidden_grad, weight_grad, bias_grad)
                     del probs  # before the next chunk's logits exist
-        if hidden_grad is not None and plan.shard.is_split:
-            # each rank holds the contribution of its vocabulary shard
-            dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.shard.tp_group)
+        return _finish_grads(ctx, hidden_grad, weight_grad, bias_grad)
+
+
+def _finish_grads(ctx, hidden_grad: torch.Tensor | None, weight_grad: torch.Tensor | None,
+                  bias_grad: torch.Tensor | None) -> tuple:
+    """All-reduce the hidden gradient over the TP group and cast the accumulators to the inputs' dtypes."""
+    plan = ctx.plan
+    if hidden_grad is not None and plan.shard.is_split:
+        # each rank holds the contribution of its vocabulary shard
+        dist.all_reduce(hidden_grad, op=dist.ReduceOp.SUM, group=plan.shard.tp_group)
+    if bias_grad is not None:
+        bias_grad = bias_grad.to(ctx.bias.dtype)
+    if weight_grad is not None:
+        weight_grad = weight_grad.to(ctx.weight.dtype)
+    if hidden_grad is not None:
+        hidden_grad = hidden_grad.to(ctx.saved_tensors[0].dtype)
+    return hidden_grad, weight_grad, bias_grad, None, None
+
+
+def _vocab_block_grads(ctx, grad_ce: torch.Tensor, grad_ntl: torch.Tensor) -> tuple:
+    """The gradients of `grad_ce * ce_sum + grad_ntl * ntl_sum` from the logits recomputed one vocabulary block
+    at a time over all rows (`backward="vocab_blocks"`): each block's logit gradient is
+    `exp(z - shift) * row_scale - grad_ce * onehot(target) + grad_ntl * dntl/dnumber_logits`, where `row_scale`
+    carries the softmax of CE and, with reweigh, `grad_ntl * dntl/dsum_exp`; its products give that block's
+    rows of the weight gradient (one GEMM over all rows, written once) and its part of the hidden gradient
+    (float32 accumulator). The blocks hold as many logits as a forward chunk. No collective, no host sync."""
+    hidden, shift, sum_exp, valid, target_cols, target_owned = ctx.saved_tensors
+    weight, bias, plan = ctx.weight, ctx.bias, ctx.plan
+    need_hidden_grad, need_weight_grad, need_bias_grad = ctx.need_grads
+    n, width = hidden.shape[0], weight.shape[0]
+    dtype = shift.dtype
+    row_scale = valid.to(dtype) * grad_ce.to(dtype) / sum_exp
+    target_grad = target_owned.to(dtype) * grad_ce.to(dtype).neg()
+    number_grad = None
+    if ctx.ntl_grads is not None:
+        number_grad, _, reweigh_grad = ctx.ntl_grads
+        number_grad = number_grad * grad_ntl.to(dtype)
+        if reweigh_grad is not None:
+            row_scale = row_scale + reweigh_grad * grad_ntl.to(dtype)
+    hidden_grad = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden_grad else None
+    weight_grad = torch.empty_like(weight) if need_weight_grad else None
+    bias_grad = torch.empty(width, dtype=dtype, device=hidden.device) if need_bias_grad else None
+    block_cols = vocab_block_columns(n, width, plan.chunk_tokens)
+    numbers_in_block = _number_columns_by_block(plan.number_vocab, plan.shard.start, width, block_cols, hidden.device)
+    for first in range(0, width, block_cols):
+        last = min(first + block_cols, width)
+        logits = F.linear(hidden, weight[first:last], None if bias is None else bias[first:last])
+        grad = logits.to(dtype) if logits.dtype != dtype else logits
+        del logits
+        grad.sub_(shift.unsqueeze(1)).exp_().mul_(row_scale.unsqueeze(1))
+        in_block = target_owned & (target_cols >= first) & (target_cols < last)
+        grad.scatter_add_(1, (target_cols - first).clamp_(0, last - first - 1).unsqueeze(1),
+                          torch.where(in_block, target_grad, 0.0).unsqueeze(1))
+        block_numbers = numbers_in_block.get(first)
+        if number_grad is not None and block_numbers is not None:
+            block_cols_of_numbers, slots = block_numbers
+            grad.index_add_(1, block_cols_of_numbers, number_grad.index_select(1, slots))
         if bias_grad is not None:
-            bias_grad = bias_grad.to(bias.dtype)
+            torch.sum(grad, 0, out=bias_grad[first:last])
+        low = grad.to(weight.dtype)
         if weight_grad is not None:
-            weight_grad = weight_grad.to(weight.dtype)
+            torch.mm(low.t(), hidden, out=weight_grad[first:last])
         if hidden_grad is not None:
-            hidden_grad = hidden_grad.to(hidden.dtype)
-        return hidden_grad, weight_grad, bias_grad, None, None
+            if hidden_grad.dtype == weight.dtype:
+                hidden_grad.addmm_(low, weight[first:last])
+            elif _has_low_precision_gemm_into_float32(hidden_grad.device):
+                torch.addmm(hidden_grad, low, weight[first:last], out_dtype=hidden_grad.dtype, out=hidden_grad)
+            else:  # e.g. CPU: no bf16 x bf16 -> float32 GEMM
+                hidden_grad.addmm_(grad, weight[first:last].to(dtype))
+        del grad, low
+    return hidden_grad, weight_grad, bias_grad
+
+
+def vocab_block_columns(rows: int, width: int, chunk_tokens: int) -> int:
+    """Vocabulary columns per backward block of `backward="vocab_blocks"`: a block of `rows` rows holds about as
+    many logits as a forward chunk (`chunk_tokens x width`)."""
+    return max(1, min(width, math.ceil(width * chunk_tokens / max(rows, 1))))
+
+
+def _number_columns_by_block(number_vocab: NumberVocab, start: int, width: int, block_cols: int,
+                             device: torch.device) -> dict:
+    """`{block's first column: (columns of its number tokens relative to the block, their slots k)}` for the
+    blocks that hold number tokens, worked out on the host once per layout (no host sync per call)."""
+    def make() -> dict:
+        by_block: dict[int, tuple[list[int], list[int]]] = {}
+        for k, token_id in enumerate(number_vocab.token_ids):
+            col = token_id - start
+            if 0 <= col < width:
+                first = col // block_cols * block_cols
+                cols, slots = by_block.setdefault(first, ([], []))
+                cols.append(col - first)
+                slots.append(k)
+        return {first: (torch.tensor(cols, dtype=torch.long, device=device),
+                        torch.tensor(slots, dtype=torch.long, device=device))
+                for first, (cols, slots) in by_block.items()}
+
+    return number_vocab._cached(("vocab_blocks", start, width, block_cols, torch.device(device)), make)
 
 
 def _accumulate_grads(logit_grad: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor, rows: slice | torch.Tensor,
@@ -220,9 +319,11 @@ def _has_low_precision_gemm_into_float32(device: torch.device) -> bool:
         return False
 
 
-def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
+def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool, dense_reweigh: bool):
     """CE and NTL sums (`objective.sums_from_stats`) from the reduced statistics, stacked
-    (`ObjectiveSums.stack`); and, when gradients are wanted, the gradient of `ntl_sum` w.r.t. the statistics."""
+    (`ObjectiveSums.stack`); and, when gradients are wanted, the gradient of `ntl_sum` w.r.t. the statistics:
+    `(number_grad [n, K], reweigh_rows, reweigh_grad)`, with reweigh the rows that carry a `sum_exp` gradient and
+    that gradient (`dense_reweigh`: `reweigh_rows` None and the gradient of every row, no host sync)."""
     settings = plan.settings
     want_ntl_grads = need_grads and plan.with_ntl
     with torch.enable_grad():
@@ -239,6 +340,8 @@ def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool):
     number_grad = grads[0] if grads[0] is not None else torch.zeros_like(number_logits)
     if not settings.reweigh or grads[1] is None:
         return packed, (number_grad, None, None)
+    if dense_reweigh:
+        return packed, (number_grad, None, grads[1])
     # the one host sync of the chunked head, reweigh only: how many rows backward recomputes (recomputing
     # every row instead would cost a second full head pass)
     reweigh_rows = torch.nonzero(grads[1]).flatten()
@@ -323,7 +426,7 @@ def _armed(head: torch.nn.Module, plan: _Plan) -> Iterator[_HeadCall]:
 
 def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings,
                chunk_tokens: int, shard: VocabShard | None, loss_weights: torch.Tensor | None, with_ntl: bool,
-               check_inputs: bool) -> _Plan:
+               check_inputs: bool, backward: str) -> _Plan:
     check_loss_inputs(labels, number_vocab, loss_weights, check_values=check_inputs)
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive number of tokens per chunk, got {chunk_tokens!r}")
@@ -340,13 +443,43 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
                          f"{head_shard.start}); pass no shard (the head's own) or shard=vocab_shard_of(model), got "
                          f"{shard}")
     return _Plan(labels=labels, loss_weights=loss_weights, number_vocab=number_vocab, settings=settings,
-                 with_ntl=with_ntl, chunk_tokens=chunk_tokens, shard=shard, check_inputs=check_inputs)
+                 with_ntl=with_ntl, chunk_tokens=chunk_tokens,
+                 backward=resolve_chunk_backward(backward, chunk_tokens, labels.numel(), labels.device.type),
+                 shard=shard,
+                 check_inputs=check_inputs)
+
+
+CHUNK_BACKWARDS = ("auto", "rows", "vocab_blocks")
+# "auto" takes "vocab_blocks" for chunks of fewer rows than this: there the per-chunk float32 read-modify-write
+# of the [V_local, H] weight gradient ("rows") costs more than the extra logit GEMM of "vocab_blocks". The
+# crossover is about 4x the device's FLOP/byte ratio: measured at 32 rows on a 2-core CPU in float32
+# (docs/chunked.md); for GPUs in bf16 (about 200-300 FLOP/byte on H100/H200) estimated, not measured.
+ROWS_BACKWARD_MIN_CHUNK_TOKENS = {"cpu": 32}
+ROWS_BACKWARD_MIN_CHUNK_TOKENS_ACCELERATOR = 1024  # CUDA and any other device
+
+
+def resolve_chunk_backward(backward: str, chunk_tokens: int, rows: int, device_type: str) -> str:
+    """The gradient algorithm of the chunked head, "rows" or "vocab_blocks", for `backward` (CHUNK_BACKWARDS).
+
+    "rows": each chunk's logit gradient is formed in forward and multiplied into the hidden and weight
+    gradients at once (three GEMMs over the logits in all; one `[V_local, H]` float32 accumulation per chunk).
+    "vocab_blocks" (DeepSpeed's fused head's scheme): forward keeps the row statistics, backward recomputes the
+    logits one vocabulary block at a time over all rows (four GEMMs; each weight-gradient block written once).
+    "auto": "rows" when one chunk takes every row or chunks have at least ROWS_BACKWARD_MIN_CHUNK_TOKENS rows
+    for `device_type`, "vocab_blocks" otherwise.
+    """
+    if backward not in CHUNK_BACKWARDS:
+        raise ValueError(f"backward must be one of {', '.join(CHUNK_BACKWARDS)}, got {backward!r}")
+    if backward != "auto":
+        return backward
+    threshold = ROWS_BACKWARD_MIN_CHUNK_TOKENS.get(device_type, ROWS_BACKWARD_MIN_CHUNK_TOKENS_ACCELERATOR)
+    return "rows" if chunk_tokens >= min(rows, threshold) else "vocab_blocks"
 
 
 def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab,
                         settings: NTLSettings = NTLSettings(), *, chunk_tokens: int, shard: VocabShard | None = None,
                         loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
-                        check_inputs: bool = True) -> ObjectiveSums:
+                        check_inputs: bool = True, backward: str = "auto") -> ObjectiveSums:
     """`ce_ntl_sums(head(hidden), labels, ...)` without ever holding more than `chunk_tokens` rows of logits.
 
     Same meaning, values and gradients (float32 round-off) as `objective.ce_ntl_sums` on the head's
@@ -367,10 +500,13 @@ def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: tor
         shard: where the head's rows sit in the vocabulary; None: the head's own (`vocab_shard_of(head)`:
             AutoTP's VocabParallelLinear knows its shard, any other head is the full vocabulary). Give it
             for a head that holds one shard without knowing it (a plain `nn.Linear` of the shard's rows).
-        check_inputs: as in `ce_ntl_sums` (False: no host sync, except the one of reweigh, see
-            docs/chunked.md).
+        check_inputs: as in `ce_ntl_sums` (False: no host sync, except the one of reweigh with
+            `backward="rows"`, see docs/chunked.md).
+        backward: how the gradient is computed, "rows", "vocab_blocks" or "auto" (`resolve_chunk_backward`);
+            the values and gradients are the same, the cost differs.
     """
-    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs)
+    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs,
+                      backward)
     with _armed(head, plan) as call:
         packed = head(hidden)
     if call.computed is None:
@@ -383,7 +519,7 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
                               number_vocab: NumberVocab, settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
                               shard: VocabShard | None = None, loss_weights: torch.Tensor | None = None,
                               with_ntl: bool = True,
-                              check_inputs: bool = True) -> ObjectiveSums:
+                              check_inputs: bool = True, backward: str = "auto") -> ObjectiveSums:
     """Forward of a causal LM (a DeepSpeed engine or a HF model) with its head replaced by the chunked
     CE + NTL objective; the replacement for `ce_ntl_sums(model(**inputs).logits, labels, ...)`.
 
@@ -401,7 +537,8 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
     if "labels" in inputs:
         raise ValueError("do not pass labels to the model: it would compute its own loss on the head's output; "
                          "pass them to chunked_model_ce_ntl_sums")
-    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs)
+    plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs,
+                      backward)
     with _armed(head, plan) as call:
         output = model(**inputs)
     if call.computed is None:

@@ -1,5 +1,5 @@
 """Worker: the chunked CE + NTL head on a vocabulary shard of the LM head over a TP group equals the
-single-process unchunked objective on the full head.
+single-process unchunked objective on the full head, with either gradient algorithm (rows, vocab blocks).
 
 Every rank builds the same hidden states and full head, computes the reference (full logits,
 `ce_ntl_sums`), then the chunked objective on its own rows of the head (a `VocabParallelLinear`-like
@@ -30,6 +30,7 @@ NUMBER_IDS = [3, 9, 17, 22, 30, 35, 41, 47, 52, 58]
 SETTINGS = [NTLSettings(variant=v, reweigh=r) for v, r in itertools.product(
     ["was", "mse", "mae", "huber", "number_level"], [False, True])] + [
     NTLSettings(variant="was", squash_factor=3.0), NTLSettings(variant="was", smoothing_sigma=0.8)]
+BACKWARDS = ("rows", "vocab_blocks")
 
 
 def make_inputs(seed: int):
@@ -56,7 +57,7 @@ def objective(sums):
     return sums.ce_sum * sums.ntl_sum + 0.3 * sums.ce_sum - 0.7 * sums.ntl_sum
 
 
-def check(settings, tp_group, tp_rank, tp_size, uneven, chunk_tokens, seed) -> float:
+def check(settings, tp_group, tp_rank, tp_size, uneven, chunk_tokens, seed, backward) -> float:
     vocab = NumberVocab(tuple(NUMBER_IDS), tuple(float(v) for v in (7, 3, 0, 9, 1, 5, 2, 8, 4, 6)), TOKENIZER_SIZE)
     hidden, weight, labels = make_inputs(seed)
     start, end = shard_bounds(tp_rank, tp_size, uneven)
@@ -70,7 +71,7 @@ def check(settings, tp_group, tp_rank, tp_size, uneven, chunk_tokens, seed) -> f
     head.weight.data = weight[start:end].clone()
     ours_hidden = hidden.clone().requires_grad_()
     sums = chunked_ce_ntl_sums(ours_hidden, head, labels, vocab, settings, chunk_tokens=chunk_tokens,
-                               shard=VocabShard(tp_group, start))
+                               shard=VocabShard(tp_group, start), backward=backward)
     objective(sums).backward()
     errors = [relative_error(objective(sums), objective(reference)),
               relative_error(ours_hidden.grad, ref_hidden_grad),
@@ -84,10 +85,11 @@ def main() -> None:
     tp_group, tp_rank, tp_size, rank, world = tp_groups_from_args()
 
     worst = 0.0
-    for index, (settings, uneven, chunk_tokens) in enumerate(itertools.product(SETTINGS, (False, True), (4, 30))):
+    cases = itertools.product(SETTINGS, (False, True), (4, 30), BACKWARDS)
+    for index, (settings, uneven, chunk_tokens, backward) in enumerate(cases):
         # data-parallel groups see different data; TP ranks of a group the same
         worst = max(worst, check(settings, tp_group, tp_rank, tp_size, uneven, chunk_tokens,
-                                 seed=index * 10 + rank // tp_size))
+                                 seed=index * 10 + rank // tp_size, backward=backward))
     assert worst < 1e-11, worst
 
     # collectives of one call: the layout check (one SUM, check_inputs=True by default), per chunk one MAX and
@@ -100,10 +102,13 @@ def main() -> None:
         return original(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_reduce = counting
-    check(NTLSettings(variant="number_level", reweigh=True), tp_group, tp_rank, tp_size, False, 8, seed=99)
-    dist.all_reduce = original
     chunks = -(-ROWS * LENGTH // 8)
-    assert dict(calls) == {"MAX": chunks, "SUM": chunks + 2}, dict(calls)
+    for backward in BACKWARDS:
+        calls.clear()
+        check(NTLSettings(variant="number_level", reweigh=True), tp_group, tp_rank, tp_size, False, 8, seed=99,
+              backward=backward)
+        assert dict(calls) == {"MAX": chunks, "SUM": chunks + 2}, (backward, dict(calls))
+    dist.all_reduce = original
 
     # the full head passed as one shard of a TP group: every rank raises, none hangs
     vocab = NumberVocab(tuple(NUMBER_IDS), tuple(float(v) for v in range(10)), TOKENIZER_SIZE)
