@@ -102,6 +102,9 @@ def test_resize_while_loading_equals_the_full_model_resize(tmp_path, tokenizer_d
     for name, tensor in expected.items():
         torch.testing.assert_close(result["state"][name], tensor.detach(), rtol=0, atol=1e-6, msg=name)
     assert result["tied"] and result["config_vocab"] == resize.new_rows
+    # the tied head's own weight is never partitioned (tie_weights replaces it): that would be a second copy of
+    # the embedding's share while the model is built
+    assert result["converted_elements"] == sum(result["full"].values())
     assert result["report"]["resized_from"] == old_rows and result["report"]["vocab_size"] == resize.new_rows
     _assert_held_a_share(result)
 

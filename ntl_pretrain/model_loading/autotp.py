@@ -110,6 +110,16 @@ def _fill_slice(param: torch.Tensor, reader: _Reader, key: str, grown: _GrownRow
     first, last = (start, start + size) if dim == 0 else (0, rows_total)
     flat = out.view(rows_total if dim == 1 else size, -1)
     file_row = math.prod(reader.shape(key)[1:])  # elements of one row as read (the full width)
+    if grown is None and reader.dtype(key) == out.dtype and out.is_contiguous():
+        # straight from the file into the slice: rows [start, start + size) are one range; a column slice is
+        # one range per row
+        with torch.no_grad():
+            if dim == 0:
+                reader.read_into(key, start * file_row, out)
+            else:
+                for row in range(rows_total):
+                    reader.read_into(key, row * file_row + start, out[row])
+        return out
     chunk_rows = max(1, READ_CHUNK_BYTES // (file_row * out.element_size()))
     with torch.no_grad():
         for chunk_first in range(first, last, chunk_rows):
@@ -118,6 +128,7 @@ def _fill_slice(param: torch.Tensor, reader: _Reader, key: str, grown: _GrownRow
             if dim == 1:
                 values = values.narrow(1, start, size)
             flat[chunk_first - first: chunk_last - first].copy_(values.to(out.dtype))
+            del values  # before the next read: two read buffers at once were 2 x READ_CHUNK_BYTES of peak
     return out
 
 

@@ -105,6 +105,24 @@ class _Reader:
             return torch.empty(0, row_elements, dtype=dtype)
         return torch.frombuffer(buffer, dtype=dtype).reshape(stop - start, row_elements)
 
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The torch dtype of tensor `name` in its file (None for one the partitioned load does not read)."""
+        return _SAFETENSORS_DTYPES.get(self._entry(name)[2]["dtype"])
+
+    def read_into(self, name: str, first_element: int, out: torch.Tensor) -> None:
+        """Elements `[first_element, first_element + out.numel())` of tensor `name` (row-major) straight into
+        `out`, a contiguous CPU tensor of the file's dtype: one file read, no intermediate buffer (a buffer per
+        read, freed and allocated again, fragments the heap: it was up to 0.1x of the model in peak RSS)."""
+        handle, data_start, entry = self._entry(name)
+        if out.dtype != _SAFETENSORS_DTYPES.get(entry["dtype"]) or not out.is_contiguous():
+            raise ValueError(f"read_into needs a contiguous {entry['dtype']} tensor for {name!r}, got {out.dtype}")
+        if not out.numel():
+            return
+        target = memoryview(out.view(-1).view(torch.uint8).numpy())
+        handle.seek(data_start + entry["data_offsets"][0] + first_element * out.element_size())
+        if handle.readinto(target) != len(target):
+            raise ValueError(f"{self.files[name]!r} is truncated (tensor {name!r}); download it again")
+
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor `name` (for small ones: buffers)."""
         shape = self.shape(name)

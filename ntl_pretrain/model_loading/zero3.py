@@ -24,18 +24,53 @@ def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
     return tp_size == 1 or int(ds_config.get("tensor_parallel", {}).get("autotp_size", 0) or 1) == tp_size
 
 
-def _init_without_broadcast(ds_config: dict, data_parallel_group: Any = None) -> Any:
+def _init_without_broadcast(ds_config: dict, data_parallel_group: Any = None,
+                            tied_head_shape: tuple[int, int] | None = None) -> Any:
     """A `deepspeed.zero.Init` context that partitions each parameter as it is built without first
     broadcasting rank 0's values: every rank builds the same values (same seed), or the files overwrite
-    them; a full tensor that is allocated but never written never becomes resident."""
+    them; a full tensor that is allocated but never written never becomes resident.
+
+    `tied_head_shape` (`(vocab, hidden)` of a model that ties its output head to its input embedding, when
+    the files give the values): the head `nn.Linear`'s own weight is left empty (`TIED_HEAD_PLACEHOLDER`)
+    instead of partitioned, since `tie_weights` replaces it with the embedding's; its partition would be a
+    second copy of the embedding's share until then (0.14x of Qwen2.5-0.5B)."""
     import deepspeed
 
     class InitWithoutBroadcast(deepspeed.zero.Init):
+        def _post_init_method(self, module: torch.nn.Module) -> None:
+            weight = getattr(module, "weight", None)
+            if (tied_head_shape is not None and isinstance(module, torch.nn.Linear) and weight is not None
+                    and tuple(weight.shape) == tied_head_shape):
+                weight.data = torch.empty(0, dtype=weight.dtype)
+                setattr(weight, TIED_HEAD_PLACEHOLDER, True)
+            super()._post_init_method(module)
+
         def _zero_init_param(self, param: torch.nn.Parameter) -> None:
             self._convert_to_deepspeed_param(param)
             param.partition()
 
     return InitWithoutBroadcast(config_dict_or_path=ds_config, data_parallel_group=data_parallel_group)
+
+
+TIED_HEAD_PLACEHOLDER = "_ntl_tied_head_placeholder"  # marks the empty head weight that tie_weights must replace
+
+
+def _tied_head_shape(config: Any) -> tuple[int, int] | None:
+    """`(vocab, hidden)` of the output head when the config ties it to the input embedding, else None."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return None
+    vocab, hidden = getattr(text_config, "vocab_size", None), getattr(text_config, "hidden_size", None)
+    return (int(vocab), int(hidden)) if vocab and hidden else None
+
+
+def _check_tied_head_replaced(model: torch.nn.Module) -> None:
+    """After `tie_weights`: no parameter is still the empty placeholder of a tied head."""
+    left = [name for name, param in model.named_parameters() if getattr(param, TIED_HEAD_PLACEHOLDER, False)]
+    if left:
+        raise ValueError(f"the config ties the output head to the input embedding, but after tie_weights "
+                         f"{', '.join(left)} is still its own (untied) parameter; set model.partitioned_load=false "
+                         f"for this model")
 
 
 def _prevent_arange_dtype_change() -> Any:
@@ -47,7 +82,7 @@ def _prevent_arange_dtype_change() -> Any:
 
 
 @contextlib.contextmanager
-def zero3_construction(ds_config: dict) -> Iterator[None]:
+def zero3_construction(ds_config: dict, tied_head_shape: tuple[int, int] | None = None) -> Iterator[None]:
     """Models built inside are partitioned module by module as they are built (`deepspeed.zero.Init`),
     with weight initialisation skipped: transformers' own ZeRO-3 construction (`_from_config` under an
     active HfDeepSpeedConfig) minus its `initialize_weights_zero3`, which would gather every module on
@@ -58,7 +93,8 @@ def zero3_construction(ds_config: dict) -> Iterator[None]:
         from transformers.modeling_utils import no_init_weights
     from transformers.modeling_utils import set_zero3_state
 
-    with no_init_weights(), _prevent_arange_dtype_change(), _init_without_broadcast(ds_config), set_zero3_state():
+    with no_init_weights(), _prevent_arange_dtype_change(), _init_without_broadcast(ds_config, None, tied_head_shape), \
+            set_zero3_state():
         yield
 
 
@@ -124,6 +160,10 @@ def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, grown: _Grow
         partition.zero_()  # the alignment padding past the last element
         if start >= stop:
             return
+        if grown is None and reader.dtype(key) == partition.dtype:
+            # the partition is a contiguous range of the flattened tensor, so of the file: read it in place
+            reader.read_into(key, start, partition.narrow(0, 0, stop - start))
+            return
         # rows [first, last) hold the elements [start, stop); read in chunks of about READ_CHUNK_BYTES
         first, last = start // row, -(-stop // row)
         chunk_rows = max(1, READ_CHUNK_BYTES // (row * partition.element_size()))
@@ -133,6 +173,7 @@ def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, grown: _Grow
             lo, hi = max(start, chunk_first * row), min(stop, chunk_last * row)
             flat = values.reshape(-1)[lo - chunk_first * row: hi - chunk_first * row]
             partition.narrow(0, lo - start, hi - lo).copy_(flat.to(partition.dtype))
+            del values, flat  # before the next read: two read buffers at once were 2 x READ_CHUNK_BYTES of peak
 
 
 def _check_shapes(params: dict[str, torch.Tensor], reader: _Reader, keys: dict[str, str], grown: set[str],
@@ -197,10 +238,11 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
     from transformers import AutoModelForCausalLM
 
     files = safetensors_files(folder)
-    with zero3_construction(ds_config):
+    with zero3_construction(ds_config, _tied_head_shape(config)):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
     model.tie_weights()  # as transformers' ZeRO-3 construction does after building
+    _check_tied_head_replaced(model)
     with _Reader(files) as reader:
         keys, vocab_params = _file_keys(model, folder, files, reader, row_plan)
         for name, param in model.named_parameters():

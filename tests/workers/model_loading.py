@@ -2,7 +2,8 @@
 to `deepspeed.initialize`, then save (rank 0) the full weights (T=1: every parameter gathered; T=2: DeepSpeed's
 own 16-bit export, `engine.save_16bit_model`, which gathers the ZeRO partitions and the TP slices), the logits
 of a fixed batch (the TP ranks' vocabulary shards concatenated), the model report, and how many elements of
-each parameter each rank held before `deepspeed.initialize` and after it.
+each parameter each rank held before `deepspeed.initialize` and after it, and how many elements ZeRO-3
+partitioned while the model was built (a tied head's own weight, replaced by `tie_weights`, must not be).
 
     model_loading.py MODEL_DIR|- TOKENIZER_DIR OUT.pt PARTITIONED(0|1) RESIZE(0|1) TP(1|2) [ARCH_JSON]
 
@@ -52,7 +53,16 @@ def main() -> None:
                  "steps_per_print": 2**31 - 1}
     if tp_size > 1:
         ds_config["tensor_parallel"] = {"autotp_size": tp_size, "vocab_parallel_lm_head": True}
+    converted = []  # full sizes of the parameters ZeRO-3 partitions while the model is built
+    convert = deepspeed.zero.Init._convert_to_deepspeed_param
+
+    def counting_convert(self, param):
+        converted.append(int(param.numel()))
+        return convert(self, param)
+
+    deepspeed.zero.Init._convert_to_deepspeed_param = counting_convert
     model, report = build_model(cfg, tokenizer, tp_size, ds_config)
+    deepspeed.zero.Init._convert_to_deepspeed_param = convert
     held_before = _held(model)  # what this rank holds of each parameter before DeepSpeed sees the model
     full = {name: int(p.ds_numel if hasattr(p, "ds_numel") else p.numel()) for name, p in model.named_parameters()}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -80,7 +90,8 @@ def main() -> None:
     if rank == 0:
         torch.save({"state": state, "logits": logits, "report": asdict(report), "held": held, "full": full,
                     "tied": engine.module.get_output_embeddings().weight is engine.module.get_input_embeddings().weight,
-                    "config_vocab": int(engine.module.config.vocab_size)}, out_path)
+                    "config_vocab": int(engine.module.config.vocab_size), "converted_elements": sum(converted)},
+                   out_path)
     torch.distributed.barrier()
 
 
