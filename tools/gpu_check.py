@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 import bench_loss  # noqa: E402  (stdlib only at import time)
-from run_repro import _stop, free_port  # noqa: E402
+from run_repro import free_port, stop_process_group  # noqa: E402
 
 # Qwen2.5-0.5B's published architecture (config.json of Qwen/Qwen2.5-0.5B), written out: no hub access.
 QWEN25_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -217,7 +217,7 @@ def run_process(command: list[str], timeout: float, log_path: Path, env: dict) -
         try:
             code = process.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
-            _stop(process)  # the whole group: the launcher and its rank
+            stop_process_group(process)  # the whole group: the launcher and its rank
             return "timeout", f"stopped after its budget of {timeout:.0f} s (log {log_path})"
     if code != 0:
         return "failed", f"exit code {code}: {log_tail(log_path)} (log {log_path})"

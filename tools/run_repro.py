@@ -112,7 +112,7 @@ _LIVE: set[subprocess.Popen] = set()  # runs in progress, stopped when this scri
 _LIVE_LOCK = threading.Lock()
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_process_group(process: subprocess.Popen) -> None:
     """Terminate a run's process group, then kill it if it has not exited within 30 s."""
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
@@ -155,10 +155,10 @@ def run_one(config: str, output_dir: str, seed: int, overrides: Sequence[str], p
         try:
             returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop(process)
+            stop_process_group(process)
             raise SystemExit(f"error: {shown} ran longer than --timeout {timeout:.0f} s; see {log_path}") from None
         except BaseException:
-            _stop(process)
+            stop_process_group(process)
             raise
         finally:
             with _LIVE_LOCK:
@@ -184,7 +184,7 @@ def run_all(tasks: Sequence[Any], jobs: int) -> None:
         with _LIVE_LOCK:
             live = list(_LIVE)
         for process in live:
-            _stop(process)
+            stop_process_group(process)
         raise
     pool.shutdown(wait=True)
 
