@@ -63,7 +63,7 @@ def build_methods(tp: int, names: list[str]):
     import torch.nn.functional as F
 
     from ntl_pretrain.loss import NTLSettings, ce_ntl_loss
-    from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums
+    from ntl_pretrain.loss.chunked import CHUNK_BACKWARDS, chunked_ce_ntl_sums
 
     def ours(variant: str | None, reweigh: bool = False):
         settings = NTLSettings(variant=variant or "was", reweigh=reweigh)
@@ -142,7 +142,7 @@ def build_methods(tp: int, names: list[str]):
     for objective, (variant, reweigh) in objectives.items():
         table[f"head_{objective}"] = head(variant, reweigh)
         table[f"chunked_{objective}"] = chunked(variant, reweigh)  # backward="auto"
-        for backward in ("rows", "vocab_blocks"):  # e.g. chunked_was@vocab_blocks: that gradient algorithm
+        for backward in CHUNK_BACKWARDS[1:]:  # after "auto": e.g. chunked_was@vocab_blocks, that algorithm
             table[f"chunked_{objective}@{backward}"] = chunked(variant, reweigh, backward)
     if tp == 1:
         table.update({"ntloss_was": reference(False), "ntloss_was_reweigh": reference(True)})

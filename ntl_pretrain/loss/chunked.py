@@ -221,7 +221,6 @@ def _vocab_block_grads(ctx, grad_ce: torch.Tensor, grad_ntl: torch.Tensor) -> tu
     weight_grad = torch.empty_like(weight) if need_weight_grad else None
     bias_grad = torch.empty(width, dtype=dtype, device=hidden.device) if need_bias_grad else None
     block_cols = vocab_block_columns(n, width, plan.chunk_tokens)
-    numbers_in_block = _number_columns_by_block(plan.number_vocab, plan.shard.start, width, block_cols, hidden.device)
     for first in range(0, width, block_cols):
         last = min(first + block_cols, width)
         logits = F.linear(hidden, weight[first:last], None if bias is None else bias[first:last])
@@ -231,22 +230,18 @@ def _vocab_block_grads(ctx, grad_ce: torch.Tensor, grad_ntl: torch.Tensor) -> tu
         in_block = target_owned & (target_cols >= first) & (target_cols < last)
         grad.scatter_add_(1, (target_cols - first).clamp_(0, last - first - 1).unsqueeze(1),
                           torch.where(in_block, target_grad, 0.0).unsqueeze(1))
-        block_numbers = numbers_in_block.get(first)
-        if number_grad is not None and block_numbers is not None:
-            block_cols_of_numbers, slots = block_numbers
-            grad.index_add_(1, block_cols_of_numbers, number_grad.index_select(1, slots))
+        if number_grad is not None:
+            # the block's number-token columns: the shard layout's own lookup, for the block's column range
+            block_numbers = NumberColumns.build(plan.number_vocab, plan.shard.start + first, last - first, grad.device)
+            if block_numbers.local_cols.numel():
+                grad.index_add_(1, block_numbers.local_cols, number_grad.index_select(1, block_numbers.slots))
         if bias_grad is not None:
             torch.sum(grad, 0, out=bias_grad[first:last])
         low = grad.to(weight.dtype)
         if weight_grad is not None:
             torch.mm(low.t(), hidden, out=weight_grad[first:last])
         if hidden_grad is not None:
-            if hidden_grad.dtype == weight.dtype:
-                hidden_grad.addmm_(low, weight[first:last])
-            elif _has_low_precision_gemm_into_float32(hidden_grad.device):
-                torch.addmm(hidden_grad, low, weight[first:last], out_dtype=hidden_grad.dtype, out=hidden_grad)
-            else:  # e.g. CPU: no bf16 x bf16 -> float32 GEMM
-                hidden_grad.addmm_(grad, weight[first:last].to(dtype))
+            _add_product(hidden_grad, grad, low, weight[first:last])
         del grad, low
     return hidden_grad, weight_grad, bias_grad
 
@@ -255,26 +250,6 @@ def vocab_block_columns(rows: int, width: int, chunk_tokens: int) -> int:
     """Vocabulary columns per backward block of `backward="vocab_blocks"`: a block of `rows` rows holds about as
     many logits as a forward chunk (`chunk_tokens x width`)."""
     return max(1, min(width, math.ceil(width * chunk_tokens / max(rows, 1))))
-
-
-def _number_columns_by_block(number_vocab: NumberVocab, start: int, width: int, block_cols: int,
-                             device: torch.device) -> dict:
-    """`{block's first column: (columns of its number tokens relative to the block, their slots k)}` for the
-    blocks that hold number tokens, worked out on the host once per layout (no host sync per call)."""
-    def make() -> dict:
-        by_block: dict[int, tuple[list[int], list[int]]] = {}
-        for k, token_id in enumerate(number_vocab.token_ids):
-            col = token_id - start
-            if 0 <= col < width:
-                first = col // block_cols * block_cols
-                cols, slots = by_block.setdefault(first, ([], []))
-                cols.append(col - first)
-                slots.append(k)
-        return {first: (torch.tensor(cols, dtype=torch.long, device=device),
-                        torch.tensor(slots, dtype=torch.long, device=device))
-                for first, (cols, slots) in by_block.items()}
-
-    return number_vocab._cached(("vocab_blocks", start, width, block_cols, torch.device(device)), make)
 
 
 def _accumulate_grads(logit_grad: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor, rows: slice | torch.Tensor,
@@ -295,12 +270,19 @@ def _accumulate_grads(logit_grad: torch.Tensor, chunk: torch.Tensor, weight: tor
         else:
             hidden_grad.index_add_(0, rows, (grad @ weight).to(hidden_grad.dtype))
     if weight_grad is not None:
-        if weight_grad.dtype == weight.dtype:
-            weight_grad.addmm_(grad.t(), chunk.to(weight.dtype))
-        elif _has_low_precision_gemm_into_float32(weight_grad.device):
-            torch.addmm(weight_grad, grad.t(), chunk.to(weight.dtype), out_dtype=weight_grad.dtype, out=weight_grad)
-        else:  # e.g. CPU: no bf16 x bf16 -> float32 GEMM; the float32 logit gradient is at hand
-            weight_grad.addmm_(logit_grad.t(), chunk.to(weight_grad.dtype))
+        _add_product(weight_grad, logit_grad.t(), grad.t(), chunk.to(weight.dtype))
+
+
+def _add_product(accumulator: torch.Tensor, left: torch.Tensor, left_low: torch.Tensor, right: torch.Tensor) -> None:
+    """`accumulator += left @ right` in the accumulator's dtype (float32 for a bf16/fp16 `right`), given `left` in
+    float32 and `left_low` in `right`'s dtype: a low-precision GEMM writing float32 where the device has one, else
+    (e.g. CPU) the float32 product."""
+    if accumulator.dtype == right.dtype:
+        accumulator.addmm_(left_low, right)
+    elif _has_low_precision_gemm_into_float32(accumulator.device):
+        torch.addmm(accumulator, left_low, right, out_dtype=accumulator.dtype, out=accumulator)
+    else:
+        accumulator.addmm_(left, right.to(accumulator.dtype))
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -445,8 +427,7 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
     return _Plan(labels=labels, loss_weights=loss_weights, number_vocab=number_vocab, settings=settings,
                  with_ntl=with_ntl, chunk_tokens=chunk_tokens,
                  backward=resolve_chunk_backward(backward, chunk_tokens, labels.numel(), labels.device.type),
-                 shard=shard,
-                 check_inputs=check_inputs)
+                 shard=shard, check_inputs=check_inputs)
 
 
 CHUNK_BACKWARDS = ("auto", "rows", "vocab_blocks")
