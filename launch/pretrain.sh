@@ -33,19 +33,14 @@ echo "no GPU found: starting $procs CPU processes (DS_ACCELERATOR=$DS_ACCELERATO
 exec "$python_bin" -u -m ntl_pretrain.supervisor --num_gpus "$procs" ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
 ":"""
 # ---------------------------------------------------------------------------------------------- Python
-import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from ntl_pretrain.cli import main  # noqa: E402
+from ntl_pretrain.distributed import run_process  # noqa: E402
 
-code = main()  # raises (traceback, exit 1) only on a bug; errors a user can fix return 2
-# Leave without the interpreter's teardown: by now the process group is destroyed, the lock released and
-# TensorBoard closed; tearing down torch/gloo/DeepSpeed objects at exit is slow (a full garbage collection)
-# and has aborted finished runs ("terminate called without an active exception", rc -6).
-sys.stdout.flush()
-sys.stderr.flush()
-logging.shutdown()
-os._exit(code)
+# main raises (traceback, exit 1) only on a bug; errors a user can fix return 2. By the time it returns the
+# lock is released and TensorBoard closed; run_process leaves without the interpreter's teardown.
+run_process(main)

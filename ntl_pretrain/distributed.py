@@ -8,9 +8,12 @@ identical batches, so data is sharded by DATA-parallel rank only.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
+import traceback
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -123,6 +126,42 @@ def shutdown_distributed() -> None:
     rc -6) after a run that succeeded."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_process(main: Callable[[], int | None]) -> NoReturn:
+    """Run `main` as the whole of a distributed process, then end the process with its exit code (None: 0)
+    without the interpreter's teardown.
+
+    Once `main` is back the work is done: here the process group is destroyed and stdout, stderr and logging
+    are flushed. What is skipped is the destruction of torch/gloo/DeepSpeed objects at interpreter exit,
+    which is slow (a full garbage collection) and has aborted ranks of finished runs ("terminate called
+    without an active exception", rc -6) even after `destroy_process_group`; atexit handlers are skipped
+    too, so `main` closes what it opened. As at a normal exit, an exception prints its traceback and
+    exits 1 (KeyboardInterrupt: 130), and SystemExit keeps its code (a message: printed, exit 1).
+    """
+    try:
+        code = main()
+    except SystemExit as stop:
+        code = stop.code
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 128 + 2  # as a shell reports a process that SIGINT ended
+    except BaseException:  # noqa: BLE001 - any failure: its traceback, exit 1, like the interpreter's own
+        traceback.print_exc()
+        code = 1
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    try:
+        shutdown_distributed()
+    except Exception:  # noqa: BLE001 - the run's own result stands; a failed teardown is reported
+        traceback.print_exc()
+        code = code or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def deepspeed_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

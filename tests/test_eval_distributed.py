@@ -43,7 +43,6 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from ntl_pretrain import distributed
     from ntl_pretrain.eval.generate import data_parallel_group, greedy_generate
     from ntl_pretrain.loss import vocab_shard_of
     from ntl_pretrain.eval.hooks import run_evaluation
@@ -67,7 +66,6 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
     dist.barrier()
-    distributed.shutdown_distributed()
 
 
 @pytest.fixture(scope="module")
@@ -156,4 +154,6 @@ def test_distributed_generation_matches_single_process(reference, tmp_path: Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    from ntl_pretrain.distributed import run_process
+
+    run_process(lambda: worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

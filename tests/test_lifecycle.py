@@ -262,3 +262,46 @@ def test_a_one_node_job_gets_a_free_port_when_the_default_is_taken(monkeypatch):
         assert supervisor.with_free_master_port(args, default_port=busy) == args
     monkeypatch.delenv("MASTER_PORT")
     assert supervisor.with_free_master_port(args, default_port=free_port()) == args  # default free: unchanged
+
+
+_RUN_PROCESS_SCRIPT = """
+import atexit, sys
+import torch
+import torch.distributed as dist
+from ntl_pretrain.distributed import run_process
+
+case = sys.argv[1]
+atexit.register(lambda: print("atexit ran", flush=True))
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda *a, **k: (print("group destroyed"), destroy(*a, **k))
+
+def main():
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"sum {int(total)}")  # buffered (stdout is a pipe): run_process must flush it
+    if case == "raises":
+        raise ValueError("broken input")
+    if case == "exit message":
+        sys.exit("stopped: a message")
+    return {"returns 3": 3, "returns None": None}.get(case, 0)
+
+run_process(main)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case, code, stderr_has", [("returns 3", 3, ""), ("returns None", 0, ""),
+                                                     ("raises", 1, "ValueError: broken input"),
+                                                     ("exit message", 1, "stopped: a message")])
+def test_run_process_exits_with_mains_code_after_destroying_the_group_and_flushing(case, code, stderr_has):
+    """Two gloo ranks through `distributed.run_process`: each ends with main's code (an exception: its traceback
+    and 1), its buffered output written, the process group destroyed first, and no atexit handler run (the
+    interpreter's teardown is skipped)."""
+    procs = start_ranks([sys.executable, "-c", _RUN_PROCESS_SCRIPT, case], 2, merge_stderr=False,
+                        extra_env={"PYTHONUNBUFFERED": ""})
+    outputs = finish_ranks(procs, timeout=120, what="run_process ranks")
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == code, (out, err)
+        assert out.splitlines() == ["sum 2", "group destroyed"], (out, err)
+        assert stderr_has in err

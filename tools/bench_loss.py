@@ -271,8 +271,6 @@ def child(args) -> None:
         result = {name: {"cold_s": cold[name], "median_s": statistics.median(times[name])} for name in methods}
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
-    if group is not None:
-        dist.destroy_process_group()
 
 
 def _rss_kib(field: str = "VmRSS:") -> int:
@@ -423,4 +421,6 @@ def _format_row(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from ntl_pretrain.distributed import run_process
+
+    run_process(main)

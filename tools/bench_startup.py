@@ -150,9 +150,6 @@ def worker(args: argparse.Namespace) -> None:
     figures["parameters"] = trainer.model_report.parameters
     with open(f"{args.worker}.rank{trainer.layout.rank}.json", "w", encoding="utf-8") as handle:
         json.dump(figures, handle)
-    from ntl_pretrain import distributed
-
-    distributed.shutdown_distributed()
 
 
 def run_case(tmp: str, name: str, overrides: list[str], timeout: float, no_step: bool) -> list[dict]:
@@ -276,4 +273,6 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ntl_pretrain.distributed import run_process
+
+    run_process(main)

@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _evaluate(parse_args(sys.argv[1:] if argv is None else argv))
     finally:
-        shutdown_distributed()  # left to interpreter exit, gloo sometimes aborts a run that succeeded (rc -6)
+        shutdown_distributed()  # the process group is this call's, in-process callers (tests) included
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -245,4 +245,6 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ntl_pretrain.distributed import run_process
+
+    run_process(main)

@@ -479,7 +479,6 @@ def _mean(values: list[float]) -> float:
 # ------------------------------------------------------------------------------------------- training parts
 def training_process(spec: dict, records: Records) -> int:
     """Build the run's engine once (DeepSpeed ZeRO-3, 1 rank) and measure this process's parts on it."""
-    from ntl_pretrain import distributed
     from ntl_pretrain.config import load_config
     from ntl_pretrain.train import Trainer
 
@@ -504,7 +503,6 @@ def training_process(spec: dict, records: Records) -> int:
             continue
         run_recorded(records, part, measures[part])
     trainer.monitor.close()
-    distributed.shutdown_distributed()
     return 0
 
 
@@ -787,4 +785,6 @@ def loss_bench(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ntl_pretrain.distributed import run_process
+
+    run_process(main)

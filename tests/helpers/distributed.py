@@ -32,11 +32,12 @@ def free_port() -> int:
 
 def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
     """os.environ for rank `rank` of `world_size` local processes started without a launcher (torch's env://
-    rendezvous at 127.0.0.1:port), CPU accelerator, one thread, this checkout first on PYTHONPATH; `extra` last."""
-    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    rendezvous at 127.0.0.1:port), CPU accelerator, one thread, this checkout first on PYTHONPATH; `extra` overrides."""
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return {**env, **extra}
 
 
 def start_ranks(command: list[str], world_size: int, *, ranks: list[int] | None = None, port: int | None = None,

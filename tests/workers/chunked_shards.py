@@ -21,6 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.distributed import tp_groups_from_args  # noqa: E402
 from helpers.numeric import relative_error  # noqa: E402
+from ntl_pretrain import distributed  # noqa: E402
 from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums  # noqa: E402
 from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums  # noqa: E402
 from ntl_pretrain.numbers import NumberVocab  # noqa: E402
@@ -123,9 +124,7 @@ def main() -> None:
         raise AssertionError("a full head passed as a shard was accepted")
     dist.barrier()
     print(f"rank {rank}: OK worst relative error {worst:.2e}", flush=True)
-    dist.destroy_process_group()
-    sys.exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    distributed.run_process(main)

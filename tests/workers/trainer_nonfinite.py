@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain import distributed
 from ntl_pretrain.config import load_config
 from ntl_pretrain.train import Trainer, TrainingDiverged
 
@@ -60,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    distributed.run_process(main)

@@ -45,8 +45,7 @@ def main() -> None:
     if trainer.layout.is_main:
         with open(out_path, "w", encoding="utf-8") as handle:
             json.dump({"held": held, "step": trainer.step}, handle)
-    distributed.shutdown_distributed()
 
 
 if __name__ == "__main__":
-    main()
+    distributed.run_process(main)

@@ -58,7 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        distributed.shutdown_distributed()
+    distributed.run_process(main)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.distributed import tp_groups_from_args  # noqa: E402
 from helpers.numeric import relative_error  # noqa: E402
+from ntl_pretrain import distributed  # noqa: E402
 from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums, number_token_loss  # noqa: E402
 from ntl_pretrain.numbers import NumberVocab  # noqa: E402
 
@@ -150,8 +151,7 @@ def main() -> None:
     # checked (the default): one more small SUM, the layout check
     assert count_collectives(tp_group, tp_rank, tp_size, check_inputs=True) == {"MAX": 1, "SUM": 2}
     print(f"rank {rank}: OK worst relative error {worst:.2e}, collectives per call {counts}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.run_process(main)
