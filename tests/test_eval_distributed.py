@@ -154,6 +154,6 @@ def test_distributed_generation_matches_single_process(reference, tmp_path: Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ntl_pretrain.distributed import run_process
+    from ntl_pretrain import distributed
 
-    run_process(lambda: worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    distributed.run_process(lambda: worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

@@ -421,6 +421,6 @@ def _format_row(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain.distributed import run_process
+    from ntl_pretrain import distributed
 
-    run_process(main)
+    distributed.run_process(main)

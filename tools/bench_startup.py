@@ -273,6 +273,6 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain.distributed import run_process
+    from ntl_pretrain import distributed
 
-    run_process(main)
+    distributed.run_process(main)

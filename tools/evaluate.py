@@ -245,6 +245,6 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain.distributed import run_process
+    from ntl_pretrain import distributed
 
-    run_process(main)
+    distributed.run_process(main)

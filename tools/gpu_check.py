@@ -207,7 +207,7 @@ def launcher(port: int) -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port)]
 
 
-def run_process(command: list[str], timeout: float, log_path: Path, env: dict) -> tuple[str, str]:
+def run_logged(command: list[str], timeout: float, log_path: Path, env: dict) -> tuple[str, str]:
     """Run one process (its own process group, output to `log_path`): ("ok" | "failed" | "timeout", detail)."""
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(command) + "\n")
@@ -327,7 +327,7 @@ def run_parts(process_name: str, parts: list[str], timeout: float, args: argpars
         command = [*launcher(port), *child] if process_name.startswith("train_") else [sys.executable, *child]
     print(f"[{time.strftime('%H:%M:%S')}] {process_name}: {', '.join(parts)} (at most {timeout:.0f} s; log {log_path})",
           flush=True)
-    status, detail = run_process(command, timeout, log_path, env)
+    status, detail = run_logged(command, timeout, log_path, env)
     result = read_json(result_path)
     if process_name == "ntl_on_off" and result:
         result = {"ntl_on_off": {"status": "ok", "detail": "ABBA, one process (tools/bench_train.py); goal: "
@@ -785,6 +785,6 @@ def loss_bench(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain.distributed import run_process
+    from ntl_pretrain import distributed
 
-    run_process(main)
+    distributed.run_process(main)
