@@ -11,8 +11,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .reading import READ_CHUNK_BYTES, _GrownRows, _Reader, _release_freed_heap, safetensors_files
-from .zero3 import _file_keys, _init_without_broadcast, _load_buffers
+from .reading import READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, load_buffers, release_freed_heap, safetensors_files
+from .zero3 import init_without_broadcast
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,13 @@ def load_tp_sliced(folder: str, config: Any, ds_config: dict, *, attn_implementa
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
     model.tie_weights()
-    with _Reader(files) as reader:
-        keys, vocab_params = _file_keys(model, folder, files, reader, row_plan)
+    with TensorReader(files) as reader:
+        keys, vocab_params = file_keys(model, folder, files, reader, row_plan)
         for name, param in model.named_parameters():  # the parameters AutoTP never slices: read whole now
             if not param.is_meta:
-                grown = _GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
+                grown = GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
                 _fill_slice(param, reader, keys[name], grown, None)
-        _load_buffers(model, files, reader)
+        load_buffers(model, files, reader)
     setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan, ds_config))
     _install_fill_after_autotp()
     return model
@@ -97,7 +97,7 @@ def _tp_slice(param: torch.Tensor, name: str, tp_rank: int) -> tuple[int, int, i
     return dim, sum(sizes[:tp_rank]), sizes[tp_rank]
 
 
-def _fill_slice(param: torch.Tensor, reader: _Reader, key: str, grown: _GrownRows | None,
+def _fill_slice(param: torch.Tensor, reader: TensorReader, key: str, grown: GrownRows | None,
                 tp_slice: tuple[int, int, int] | None) -> torch.Tensor:
     """`param`'s values (a CPU tensor of its shape and dtype) read from the file: the whole tensor, or the
     slice `tp_slice` = (dim, start, size) of it (rows for dim 0; for dim 1, the columns of row chunks of about
@@ -148,8 +148,8 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
     # already have a ds_id), so no rank holds more than one whole slice at a time
     zero_init = None
     if torch.distributed.get_world_size(dp_group) > 1:
-        zero_init = _init_without_broadcast(pending.ds_config, data_parallel_group=dp_group)
-    with _Reader(pending.files) as reader:
+        zero_init = init_without_broadcast(pending.ds_config, data_parallel_group=dp_group)
+    with TensorReader(pending.files) as reader:
         for name, param in model.named_parameters():
             if not param.is_meta:
                 continue
@@ -160,7 +160,7 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
                 raise ValueError(f"AutoTP registered a gradient hook on {name!r} before its values were read, which "
                                  f"the sliced load would drop; set model.partitioned_load=false")
             key = pending.keys[name]
-            grown = _GrownRows(pending.row_plan, reader, key) if name in pending.vocab_params else None
+            grown = GrownRows(pending.row_plan, reader, key) if name in pending.vocab_params else None
             values = torch.nn.Parameter(_fill_slice(param, reader, key, grown, _tp_slice(param, name, tp_rank)),
                                         requires_grad=param.requires_grad)
             values.__dict__.update(param.__dict__)  # AutoTP's attributes (its gather functions, the layout)
@@ -168,7 +168,7 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
             if zero_init is not None:
                 zero_init._zero_init_param(values)
     delattr(model, PENDING_TP_LOAD)
-    _release_freed_heap()
+    release_freed_heap()
 
 
 def _replace_parameter(model: torch.nn.Module, old: torch.nn.Parameter, new: torch.nn.Parameter, name: str) -> None:

@@ -1,5 +1,6 @@
 """Reading safetensors checkpoints by byte range: the file of each tensor, row ranges of a tensor at their
-offsets in bounded chunks (dtype converted per chunk), and the rows a vocabulary resize adds."""
+offsets in bounded chunks (dtype converted per chunk), the rows a vocabulary resize adds, and which file
+tensor each parameter of a model is (shapes checked): what the ZeRO-3 and the AutoTP loads share."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                       "BOOL": torch.bool}
 
 
-class _Reader:
+class TensorReader:
     """Row-range reads of tensors spread over safetensors files.
 
     Reads with plain file reads at the rows' byte offsets (the format is an 8-byte header length, a JSON
@@ -68,7 +69,7 @@ class _Reader:
         self.handles: dict[str, Any] = {}
         self.headers: dict[str, tuple[int, dict]] = {}
 
-    def __enter__(self) -> "_Reader":
+    def __enter__(self) -> "TensorReader":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -140,11 +141,11 @@ def _file_key(name: str, files: dict[str, str], prefix: str) -> str | None:
     return None
 
 
-class _GrownRows:
+class GrownRows:
     """Rows of a vocabulary tensor grown by a `RowPlan`: the file's row of the same index, another file row
     (a new digit copies another spelling), or the mean of the trained rows."""
 
-    def __init__(self, plan: Any, reader: _Reader, key: str, chunk_rows: int = 4096) -> None:
+    def __init__(self, plan: Any, reader: TensorReader, key: str, chunk_rows: int = 4096) -> None:
         self.plan, self.reader, self.key = plan, reader, key
         self.mean_rows = set(plan.mean_rows)
         # the mean of the trained rows, read in chunks, accumulated in float32 (as the in-memory resize does)
@@ -175,11 +176,58 @@ class _GrownRows:
         return out
 
 
-
-def _release_freed_heap() -> None:
+def release_freed_heap() -> None:
     """Hand the heap pages freed while building (reads, module by module construction) back to the OS, so
     they do not add to the RSS that `deepspeed.initialize` then builds on (glibc; elsewhere nothing)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _check_shapes(params: dict[str, torch.Tensor], reader: TensorReader, keys: dict[str, str], grown: set[str],
+                  old_rows: int | None) -> None:
+    """Every file tensor has its parameter's shape (a grown vocabulary tensor: `old_rows` rows in the file)."""
+    for name, param in params.items():
+        expected = list(full_shape(param))
+        if name in grown:
+            expected[0] = old_rows
+        found = reader.shape(keys[name])
+        if expected != found:
+            raise ValueError(f"model.name_or_path: tensor {keys[name]!r} has shape {found} in the files but the model "
+                             f"built from its config expects {expected}; the config does not match the weights "
+                             f"(model.architecture overrides?)")
+
+
+def _vocab_parameter_names(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
+    """Names of the parameters of the input embedding and the output head (the rows a resize grows)."""
+    modules = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return {name for name, p in params.items()
+            if any(p is m.weight or p is getattr(m, "bias", None) for m in modules)}
+
+
+def file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader: TensorReader,
+               row_plan: Any | None) -> tuple[dict[str, str], set[str]]:
+    """{parameter name: file key} for every parameter of `model` (tied ones once) and the names of the
+    vocabulary parameters a resize grows; raises naming the fix when a tensor is missing or mis-shaped."""
+    prefix = getattr(model, "base_model_prefix", "")
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
+    missing = sorted(set(params) - set(keys))
+    if missing:
+        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
+                         f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "
+                         f"transformers' own loading: set model.partitioned_load=false")
+    vocab_params = _vocab_parameter_names(model, params) if row_plan is not None else set()
+    _check_shapes(params, reader, keys, vocab_params, row_plan.old_rows if row_plan else None)
+    return keys, vocab_params
+
+
+def load_buffers(model: torch.nn.Module, files: dict[str, str], reader: TensorReader) -> None:
+    """Persistent buffers that the files hold (not partitioned; e.g. none for Llama or Qwen2)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for name, buffer in model.named_buffers():
+        key = _file_key(name, files, prefix)
+        if key is not None:
+            with torch.no_grad():
+                buffer.copy_(reader.tensor(key).to(buffer.dtype))

@@ -9,8 +9,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .reading import (READ_CHUNK_BYTES, _file_key, _GrownRows, _Reader, _release_freed_heap, full_numel, full_shape,
-                      safetensors_files)
+from .reading import (READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, full_numel, full_shape, load_buffers,
+                      release_freed_heap, safetensors_files)
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
     return tp_size == 1 or int(ds_config.get("tensor_parallel", {}).get("autotp_size", 0) or 1) == tp_size
 
 
-def _init_without_broadcast(ds_config: dict, data_parallel_group: Any = None,
+def init_without_broadcast(ds_config: dict, data_parallel_group: Any = None,
                             tied_head_shape: tuple[int, int] | None = None) -> Any:
     """A `deepspeed.zero.Init` context that partitions each parameter as it is built without first
     broadcasting rank 0's values: every rank builds the same values (same seed), or the files overwrite
@@ -93,7 +93,7 @@ def zero3_construction(ds_config: dict, tied_head_shape: tuple[int, int] | None 
         from transformers.modeling_utils import no_init_weights
     from transformers.modeling_utils import set_zero3_state
 
-    with no_init_weights(), _prevent_arange_dtype_change(), _init_without_broadcast(ds_config, None, tied_head_shape), \
+    with no_init_weights(), _prevent_arange_dtype_change(), init_without_broadcast(ds_config, None, tied_head_shape), \
             set_zero3_state():
         yield
 
@@ -134,17 +134,17 @@ def build_from_config_partitioned(config: Any, ds_config: dict, *, attn_implemen
 
     PreTrainedModel.init_weights = init_weights
     try:
-        with _prevent_arange_dtype_change(), _init_without_broadcast(ds_config):
+        with _prevent_arange_dtype_change(), init_without_broadcast(ds_config):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
     finally:
         PreTrainedModel.init_weights = original
-    _release_freed_heap()
+    release_freed_heap()
     return model
 
 
 
-def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, grown: _GrownRows | None) -> None:
+def _fill_partition(param: torch.Tensor, reader: TensorReader, key: str, grown: GrownRows | None) -> None:
     """Write this rank's ZeRO-3 partition of `param` from the file (only its rows are read)."""
     import deepspeed.comm as dist
 
@@ -176,54 +176,6 @@ def _fill_partition(param: torch.Tensor, reader: _Reader, key: str, grown: _Grow
             del values, flat  # before the next read: two read buffers at once were 2 x READ_CHUNK_BYTES of peak
 
 
-def _check_shapes(params: dict[str, torch.Tensor], reader: _Reader, keys: dict[str, str], grown: set[str],
-                  old_rows: int | None) -> None:
-    """Every file tensor has its parameter's shape (a grown vocabulary tensor: `old_rows` rows in the file)."""
-    for name, param in params.items():
-        expected = list(full_shape(param))
-        if name in grown:
-            expected[0] = old_rows
-        found = reader.shape(keys[name])
-        if expected != found:
-            raise ValueError(f"model.name_or_path: tensor {keys[name]!r} has shape {found} in the files but the model "
-                             f"built from its config expects {expected}; the config does not match the weights "
-                             f"(model.architecture overrides?)")
-
-
-def _vocab_parameter_names(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
-    """Names of the parameters of the input embedding and the output head (the rows a resize grows)."""
-    modules = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
-    return {name for name, p in params.items()
-            if any(p is m.weight or p is getattr(m, "bias", None) for m in modules)}
-
-
-def _file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader: _Reader,
-               row_plan: Any | None) -> tuple[dict[str, str], set[str]]:
-    """{parameter name: file key} for every parameter of `model` (tied ones once) and the names of the
-    vocabulary parameters a resize grows; raises naming the fix when a tensor is missing or mis-shaped."""
-    prefix = getattr(model, "base_model_prefix", "")
-    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
-    keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
-    missing = sorted(set(params) - set(keys))
-    if missing:
-        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
-                         f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "
-                         f"transformers' own loading: set model.partitioned_load=false")
-    vocab_params = _vocab_parameter_names(model, params) if row_plan is not None else set()
-    _check_shapes(params, reader, keys, vocab_params, row_plan.old_rows if row_plan else None)
-    return keys, vocab_params
-
-
-def _load_buffers(model: torch.nn.Module, files: dict[str, str], reader: _Reader) -> None:
-    """Persistent buffers that the files hold (not partitioned; e.g. none for Llama or Qwen2)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    for name, buffer in model.named_buffers():
-        key = _file_key(name, files, prefix)
-        if key is not None:
-            with torch.no_grad():
-                buffer.copy_(reader.tensor(key).to(buffer.dtype))
-
-
 def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
                      trust_remote_code: bool, row_plan: Any | None = None) -> torch.nn.Module:
     """The causal LM of the local folder `folder`, ZeRO-3-partitioned, each rank holding only its share.
@@ -243,11 +195,11 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
                                                  trust_remote_code=trust_remote_code)
     model.tie_weights()  # as transformers' ZeRO-3 construction does after building
     _check_tied_head_replaced(model)
-    with _Reader(files) as reader:
-        keys, vocab_params = _file_keys(model, folder, files, reader, row_plan)
+    with TensorReader(files) as reader:
+        keys, vocab_params = file_keys(model, folder, files, reader, row_plan)
         for name, param in model.named_parameters():
-            grown = _GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
+            grown = GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
             _fill_partition(param, reader, keys[name], grown)
-        _load_buffers(model, files, reader)
-    _release_freed_heap()
+        load_buffers(model, files, reader)
+    release_freed_heap()
     return model
