@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from dataclasses import asdict
@@ -242,3 +243,38 @@ def test_tp_slice_reads_deepspeeds_layout_and_refuses_a_fused_one():
                                        "partition_type": "column"})
     with pytest.raises(ValueError, match="model.partitioned_load=false"):
         _tp_slice(fused, "qkv_proj.weight", 0)
+
+
+_HEAP_SCRIPT = """
+import torch
+from ntl_pretrain.model_loading.reading import heap_returned_to_os
+
+def rss_mib():
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:")) / 1024
+
+def freed_block_resident():  # what a build does a module (or a read buffer) at a time
+    before = rss_mib()
+    block = torch.ones(2 * 2**20)
+    del block
+    return rss_mib() - before
+
+big = torch.ones(4 * 2**20)
+del big  # a freed 16 MiB block: glibc's dynamic mmap threshold now serves smaller blocks from the heap
+plain = freed_block_resident()
+with heap_returned_to_os():
+    inside = freed_block_resident()
+print(plain, inside)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heap policy is glibc's")
+def test_blocks_freed_while_building_leave_the_resident_size():
+    """`heap_returned_to_os` (around every partitioned build and read): a written and freed 8 MiB block stays
+    resident in glibc's heap once a larger block has been freed, and leaves it inside the context."""
+    result = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stderr
+    plain, inside = map(float, result.stdout.split())
+    assert plain > 6, f"the plain heap kept only {plain:.1f} MiB of 8: the test no longer shows what it guards"
+    assert inside < 1, f"{inside:.1f} MiB of the freed 8 MiB block stayed resident inside heap_returned_to_os"

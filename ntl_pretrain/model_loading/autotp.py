@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .reading import READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, load_buffers, release_freed_heap, safetensors_files
+from .reading import READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, heap_returned_to_os, load_buffers, safetensors_files
 from .zero3 import init_without_broadcast
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
     zero_init = None
     if torch.distributed.get_world_size(dp_group) > 1:
         zero_init = init_without_broadcast(pending.ds_config, data_parallel_group=dp_group)
-    with TensorReader(pending.files) as reader:
+    with heap_returned_to_os(), TensorReader(pending.files) as reader:
         for name, param in model.named_parameters():
             if not param.is_meta:
                 continue
@@ -168,7 +168,6 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
             if zero_init is not None:
                 zero_init._zero_init_param(values)
     delattr(model, PENDING_TP_LOAD)
-    release_freed_heap()
 
 
 def _replace_parameter(model: torch.nn.Module, old: torch.nn.Parameter, new: torch.nn.Parameter, name: str) -> None:

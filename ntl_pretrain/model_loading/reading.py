@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -176,13 +176,36 @@ class GrownRows:
         return out
 
 
-def release_freed_heap() -> None:
-    """Hand the heap pages freed while building (reads, module by module construction) back to the OS, so
-    they do not add to the RSS that `deepspeed.initialize` then builds on (glibc; elsewhere nothing)."""
+# glibc's mallopt parameters, and the values its dynamic mmap threshold ends at on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX;
+# the trim threshold follows it at twice that)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_BUILD_MMAP_THRESHOLD = 2**20
+_DYNAMIC_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+@contextlib.contextmanager
+def heap_returned_to_os() -> Iterator[None]:
+    """Inside: every allocation of 1 MiB or more is its own memory map, returned to the OS when freed; on
+    leaving, the heap's free pages are handed back too (glibc; elsewhere nothing changes).
+
+    A build allocates and frees a whole module (or a read buffer) at a time beside the partitions it keeps;
+    with glibc's dynamic mmap threshold those come from the heap once a large block has been freed, and the
+    heap they fragment stays resident: 0.6x of Qwen2.5-0.5B above its share, from scratch at 2 ranks.
+    Setting a threshold fixes it for the process, so on leaving it is set to where the dynamic one ends in
+    a process that frees large tensors (32 MiB, trim at 64 MiB) rather than left at 1 MiB for training."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
-        pass
+        yield
+        return
+    mallopt(_M_MMAP_THRESHOLD, _BUILD_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, _DYNAMIC_MMAP_THRESHOLD_MAX)
+        mallopt(_M_TRIM_THRESHOLD, 2 * _DYNAMIC_MMAP_THRESHOLD_MAX)
+        malloc_trim(0)
 
 
 def _check_shapes(params: dict[str, torch.Tensor], reader: TensorReader, keys: dict[str, str], grown: set[str],

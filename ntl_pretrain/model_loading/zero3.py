@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from .reading import (READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, full_numel, full_shape, load_buffers,
-                      release_freed_heap, safetensors_files)
+                      heap_returned_to_os, safetensors_files)
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +134,11 @@ def build_from_config_partitioned(config: Any, ds_config: dict, *, attn_implemen
 
     PreTrainedModel.init_weights = init_weights
     try:
-        with _prevent_arange_dtype_change(), init_without_broadcast(ds_config):
+        with heap_returned_to_os(), _prevent_arange_dtype_change(), init_without_broadcast(ds_config):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
     finally:
         PreTrainedModel.init_weights = original
-    release_freed_heap()
     return model
 
 
@@ -190,16 +189,16 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
     from transformers import AutoModelForCausalLM
 
     files = safetensors_files(folder)
-    with zero3_construction(ds_config, _tied_head_shape(config)):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
-    model.tie_weights()  # as transformers' ZeRO-3 construction does after building
-    _check_tied_head_replaced(model)
-    with TensorReader(files) as reader:
-        keys, vocab_params = file_keys(model, folder, files, reader, row_plan)
-        for name, param in model.named_parameters():
-            grown = GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
-            _fill_partition(param, reader, keys[name], grown)
-        load_buffers(model, files, reader)
-    release_freed_heap()
+    with heap_returned_to_os():
+        with zero3_construction(ds_config, _tied_head_shape(config)):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+        model.tie_weights()  # as transformers' ZeRO-3 construction does after building
+        _check_tied_head_replaced(model)
+        with TensorReader(files) as reader:
+            keys, vocab_params = file_keys(model, folder, files, reader, row_plan)
+            for name, param in model.named_parameters():
+                grown = GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
+                _fill_partition(param, reader, keys[name], grown)
+            load_buffers(model, files, reader)
     return model
