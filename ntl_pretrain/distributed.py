@@ -136,8 +136,9 @@ def run_process(main: Callable[[], int | None]) -> NoReturn:
     are flushed. What is skipped is the destruction of torch/gloo/DeepSpeed objects at interpreter exit,
     which is slow (a full garbage collection) and has aborted ranks of finished runs ("terminate called
     without an active exception", rc -6) even after `destroy_process_group`; atexit handlers are skipped
-    too, so `main` closes what it opened. As at a normal exit, an exception prints its traceback and
-    exits 1 (KeyboardInterrupt: 130), and SystemExit keeps its code (a message: printed, exit 1).
+    too and threads still running are not waited for, so `main` closes and joins what it opened. As at a
+    normal exit, an exception prints its traceback and exits 1 (KeyboardInterrupt: 130), and SystemExit
+    keeps its code (a message: printed, exit 1).
     """
     try:
         code = main()
