@@ -230,7 +230,7 @@ def _vocab_parameter_names(model: torch.nn.Module, params: dict[str, torch.Tenso
 
 
 def file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader: TensorReader,
-               row_plan: Any | None) -> tuple[dict[str, str], set[str]]:
+              row_plan: Any | None) -> tuple[dict[str, str], set[str]]:
     """{parameter name: file key} for every parameter of `model` (tied ones once) and the names of the
     vocabulary parameters a resize grows; raises naming the fix when a tensor is missing or mis-shaped."""
     prefix = getattr(model, "base_model_prefix", "")

@@ -9,8 +9,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .reading import (READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, full_numel, full_shape, load_buffers,
-                      heap_returned_to_os, safetensors_files)
+from .reading import (READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, full_numel, full_shape, heap_returned_to_os,
+                      load_buffers, safetensors_files)
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
 
 
 def init_without_broadcast(ds_config: dict, data_parallel_group: Any = None,
-                            tied_head_shape: tuple[int, int] | None = None) -> Any:
+                           tied_head_shape: tuple[int, int] | None = None) -> Any:
     """A `deepspeed.zero.Init` context that partitions each parameter as it is built without first
     broadcasting rank 0's values: every rank builds the same values (same seed), or the files overwrite
     them; a full tensor that is allocated but never written never becomes resident.
@@ -140,7 +140,6 @@ def build_from_config_partitioned(config: Any, ds_config: dict, *, attn_implemen
     finally:
         PreTrainedModel.init_weights = original
     return model
-
 
 
 def _fill_partition(param: torch.Tensor, reader: TensorReader, key: str, grown: GrownRows | None) -> None:
