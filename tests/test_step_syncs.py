@@ -11,6 +11,7 @@ and off. DeepSpeed's own calls per step are counted and printed (its overflow ch
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,11 @@ import torch
 from helpers.distributed import run_workers
 from helpers.launch import DEMO, demo_overrides
 from helpers.sync_counter import SYNCING_OPS, SyncCounter
+from ntl_pretrain.supervisor import COMMAND_START_ENV
+from ntl_pretrain.throughput import peak_tflops_per_device
 
 TIMEOUT = 400
+SEQ_LEN = 64
 LOG_EVERY = 3  # the warm-up is step 1 (a logging step); counted: step 2 (plain) and step 3 (logging)
 STEPS = 2
 LAYOUTS = [1, 2]  # tp_size; each launch runs every head case, one Trainer after the other
@@ -78,7 +82,7 @@ def test_sync_counter_ignores_ops_that_do_not_sync():
 
 
 def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
-    return demo_overrides(assets, out, "data.seq_len=64", "data.micro_batch_size=2", "train.grad_accum_steps=2",
+    return demo_overrides(assets, out, f"data.seq_len={SEQ_LEN}", "data.micro_batch_size=2", "train.grad_accum_steps=2",
                           "train.max_steps=10", f"train.log_every_n_steps={LOG_EVERY}", "checkpoint.save_final=false",
                           *extra)
 
@@ -92,8 +96,9 @@ def counted(assets, tmp_path_factory) -> Path:
             assets, root / f"run_tp{tp}_{head}", f"parallel.tp_size={tp}", *head_overrides)}
             for head, head_overrides in CHUNKED.items()]
         (root / f"cases_tp{tp}.json").write_text(json.dumps(cases))
+        # as launch/pretrain.sh's supervisor would pass it: the command started an hour ago
         run_workers("trainer_syncs.py", 2, [str(root), str(STEPS), DEMO, str(root / f"cases_tp{tp}.json")],
-                    timeout=2 * TIMEOUT)
+                    timeout=2 * TIMEOUT, extra_env={COMMAND_START_ENV: repr(time.time() - 3600)})
     return root
 
 
@@ -115,3 +120,22 @@ def test_step_syncs_only_to_log(counted, tp, head):
     plain_figures, logged = counts["figures"]
     assert plain_figures is None
     assert logged["train/ce"] > 0 and logged["train/grad_norm"] > 0 and logged["train/tokens_per_s"] > 0, logged
+
+
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=multiprocess) for tp in LAYOUTS])
+def test_log_reports_throughput_per_device_and_wall_time_from_the_command(counted, tp):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    counts = json.loads((counted / f"tp{tp}_chunk0.json").read_text())
+    logged, world = counts["figures"][-1], counts["world_size"]
+    # model FLOPs per token (PaLM convention) from a reference count of the same model's parameters
+    config = LlamaConfig(**{k: v for k, v in counts["model_config"].items() if k not in ("architectures", "dtype")})
+    model = LlamaForCausalLM(config)
+    matmul_parameters = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    flops_per_token = 6 * matmul_parameters + 12 * config.num_hidden_layers * config.hidden_size * SEQ_LEN
+    assert logged["train/tokens_per_s_per_device"] == pytest.approx(logged["train/tokens_per_s"] / world)
+    assert logged["train/tflops_per_device"] == pytest.approx(
+        flops_per_token * logged["train/tokens_per_s"] / world / 1e12, rel=1e-6)
+    assert peak_tflops_per_device(torch.device("cpu")) is None and "train/mfu" not in logged  # no peak on CPU
+    # the wall time counts from the command's start (an hour before the ranks ran), not the trainer's
+    assert " steps in 60." in counts["summary"] or " steps in 61." in counts["summary"], counts["summary"]

@@ -10,6 +10,7 @@ OUT/<case>.json for each.
     python trainer_syncs.py OUT STEPS CONFIG.yaml CASES.json   (once per rank; tests/helpers/distributed.py)
 
 CASES.json: [{"name": ..., "overrides": ["key=value", ...]}, ...]
+Each OUT/<case>.json also holds the run summary and the model's config (for the throughput figures).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def count_case(out_file: Path, steps: int, config: str, overrides: list[str]) ->
                 trainer.monitor.log_step(trainer.step, figures[-1])
                 assert trainer.preemption.requested() is None
     if dist.get_rank() == 0:
-        Path(out_file).write_text(json.dumps({"steps": kinds, **counter.summary(), "figures": figures}, indent=1))
+        Path(out_file).write_text(json.dumps({
+            "steps": kinds, **counter.summary(), "figures": figures, "summary": trainer.summary(),
+            "model_config": trainer.engine.module.config.to_dict(), "world_size": dist.get_world_size()}, indent=1))
     trainer.monitor.close()
     dist.barrier()
 
