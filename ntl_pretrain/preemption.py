@@ -26,9 +26,9 @@ class PreemptionHandler:
     made once here (the default group when it is gloo already): no device sync, so the step's queued device
     work keeps running while the hosts agree. Every rank gets the same answer at the same boundary and
     stops there together. Build it on every rank after `init_distributed` (making the group is
-    collective). A watchdog started at the first
-    signal ends the process if it has not finished within the grace time, so a pre-empted job never
-    outlives what the cluster allows (the previous checkpoint then stays the resume point).
+    collective). A watchdog started at the first signal ends the process if it has not finished within
+    the grace time, so a pre-empted job never outlives what the cluster allows (the previous checkpoint
+    then stays the resume point).
 
     Args:
         signals: signal names, e.g. ["SIGTERM", "SIGUSR1"].
