@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 STEP_TAGS = {
     "train/loss": "loss", "train/ce": "ce", "train/ntl": "ntl", "train/ntl_lambda": "lambda",
     "train/lr": "lr", "train/grad_norm": "gnorm", "train/tokens_per_s": "tok/s",
+    "train/tokens_per_s_per_device": "tok/s/dev", "train/tflops_per_device": "tflops/dev", "train/mfu": "mfu",
     "train/step_time_s": "step_s", "train/number_token_share": "num_share", "train/number_mae": "num_mae",
     "train/memory_gib": "mem_gib",
 }
@@ -55,14 +56,12 @@ class Monitor:
         tensorboard_dir: folder of the event files.
         total_steps: for the progress bar.
         progress_bar: "auto" (tqdm on a terminal, log lines otherwise), "always" or "never".
-        log_every: steps between log lines / TensorBoard points.
         start_step: the step a resumed run continues from.
     """
 
     def __init__(self, active: bool, tensorboard_dir: str, total_steps: int, progress_bar: str = "auto",
-                 log_every: int = 1, start_step: int = 0) -> None:
+                 start_step: int = 0) -> None:
         self.active = active
-        self.log_every = log_every
         self.writer = None
         self.bar = None
         if not active:
@@ -82,18 +81,20 @@ class Monitor:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
 
-    def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
-        """Record one optimizer step (numbering from 1)."""
+    def log_step(self, step: int, scalars: Mapping[str, float] | None) -> None:
+        """Record one optimizer step (numbering from 1); `scalars` on a logging step (the trainer decides which
+        steps read their figures), None on the others."""
         if not self.active:
             return
         if self.bar is not None:
             self.bar.update(1)
-        if step % self.log_every and step != 1:
+        if scalars is None:
             return
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         summary = {STEP_TAGS.get(tag, tag): value for tag, value in scalars.items()
-                   if tag in ("train/loss", "train/ce", "train/ntl", "train/tokens_per_s", "train/lr",
+                   if tag in ("train/loss", "train/ce", "train/ntl", "train/tokens_per_s",
+                              "train/tokens_per_s_per_device", "train/tflops_per_device", "train/mfu", "train/lr",
                               "train/grad_norm")}
         if self.bar is not None:
             self.bar.set_postfix({k: _short(v) for k, v in summary.items()}, refresh=False)

@@ -75,7 +75,13 @@ def check_weights_finite(engine: Any, device: torch.device, step: int, output_di
 
 class NonfiniteGuard:
     """Counts the optimizer steps whose loss or gradient norm was not finite (their updates were
-    skipped) and stops the run once `limit` came in a row."""
+    skipped) and stops the run once `limit` came in a row.
+
+    It is told per step whether the update was skipped, a host value the step has without reading the
+    device itself: under ZeRO 1-3 DeepSpeed's own overflow check decides (its read of the global gradient
+    norm; a non-finite loss has a NaN gradient, `nan_gradient_if_nonfinite`), without ZeRO the trainer's
+    read of the figures before the update. So the stop comes at the N-th step itself, never later.
+    """
 
     def __init__(self, limit: int, output_dir: str, is_main: bool) -> None:
         self.limit = limit
@@ -84,15 +90,14 @@ class NonfiniteGuard:
         self.in_a_row = 0  # consecutive non-finite steps
         self.total = 0  # and in all
 
-    def check(self, step: int, ce_sum: float, ntl_sum: float, grad_norm: float | None, skipped: bool) -> None:
-        """After step `step`: count it if non-finite (or skipped by DeepSpeed); raise TrainingDiverged at the limit."""
-        if finite_step(ce_sum, ntl_sum, grad_norm) and not skipped:
+    def check(self, step: int, skipped: bool, what: str) -> None:
+        """After step `step`: count it if its update was `skipped` (`what`: why, for the messages); raise
+        TrainingDiverged at the limit."""
+        if not skipped:
             self.in_a_row = 0
             return
         self.in_a_row += 1
         self.total += 1
-        what = (f"CE sum {ce_sum:.4g}, NTL sum {ntl_sum:.4g}, gradient norm "
-                f"{'n/a' if grad_norm is None else f'{grad_norm:.4g}'}")
         if self.in_a_row >= self.limit:
             raise TrainingDiverged(
                 f"step {step}: {self.in_a_row} optimizer steps in a row had a non-finite loss or gradient norm "
@@ -102,3 +107,9 @@ class NonfiniteGuard:
         if self.is_main:
             logger.warning("step %d: non-finite loss or gradient norm (%s): update skipped (%d in a row; the run "
                            "stops at train.max_nonfinite_steps=%d)", step, what, self.in_a_row, self.limit)
+
+
+def describe_figures(ce_sum: float, ntl_sum: float, grad_norm: float | None) -> str:
+    """The figures a non-finite step is reported with."""
+    return (f"CE sum {ce_sum:.4g}, NTL sum {ntl_sum:.4g}, gradient norm "
+            f"{'n/a' if grad_norm is None else f'{grad_norm:.4g}'}")

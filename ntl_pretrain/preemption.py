@@ -9,7 +9,9 @@ import signal
 import threading
 from typing import Any
 
+import numpy
 import torch
+import torch.distributed as dist
 
 from .checkpoint.format import CheckpointError
 
@@ -20,9 +22,13 @@ class PreemptionHandler:
     """SIGTERM / SIGUSR1 (configurable) on any rank -> every rank saves at the next step boundary and exits 0.
 
     The handler only records the signal; `requested()` (called by every rank at every step boundary)
-    agrees on it over the whole world with one small all-reduce. A watchdog started at the first
-    signal ends the process if it has not finished within the grace time, so a pre-empted job never
-    outlives what the cluster allows (the previous checkpoint then stays the resume point).
+    agrees on it over the whole world with one all-reduce of one integer in host memory, over a gloo group
+    made once here (the default group when it is gloo already): no device sync, so the step's queued device
+    work keeps running while the hosts agree. Every rank gets the same answer at the same boundary and
+    stops there together. Build it on every rank after `init_distributed` (making the group is
+    collective). A watchdog started at the first signal ends the process if it has not finished within
+    the grace time, so a pre-empted job never outlives what the cluster allows (the previous checkpoint
+    then stays the resume point).
 
     Args:
         signals: signal names, e.g. ["SIGTERM", "SIGUSR1"].
@@ -41,6 +47,9 @@ class PreemptionHandler:
         self._watchdog: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
         self._launchers: list[tuple[Any, str]] = []  # (psutil.Process, its command) of the launchers above
+        # the agreed flag lives in host memory: written and read through numpy, all-reduced through torch
+        self._flag = numpy.zeros(1, dtype=numpy.int64)
+        self._group = _host_group()
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -99,14 +108,19 @@ class PreemptionHandler:
                      signal.Signals(self.received).name)
         os._exit(1)
 
-    def requested(self, device: torch.device) -> str | None:
+    def requested(self) -> str | None:
         """The name of the signal any rank received, or None; every rank calls this at the same point."""
-        import torch.distributed as dist
-
         if not self.received and self._launchers and self._launcher_ended():
             self._on_signal(signal.SIGTERM, None)
-        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
+        self._flag[0] = self.received
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        number = int(flag.item())
+            dist.all_reduce(torch.from_numpy(self._flag), op=dist.ReduceOp.MAX, group=self._group)
+        number = int(self._flag[0])
         return signal.Signals(number).name if number else None
+
+
+def _host_group() -> dist.ProcessGroup | None:
+    """A gloo group of the whole world for host-side flags (None: the default group, already gloo, or none)."""
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

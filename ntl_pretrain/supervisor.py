@@ -47,6 +47,7 @@ PR_SET_CHILD_SUBREAPER = 36
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FORWARDED_AS_IS = (signal.SIGUSR1, signal.SIGUSR2)
 TICK_S = 0.25
+COMMAND_START_ENV = "NTL_COMMAND_START"  # the command's start (seconds since the epoch) for the run summary
 
 
 def _prctl(option: int, value: int) -> None:
@@ -143,6 +144,7 @@ class Supervisor:
         self.install()
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         env = dict(os.environ, **{SUPERVISOR_DIR_ENV: self.folder})
+        env.setdefault(COMMAND_START_ENV, repr(psutil.Process().create_time()))  # launch/pretrain.sh execs us
         self.runner = subprocess.Popen(self.command, env=env, preexec_fn=_runner_setup)
         while True:
             try:

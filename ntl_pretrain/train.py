@@ -5,7 +5,8 @@ Started once per rank by DeepSpeed's launcher (`deepspeed launch/pretrain.sh --c
 One optimizer step: fetch this rank's `grad_accum_steps` micro-batches -> count the step's tokens and
 NTL positions over the data-parallel group (one all-reduce) -> per micro-batch: local logits -> CE/NTL
 sums -> loss scaled so the update is CE_mean + lambda * NTL_mean of the GLOBAL batch -> backward ->
-`engine.step()` (DeepSpeed clips and steps at the accumulation boundary) -> log.
+`engine.step()` (DeepSpeed clips and steps at the accumulation boundary) -> on a logging step
+(`train.log_every_n_steps`), read the figures and log; no other step reads the device.
 
 The pieces: `preflight` (start-up checks, `--dry-run`), `ds_config` (the configuration resolved once,
 with the DeepSpeed config), `engine` (model, checkpoint manager and engine), `training_objective` (what a
@@ -21,6 +22,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, TypeVar
 
+import psutil
 import torch
 
 from . import distributed, lifecycle
@@ -34,11 +36,13 @@ from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
 from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
 from .model import load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib, purge_tensorboard_after
-from .nonfinite import (NonfiniteGuard, TrainingDiverged, check_weights_finite, finite_step, nan_gradient_if_nonfinite,
-                        unpartitioned_grad_norm, update_skipped)
+from .nonfinite import (NonfiniteGuard, TrainingDiverged, check_weights_finite, describe_figures, finite_step,
+                        nan_gradient_if_nonfinite, unpartitioned_grad_norm, update_skipped)
 from .preemption import PreemptionHandler
 from .preflight import (check_data_files, check_eval_inputs, check_output_dir, number_vocab_for,
                         output_problems, preflight)
+from .supervisor import COMMAND_START_ENV
+from .throughput import ThroughputWindow, model_flops_per_token, peak_tflops_per_device
 from .tokenizer.coverage import check_training_digits
 from .training_objective import StepFigures
 
@@ -87,9 +91,12 @@ class Trainer:
     """One training run on this process (every rank builds one)."""
 
     def __init__(self, cfg: Config) -> None:
-        self.started = time.monotonic()
+        # the run's wall time counts from the command (launch/pretrain.sh's supervisor passes its start;
+        # under another launcher, from this process's start)
+        self.started = float(os.environ.get(COMMAND_START_ENV) or psutil.Process().create_time())
         self.stopped_by: str | None = None  # the signal that stopped the run early (None: ran to the end)
-        self.last_scalars: dict[str, float] = {}
+        self.last_scalars: dict[str, float] = {}  # the figures of the last logging step
+        self.last_logged_step = 0
         self.last_validation: dict[str, float] = {}
         self.saved_tag: str | None = None
         self.export_dir: str | None = None
@@ -179,6 +186,7 @@ class Trainer:
         check_vocabulary_covers_numbers(vocab_width, self.number_vocab)
         self.step = 0
         self.tokens_seen = 0
+        self._inputs_checked = False  # the loss's host checks run on the first forward (then check_every_step)
         self.nonfinite = NonfiniteGuard(cfg.train.max_nonfinite_steps, cfg.train.output_dir, self.layout.is_main)
         if built.load_tag is not None:
             self._resume(built.load_tag)  # the scheduler's saved iteration comes with it
@@ -203,7 +211,10 @@ class Trainer:
             purge_tensorboard_after(self.tensorboard_dir, self.step)  # points a killed run wrote after its checkpoint
         self.monitor = Monitor(self.layout.is_main, self.tensorboard_dir,
                                total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
-                               log_every=cfg.train.log_every_n_steps, start_step=self.step)
+                               start_step=self.step)
+        flops_per_token = model_flops_per_token(self.engine.module.config, self.model_report.parameters,
+                                                self.model_report.vocab_size, cfg.data.seq_len)
+        self.window = ThroughputWindow(self.layout.world_size, flops_per_token, peak_tflops_per_device(self.device))
         self.monitor.text("config", "```\n" + to_yaml(cfg) + "\n```", self.step)
         self.monitor.text("deepspeed_config", "```\n" + json.dumps(self.ds_config, indent=1) + "\n```", self.step)
 
@@ -211,7 +222,10 @@ class Trainer:
     def _forward_sums(self, batch: Any, with_ntl: bool) -> Any:
         input_ids = batch.input_ids.to(self.device, non_blocking=True)
         labels = batch.labels.to(self.device, non_blocking=True)
-        check = self.cfg.loss.check_every_step  # checked once at start-up; per micro-batch only to debug
+        # the host checks (labels, the shard layout, the chunked head's returned logits) run on the first
+        # micro-batch; on every one only to debug (loss.check_every_step)
+        check = self.cfg.loss.check_every_step or not self._inputs_checked
+        self._inputs_checked = True
         if self.objective.chunk_tokens:
             # the head + loss over chunks of tokens: the full logits never exist (docs/chunked.md)
             return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
@@ -223,22 +237,26 @@ class Trainer:
         return ce_ntl_sums(logits, labels, self.number_vocab, self.objective.settings, shard=self.vocab_shard,
                            with_ntl=with_ntl, check_inputs=check)
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step; returns the step's global figures (identical on every rank).
+    def logs_at(self, step: int) -> bool:
+        """Whether optimizer step `step` reads its figures to the host and logs them: the first, every
+        `train.log_every_n_steps`-th and the last."""
+        return step == 1 or step % self.cfg.train.log_every_n_steps == 0 or step == self.cfg.train.max_steps
 
-        The micro-batch loop reads nothing from the device: counts, losses and figures stay device
-        tensors, and the step's one device-to-host transfer reads the logged figures at its end (ZeRO 0:
-        just before the update, which it decides). A non-finite loss or gradient norm skips the update
+    def train_step(self) -> dict[str, float] | None:
+        """One optimizer step; on a logging step (`logs_at`) returns its global figures (identical on every
+        rank), else None.
+
+        Between logging steps nothing is read from the device: counts, losses and figures stay device
+        tensors, and the step time comes from the logging window (`ThroughputWindow`). A logging step makes
+        one device-to-host transfer, the logged figures at its end. Without ZeRO every step reads its figures
+        just before the update, which they decide. A non-finite loss or gradient norm skips the update
         (`nonfinite`).
         """
-        self.accelerator.synchronize()  # the step's clock starts on an idle device
-        started = time.perf_counter()
         step, objective, accumulation = self.step + 1, self.objective, self.cfg.train.grad_accum_steps
         micro_batches = self.data.next_step(accumulation)
         counts = objective.count([mb.labels.to(self.device, non_blocking=True) for mb in micro_batches],
                                  self.number_vocab, self.dp_group)
         totals = torch.zeros(SUMS_WIDTH, dtype=torch.float64, device=self.device)
-        skipped_before = self.engine.skipped_steps
         for index, batch in enumerate(micro_batches):
             sums = self._forward_sums(batch, objective.ntl_on)
             loss = objective.micro_batch_loss(sums, counts, step, self.layout.dp_size, accumulation)
@@ -247,44 +265,53 @@ class Trainer:
             if index < len(micro_batches) - 1:
                 self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-batch
         lr = float(self.engine.get_lr()[0])  # what this step's update uses (the schedule moves with the step)
-        figures = self._optimizer_step(totals)
-        elapsed = time.perf_counter() - started
+        figures, grad_norm = self._optimizer_step(totals, step)
         self.step = step
-        self.nonfinite.check(step, figures.ce_sum, figures.ntl_sum, figures.grad_norm,
-                             skipped=self.engine.skipped_steps > skipped_before)
         step_tokens = sum(mb.input_ids.numel() for mb in micro_batches) * self.layout.dp_size
         self.tokens_seen += step_tokens
+        self.window.add(step_tokens)
+        if not self.logs_at(step):
+            return None
+        if figures is None:
+            figures = self._step_figures(totals, grad_norm)  # the logging step's one read
         loss, ce, ntl = objective.losses(figures, step)
         return {
             "train/loss": loss, "train/ce": ce, "train/ntl": ntl, "train/ntl_lambda": objective.ntl_lambda(step),
             "train/lr": lr,
             "train/grad_norm": figures.grad_norm if figures.grad_norm is not None else 0.0,
-            "train/tokens_per_s": step_tokens / elapsed, "train/step_time_s": elapsed,
+            **self.window.read(),
             "train/number_token_share": figures.number_tokens / max(figures.tokens, 1.0),
             "train/number_mae": figures.abs_error_sum / figures.number_tokens if figures.number_tokens > 0 else 0.0,
             "train/memory_gib": memory_gib(self.device),
             "train/nonfinite_steps": float(self.nonfinite.total),
         }
 
-    def _optimizer_step(self, totals: torch.Tensor) -> StepFigures:
-        """Close the accumulation with `engine.step()` (DeepSpeed clips and updates) and return the step's figures."""
+    def _optimizer_step(self, totals: torch.Tensor, step: int) -> tuple[StepFigures | None, Any]:
+        """Close the accumulation with `engine.step()` (DeepSpeed clips and updates), count a skipped update
+        (`NonfiniteGuard`), and return (the figures when this step had to read them, the gradient norm)."""
         if self.cfg.parallel.zero_stage == 0:
             # no ZeRO: DeepSpeed's engine neither keeps a norm nor skips a non-finite update, so the
-            # figures are read before the update and decide it
+            # figures are read before the update and decide it (one read every step)
             figures = self._step_figures(totals, unpartitioned_grad_norm(self.engine))
-            if finite_step(figures.ce_sum, figures.ntl_sum, figures.grad_norm):
+            finite = finite_step(figures.ce_sum, figures.ntl_sum, figures.grad_norm)
+            if finite:
                 self.engine.step()
             else:
                 with update_skipped(self.engine):
                     self.engine.step()
-            return figures
-        # ZeRO 1-3: DeepSpeed skips the update itself when the gradient norm is not finite
+            self.nonfinite.check(step, not finite, describe_figures(figures.ce_sum, figures.ntl_sum, figures.grad_norm))
+            return figures, figures.grad_norm
+        # ZeRO 1-3: DeepSpeed skips the update itself when the gradient norm is not finite; its own check
+        # read the norm, so whether it skipped is known on the host without a read of ours
+        skipped_before = self.engine.skipped_steps
         self.engine.step()
-        return self._step_figures(totals, self.engine.get_global_grad_norm())
+        self.nonfinite.check(step, self.engine.skipped_steps > skipped_before,
+                             "DeepSpeed's overflow check found the global gradient norm not finite")
+        return None, self.engine.get_global_grad_norm()
 
     def _step_figures(self, totals: torch.Tensor, grad_norm: Any) -> StepFigures:
-        """The step's global sums (summed over data-parallel ranks) and the gradient norm, read to the host
-        in ONE transfer."""
+        """The step's global sums (summed over data-parallel ranks; every rank calls this at the same step)
+        and the gradient norm, read to the host in ONE transfer."""
         if self.layout.dp_size > 1:
             torch.distributed.all_reduce(totals, group=self.dp_group)
         if torch.is_tensor(grad_norm):
@@ -365,21 +392,25 @@ class Trainer:
                              f"tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
                              f"{cfg.data.micro_batch_size} grad_accum={cfg.train.grad_accum_steps} seq_len={cfg.data.seq_len}")
         saved_at = None
+        self.window.restart()
         while self.step < cfg.train.max_steps:
             scalars = self.train_step()
-            self.last_scalars = scalars
+            if scalars is not None:
+                self.last_scalars, self.last_logged_step = scalars, self.step
             self.monitor.log_step(self.step, scalars)
-            signal_name = self.preemption.requested(self.device)  # every rank, every step: one small all-reduce
+            # every rank, every step: one integer all-reduced on the host (gloo), no device sync
+            signal_name = self.preemption.requested()
             if signal_name is not None:
                 self._stop_for_preemption(signal_name)
                 return
             last = self.step == cfg.train.max_steps
-            if val_every > 0 and self.step % val_every == 0 and not last:
-                self._validate()
-            if ckpt_every > 0 and self.step % ckpt_every == 0:
-                saved_at = self.save_checkpoint()
-            if not last:
-                self.evaluate(final=False)
+            with self.window.paused():  # not training steps: kept out of the logged step time and tokens/s
+                if val_every > 0 and self.step % val_every == 0 and not last:
+                    self._validate()
+                if ckpt_every > 0 and self.step % ckpt_every == 0:
+                    saved_at = self.save_checkpoint()
+                if not last:
+                    self.evaluate(final=False)
         if val_every >= 0:
             self._validate()
         if cfg.checkpoint.save_final and saved_at != f"global_step{self.step}":
@@ -410,15 +441,15 @@ class Trainer:
     def summary(self) -> str:
         """Steps, wall time, tokens, final losses and where the run's outputs are."""
         output_dir = self.cfg.train.output_dir
-        seconds = time.monotonic() - self.started
+        seconds = max(time.time() - self.started, 0.0)
         steps = self.step - self.start_step
         how = f"stopped by {self.stopped_by} at step {self.step}" if self.stopped_by else f"finished at step {self.step}"
         losses = " ".join(f"{k.split('/', 1)[1]}={self.last_scalars[k]:.4g}" for k in ("train/loss", "train/ce", "train/ntl")
                           if k in self.last_scalars)
         val = " ".join(f"{k}={v:.4g}" for k, v in self.last_validation.items())
-        lines = [f"run summary: {how}: {steps} steps in {seconds / 60:.1f} min (start-up included), "
+        lines = [f"run summary: {how}: {steps} steps in {seconds / 60:.1f} min (from the command's start), "
                  f"{self.tokens_seen:,} tokens seen in total",
-                 f"  final train: {losses or '-'}" + (f"; {val}" if val else ""),
+                 f"  train (last logged, step {self.last_logged_step}): {losses or '-'}" + (f"; {val}" if val else ""),
                  f"  checkpoint: {os.path.join(output_dir, self.saved_tag) if self.saved_tag else 'none saved'}"
                  + (" (continue with train.resume=auto)" if self.stopped_by else ""),
                  f"  export: {self.export_dir or 'none (checkpoint.export_hf_at_end=false)'}",

@@ -7,11 +7,14 @@ It builds the run's engine once, trains `--warmup` steps, then `--steps` measure
 `--out`) the median step time and tokens/s of each side, the ratio of the medians, and the median of
 the per-block ratios (on+on)/(off+off), the figure least disturbed by other load on the machine.
 
+Every step is a logging step here (`train.log_every_n_steps=1`): its figures are read at its end, so the
+step time the trainer reports (its logging window) is that of the one step.
+
 `--zero-stage` and `--tp` set `parallel.zero_stage` and `parallel.tp_size` (the world size must be a
-multiple of the TP size). Model FLOP/s are estimated per token as 6 x (parameters in matrix products)
-+ 12 x layers x hidden x seq_len (attention scores and values), forward and backward, as in the
-PaLM MFU convention (no activation recomputation counted); on a GPU MFU divides them by the devices'
-peak dense bf16/fp16 FLOP/s (a built-in table of common GPUs, or `--peak-tflops` per device).
+multiple of the TP size). Model FLOP/s are estimated per token as the training log does
+(`ntl_pretrain/throughput.py`: 6 x parameters in matrix products + 12 x layers x hidden x seq_len, the PaLM
+MFU convention); on a GPU MFU divides them by the devices' peak dense bf16/fp16 FLOP/s (the package's
+table of common GPUs, or `--peak-tflops` per device).
 `peak_memory_gib` is rank 0's peak over the whole run: `torch.cuda.max_memory_allocated` on a GPU, the
 process's peak resident set size (VmHWM) on CPU.
 """
@@ -30,38 +33,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ntl_pretrain.config import load_config  # noqa: E402
 from ntl_pretrain.fs import write_json_atomic  # noqa: E402
+from ntl_pretrain import throughput  # noqa: E402
 from ntl_pretrain.monitor import memory_gib  # noqa: E402
+from ntl_pretrain.throughput import PEAK_TFLOPS  # noqa: E402,F401 (the table, also as bench_train.PEAK_TFLOPS)
 from ntl_pretrain.train import Trainer  # noqa: E402
 
-# Peak dense bf16/fp16 tensor-core TFLOP/s per device (vendor data sheets, without sparsity), by a
-# substring of torch.cuda.get_device_name(); the first match wins, so longer names come first.
-PEAK_TFLOPS = (
-    ("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("B200", 2250.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 125.0),
-    ("A10", 125.0), ("A6000", 155.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0), ("V100", 125.0),
-    ("T4", 65.0), ("MI300X", 1307.0), ("MI250X", 383.0),
-)
-
-
 def model_flops_per_token(trainer: Trainer) -> float:
-    """Training FLOPs per token: 6 x matrix-product parameters + 12 x layers x hidden x seq_len."""
-    model_config = trainer.engine.module.config
-    hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
-    # The input embedding is a lookup, not a matrix product (unless tied, where it is the head too).
-    lookup = 0 if getattr(model_config, "tie_word_embeddings", False) else trainer.model_report.vocab_size * hidden
-    return 6.0 * (trainer.model_report.parameters - lookup) + 12.0 * layers * hidden * trainer.cfg.data.seq_len
+    """Training FLOPs per token of the trainer's model (`throughput.model_flops_per_token`, as its log uses)."""
+    return trainer.window.flops_per_token
 
 
 def peak_tflops_per_device(override: float | None) -> float | None:
-    """Peak dense TFLOP/s of one device: `override`, else the table entry of this GPU, else None."""
+    """Peak dense TFLOP/s of one device: `override`, else the package's table entry of this GPU, else None."""
     if override is not None:
         return override
     import torch
 
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(torch.cuda.current_device())
-    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+    return throughput.peak_tflops_per_device(torch.device("cuda", torch.cuda.current_device()))
 
 
 def main() -> int:
@@ -81,7 +71,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_train_") as scratch:
         overrides = [f"train.output_dir={scratch}/run", f"train.max_steps={args.warmup + args.steps}",
-                     "monitor.progress_bar=never", "train.val_every_n_steps=-1"]
+                     "monitor.progress_bar=never", "train.val_every_n_steps=-1", "train.log_every_n_steps=1"]
         if args.zero_stage is not None:
             overrides.append(f"parallel.zero_stage={args.zero_stage}")
         if args.tp is not None:

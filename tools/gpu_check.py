@@ -186,7 +186,7 @@ def training_overrides(sizes: Sizes, workdir: Path, cpu: bool, optimizer: str) -
         f"data.seq_len={sizes.seq_len}", f"data.micro_batch_size={sizes.micro_batch_size}",
         f"train.grad_accum_steps={sizes.grad_accum_steps}",
         "parallel.tp_size=1", "parallel.zero_stage=3", f"optim.lr={sizes.lr}", f"optim.warmup_steps={sizes.warmup_steps}",
-        "train.max_steps=100000", "train.val_every_n_steps=-1", "monitor.progress_bar=never",
+        "train.max_steps=100000", "train.val_every_n_steps=-1", "train.log_every_n_steps=1", "monitor.progress_bar=never",
         "checkpoint.save_final=false", "eval.at_end=false"]
     if optimizer == "torch":
         # torch.optim.AdamW(fused=True) through DeepSpeed's torch_adam switch: no FusedAdam JIT build (on CPU

@@ -1,6 +1,6 @@
 """Worker: the real Trainer meets non-finite weights (a corrupted shard): every later step's loss is NaN, its
 update is skipped (the finite weights stay bitwise as they were), a checkpoint of them is refused, and the run
-stops after `train.max_nonfinite_steps` such steps in a row.
+stops after `train.max_nonfinite_steps` such steps in a row (at that step, whether it logs or not).
 
     python trainer_nonfinite.py OUT.json CONFIG.yaml key=value ...   (once per rank; tests/helpers/distributed.py)
 """
@@ -37,9 +37,10 @@ def main() -> None:
             if tensor.numel():
                 tensor.view(-1)[0] = float("nan")
     before = [t.detach().clone() for t in weight_tensors(trainer)]
-    result["nonfinite"] = []
+    result["nonfinite"], result["nonfinite_totals"] = [], []
     for _ in range(trainer.cfg.train.max_nonfinite_steps - 1):
-        result["nonfinite"].append(trainer.train_step())
+        result["nonfinite"].append(trainer.train_step())  # None on a step that does not log
+        result["nonfinite_totals"].append(trainer.nonfinite.total)
     after = weight_tensors(trainer)
     result["unchanged"] = all(torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
                               for a, b in zip(before, after))
@@ -53,7 +54,7 @@ def main() -> None:
         result["stopped"] = None
     except TrainingDiverged as error:
         result["stopped"] = str(error)
-    result["nonfinite"] = [{k: (v if math.isfinite(v) else str(v)) for k, v in figures.items()}
+    result["nonfinite"] = [figures and {k: (v if math.isfinite(v) else str(v)) for k, v in figures.items()}
                            for figures in result["nonfinite"]]
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps(result, indent=1, default=str))

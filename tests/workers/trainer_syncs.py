@@ -1,6 +1,8 @@
-"""Worker: build the real Trainer, run one warm-up step, then count the calls that would force a
-device-to-host sync (tests/helpers/sync_counter.py) during `steps` more optimizer steps, apart for the
-micro-batch loop (the forward + loss and the backward of each micro-batch) and the rest of the step.
+"""Worker: build the real Trainer, run one warm-up step (a logging step, with the start-up checks of the
+loss), then count the calls that would force a device-to-host sync (tests/helpers/sync_counter.py) during
+`steps` more step boundaries as `Trainer.fit` runs them (the step, its log, the pre-emption agreement), each
+apart: "plain" (no log) or "logging" steps, and inside them the micro-batch loop (the forward + loss and the
+backward of each micro-batch).
 
 Several cases (overrides of one layout) share the process group, one Trainer after the other; rank 0 writes
 OUT/<case>.json for each.
@@ -8,6 +10,7 @@ OUT/<case>.json for each.
     python trainer_syncs.py OUT STEPS CONFIG.yaml CASES.json   (once per rank; tests/helpers/distributed.py)
 
 CASES.json: [{"name": ..., "overrides": ["key=value", ...]}, ...]
+Each OUT/<case>.json also holds the run summary and the model's config (for the throughput figures).
 """
 
 from __future__ import annotations
@@ -28,26 +31,33 @@ from ntl_pretrain.train import Trainer  # noqa: E402
 
 def count_case(out_file: Path, steps: int, config: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(config, overrides))
-    trainer.train_step()  # warm-up: first-use work (caches, DeepSpeed's lazy set-up) is not the step
+    trainer.train_step()  # warm-up: first-use work (caches, DeepSpeed's lazy set-up, the loss's checks)
     counter = SyncCounter()
     forward, backward = trainer._forward_sums, trainer.engine.backward
 
     def counted_forward(*args, **kwargs):
-        with counter.in_phase("micro_batch"):
+        with counter.in_phase(f"{counter.phase}/micro_batch"):
             return forward(*args, **kwargs)
 
     def counted_backward(*args, **kwargs):
-        with counter.in_phase("micro_batch"):
+        with counter.in_phase(f"{counter.phase}/micro_batch"):
             return backward(*args, **kwargs)
 
     trainer._forward_sums = counted_forward
     trainer.engine.backward = counted_backward
-    figures = []
+    figures, kinds = [], []
     with counter:
         for _ in range(steps):
-            figures.append(trainer.train_step())
+            kinds.append("logging" if trainer.logs_at(trainer.step + 1) else "plain")
+            with counter.in_phase(kinds[-1]):  # what Trainer.fit does at each step boundary
+                figures.append(trainer.train_step())
+                trainer.monitor.log_step(trainer.step, figures[-1])
+                assert trainer.preemption.requested() is None
     if dist.get_rank() == 0:
-        Path(out_file).write_text(json.dumps({"steps": steps, **counter.summary(), "figures": figures}, indent=1))
+        Path(out_file).write_text(json.dumps({
+            "steps": kinds, **counter.summary(), "figures": figures, "summary": trainer.summary(),
+            "model_config": trainer.engine.module.config.to_dict(), "world_size": dist.get_world_size()}, indent=1))
+    trainer.monitor.close()
     dist.barrier()
 
 
