@@ -347,3 +347,19 @@ def test_config_refuses_number_level_without_digit_level():
         load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=number_level"])
     load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=was"])
     load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=number_level", "loss.enabled=false"])
+
+
+def test_reweigh_defaults_differ_between_the_drop_in_and_ours_and_the_start_up_line_names_it(word_tokenizer):
+    # ntloss's NTLoss (and our drop-in) reweigh by default; number_token_loss, ce_ntl_loss and the trainer do not
+    from ntl_pretrain.config import LossConfig
+    from ntl_pretrain.training_objective import Objective
+
+    vocab = NumberVocab.from_tokenizer(word_tokenizer)
+    logits, labels, _ = _batch(len(word_tokenizer), list(vocab.token_ids), seed=3)
+    drop_in = NTLoss(word_tokenizer)(logits, labels)
+    torch.testing.assert_close(drop_in, ntloss.NTLoss(word_tokenizer)(logits, labels))
+    torch.testing.assert_close(drop_in, number_token_loss(logits, labels, vocab, reweigh=True))
+    assert not torch.allclose(drop_in, number_token_loss(logits, labels, vocab))
+    for reweigh in (False, True):
+        line = Objective.from_config(LossConfig(reweigh=reweigh, squash_factor=4.0)).describe()
+        assert f"variant=was, reweigh={reweigh}, squash_factor=4.0, smoothing_sigma=0" in line and "\n" not in line
