@@ -2,7 +2,8 @@
 
 Every tool works on a Hugging Face *fast* tokenizer (a `tokenizers` pipeline): that is what the
 trainer loads and what `split-digits` rewrites. transformers 5 converts slow-format files
-(`vocab.json` + `merges.txt`, SentencePiece `tokenizer.model`) to fast tokenizers at load time;
+(`vocab.json` + `merges.txt`, SentencePiece `tokenizer.model`) to fast tokenizers at load time, and
+tiktoken BPE files (Meta's Llama-3 `tokenizer.model`) are converted with its `TikTokenConverter`;
 tokenizers that exist only as Python code are refused with a message saying what to do instead.
 """
 
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from ..fs import atomic_directory
+from .tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe, load_tiktoken_file
 
 # Files whose presence makes a folder a tokenizer folder (transformers' own file names).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
@@ -41,7 +43,8 @@ class TokenizerLoadError(ValueError):
 
 
 def load_tokenizer(source: str | os.PathLike, trust_remote_code: bool = False) -> TokenizersBackend:
-    """Load a fast tokenizer from a folder, a `tokenizer.json`, a SentencePiece `.model` or a hub id.
+    """Load a fast tokenizer from a folder, a `tokenizer.json`, a SentencePiece `.model`, a tiktoken BPE file
+    (`.model`, `.tiktoken`) or a hub id.
 
     Raises `TokenizerLoadError` for paths that hold no tokenizer, corrupt files, and slow tokenizers
     that have no fast equivalent.
@@ -50,12 +53,14 @@ def load_tokenizer(source: str | os.PathLike, trust_remote_code: bool = False) -
     if path.is_file():
         if path.suffix == ".json":
             tokenizer = _load_tokenizer_json(path)
+        elif path.suffix in TIKTOKEN_SUFFIXES and is_tiktoken_bpe(path):
+            tokenizer = _load_tiktoken(path)
         elif path.suffix == ".model":
             tokenizer = _load_sentencepiece_model(path)
         else:
             raise TokenizerLoadError(
-                f"{str(path)!r} is not a tokenizer: expected a tokenizer folder, a tokenizer.json file or a "
-                f"SentencePiece .model file")
+                f"{str(path)!r} is not a tokenizer: expected a tokenizer folder, a tokenizer.json file, a "
+                f"SentencePiece .model file or a tiktoken BPE file (.model, .tiktoken)")
     elif path.is_dir():
         tokenizer = _load_folder(path, trust_remote_code)
     elif os.path.isabs(source) or str(source).startswith((".", "~")) or str(source).count("/") > 1:
@@ -103,6 +108,14 @@ def _load_sentencepiece_model(path: Path) -> TokenizersBackend:
     return tokenizer
 
 
+def _load_tiktoken(path: Path) -> TokenizersBackend:
+    """A tiktoken BPE file (Meta's Llama-3 tokenizer.model) through transformers' TikTokenConverter."""
+    try:
+        return load_tiktoken_file(path)
+    except ValueError as error:
+        raise TokenizerLoadError(str(error)) from None
+
+
 def _check_sentencepiece_model(path: Path) -> None:
     import sentencepiece
 
@@ -127,7 +140,7 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
     if not (path / TOKENIZER_CONFIG).is_file() and not (path / TOKENIZER_JSON).is_file():
         model = path / SENTENCEPIECE_MODEL if (path / SENTENCEPIECE_MODEL).is_file() else path / "spiece.model"
         if model.is_file():
-            tokenizer = _load_sentencepiece_model(model)
+            tokenizer = _load_tiktoken(model) if is_tiktoken_bpe(model) else _load_sentencepiece_model(model)
             tokenizer.name_or_path = str(path)
             return tokenizer
     if _declares_generic_class(path):
