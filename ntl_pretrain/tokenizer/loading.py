@@ -27,6 +27,8 @@ from .tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe, load_tiktoken_file
 # Files whose presence makes a folder a tokenizer folder (transformers' own file names).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
                    "vocab.json", "vocab.txt", "tekken.json")
+# Files that hold a vocabulary: a folder with none of them (only tokenizer_config.json, say) holds no tokenizer.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tekken.json")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -125,18 +127,37 @@ def _check_sentencepiece_model(path: Path) -> None:
         raise TokenizerLoadError(f"{str(path)!r} is not a valid SentencePiece model ({error})") from None
 
 
+def _read_json_object(path: Path, fix: str) -> dict:
+    """A JSON file that must hold an object; anything else is one line naming the file and `fix`."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise TokenizerLoadError(f"{str(path)!r} is corrupt: not valid JSON ({error}). {fix}") from None
+    if not isinstance(value, dict):
+        raise TokenizerLoadError(f"{str(path)!r} holds a JSON {type(value).__name__}, not an object. {fix}")
+    return value
+
+
 def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
+    for name in TOKENIZER_FILES:
+        if (path / name).exists() and not (path / name).is_file():
+            raise TokenizerLoadError(f"{str(path / name)!r} is not a regular file (a folder?): put the tokenizer's "
+                                     f"{name} there, or point at the folder that holds it")
     present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
     if not present:
         raise TokenizerLoadError(
             f"folder {str(path)!r} holds no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it")
+    restore = "Restore it from the model's source, or save the tokenizer again with tokenizer.save_pretrained(folder)"
     if (path / TOKENIZER_JSON).is_file():
-        try:
-            json.loads((path / TOKENIZER_JSON).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise TokenizerLoadError(
-                f"{str(path / TOKENIZER_JSON)!r} is corrupt: not valid JSON ({error}). Restore it from the model's "
-                f"source") from None
+        if "model" not in _read_json_object(path / TOKENIZER_JSON, restore):
+            raise TokenizerLoadError(f"{str(path / TOKENIZER_JSON)!r} is not a tokenizers pipeline (it has no 'model' "
+                                     f"entry). {restore}")
+    if (path / TOKENIZER_CONFIG).is_file():
+        _read_json_object(path / TOKENIZER_CONFIG, restore)
+    no_vocabulary = None if any(name in VOCABULARY_FILES for name in present) else TokenizerLoadError(
+        f"folder {str(path)!r} holds {', '.join(present)} but no vocabulary (none of {', '.join(VOCABULARY_FILES)}): "
+        f"copy the tokenizer's tokenizer.json (or tokenizer.model) from the model's source into it, or save the "
+        f"tokenizer there with tokenizer.save_pretrained(folder)")
     if not (path / TOKENIZER_CONFIG).is_file() and not (path / TOKENIZER_JSON).is_file():
         model = path / SENTENCEPIECE_MODEL if (path / SENTENCEPIECE_MODEL).is_file() else path / "spiece.model"
         if model.is_file():
@@ -150,11 +171,24 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
         try:
             return TokenizersBackend.from_pretrained(str(path))
         except Exception as error:
-            raise TokenizerLoadError(f"could not load the tokenizer.json of folder {str(path)!r}: {error}") from None
+            raise TokenizerLoadError(f"could not load the tokenizer.json of folder {str(path)!r}: "
+                                     f"{_one_line(error)}") from None
     try:  # AutoTokenizer also reads config.json, which names the model's tokenizer class and special tokens
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as error:
-        raise TokenizerLoadError(f"could not load a tokenizer from folder {str(path)!r}: {error}") from None
+        raise no_vocabulary or TokenizerLoadError(
+            f"could not load a tokenizer from folder {str(path)!r} (it holds {', '.join(present)}): "
+            f"{_one_line(error)}") from None
+    # without a vocabulary file a fast class builds an EMPTY tokenizer (LlamaTokenizer: 3 tokens); a slow one
+    # (ByT5, byte-level by design) is refused by ensure_fast with its own message
+    if no_vocabulary is not None and getattr(tokenizer, "is_fast", False):
+        raise no_vocabulary
+    return tokenizer
+
+
+def _one_line(error: Exception) -> str:
+    """An exception from transformers or tokenizers as one line with its type (their messages span several)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _declares_generic_class(path: Path) -> bool:
@@ -173,10 +207,9 @@ def _load_hub_id(name: str, trust_remote_code: bool) -> TokenizersBackend:
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as error:
-        reason = " ".join(str(error).split())  # one line: hub errors span several
         raise TokenizerLoadError(
-            f"{name!r} is neither a local path nor a loadable Hugging Face Hub tokenizer ({type(error).__name__}: "
-            f"{reason}; working directory {os.getcwd()})") from None
+            f"{name!r} is neither a local path nor a loadable Hugging Face Hub tokenizer ({_one_line(error)}; "
+            f"working directory {os.getcwd()})") from None
 
 
 def without_encoding_settings(backend_json: dict) -> dict[str, dict]:
