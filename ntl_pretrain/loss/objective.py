@@ -33,8 +33,8 @@ class ObjectiveSums:
     A trainer normalises them globally (see `normalize.py`); `ce_ntl_loss` normalises locally.
     """
 
-    ce_sum: torch.Tensor  # differentiable float32 scalar: CE summed over non-ignored tokens
-    ntl_sum: torch.Tensor  # differentiable float32 scalar: weighted NTL summed over NTL terms
+    ce_sum: torch.Tensor  # differentiable scalar (max(float32, logits' dtype)): CE summed over non-ignored tokens
+    ntl_sum: torch.Tensor  # differentiable scalar (same dtype): weighted NTL summed over NTL terms
     token_count: torch.Tensor  # non-ignored tokens
     ntl_count: torch.Tensor  # the NTL normaliser: summed loss weights of the NTL terms
     number_tokens: torch.Tensor  # label positions that hold a number token
@@ -134,7 +134,7 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
 
     Args:
         logits: `[..., V_local]` logits, or this rank's vocabulary shard of them; any float dtype (the
-            maths runs in float32). Never modified.
+            maths runs in max(float32, their dtype)). Never modified.
         labels: `[...]` target ids aligned with the logits (already shifted); `settings.ignore_index`
             marks positions without a target. Identical on every rank of the shard's TP group.
         number_vocab: the number tokens (`NumberVocab.from_tokenizer`).
@@ -204,7 +204,7 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
 
     Args:
         logits: `[..., V]` logits (or this rank's vocabulary shard, with `shard`), any float dtype;
-            computed in float32.
+            computed in max(float32, their dtype).
         labels: `[...]` target ids aligned with the logits; `ignore_index` positions are skipped.
         number_vocab: `NumberVocab.from_tokenizer(tokenizer)`.
         variant: "was", "mse", "mae", "huber" or "number_level".
@@ -221,7 +221,7 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
             reading values on the host; False for a hot loop whose layout was checked once
             (`VocabShard.check_tiling`).
 
-    Returns a float32 scalar, or a float32 tensor of the labels' shape for reduction "none".
+    Returns a scalar, or a tensor of the labels' shape for reduction "none", in max(float32, the logits' dtype).
     """
     settings = NTLSettings(variant=variant, reweigh=reweigh, squash_factor=squash_factor,
                            smoothing_sigma=smoothing_sigma, float_level=float_level, ignore_index=ignore_index,
