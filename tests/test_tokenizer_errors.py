@@ -188,3 +188,11 @@ def test_tokenizer_folder_errors_are_one_line_naming_the_folder_or_file(tmp_path
     with pytest.raises(TokenizerLoadError, match=message) as raised:
         load_tokenizer(folder)
     assert "\n" not in str(raised.value) and str(folder) in str(raised.value)
+
+
+def test_a_tokenizer_path_that_is_a_pipe_is_named_as_such(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(TokenizerLoadError, match="is neither a regular file nor a folder"):
+        load_tokenizer(tmp_path / "tokenizer.json")

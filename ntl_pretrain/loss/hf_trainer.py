@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..numbers import NumberVocab
 from .ntl import NTLSettings
-from .objective import _safe_mean, ce_ntl_sums
+from .objective import ce_ntl_sums, safe_mean
 from .shard import VocabShard, vocab_shard_of
 
 
@@ -60,8 +60,8 @@ class HFTrainerLoss:
         sums = ce_ntl_sums(logits, shifted, self.number_vocab, self.settings, shard=self.shard(),
                            with_ntl=self.ntl_weight != 0, check_inputs=not self._checked)
         self._checked = True
-        ntl_mean = _safe_mean(sums.ntl_sum, sums.ntl_count)
+        ntl_mean = safe_mean(sums.ntl_sum, sums.ntl_count)
         if num_items_in_batch is None:
-            return _safe_mean(sums.ce_sum, sums.token_count) + self.ntl_weight * ntl_mean
+            return safe_mean(sums.ce_sum, sums.token_count) + self.ntl_weight * ntl_mean
         items = torch.as_tensor(num_items_in_batch, device=logits.device, dtype=sums.ce_sum.dtype)
         return (sums.ce_sum + self.ntl_weight * ntl_mean * sums.token_count) / items

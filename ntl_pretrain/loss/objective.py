@@ -181,7 +181,8 @@ def sums_from_stats(stats: ShardStats, labels: torch.Tensor, number_vocab: Numbe
                          number_tokens=number_tokens, abs_error_sum=abs_error_sum)
 
 
-def _safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`total / count`, 0 (not NaN) where nothing was counted; no host sync."""
     return total / count.clamp_min(torch.finfo(torch.float32).eps)
 
 
@@ -192,7 +193,7 @@ def ce_ntl_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
     and data-parallel ranks use `ce_ntl_sums` with `normalize.py`)."""
     sums = ce_ntl_sums(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
                        with_ntl=ntl_weight != 0, check_inputs=check_inputs)
-    return _safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * _safe_mean(sums.ntl_sum, sums.ntl_count)
+    return safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * safe_mean(sums.ntl_sum, sums.ntl_count)
 
 
 def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, *,
@@ -248,5 +249,5 @@ def ntl_with_settings(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
     if reduction == "sum":
         return weighted.sum()
     if reduction == "mean":
-        return _safe_mean(weighted.sum(), terms.weights.sum())
+        return safe_mean(weighted.sum(), terms.weights.sum())
     return weighted.view(labels.shape)  # zero where no term sits

@@ -65,6 +65,9 @@ def load_tokenizer(source: str | os.PathLike, trust_remote_code: bool = False) -
                 f"SentencePiece .model file or a tiktoken BPE file (.model, .tiktoken)")
     elif path.is_dir():
         tokenizer = _load_folder(path, trust_remote_code)
+    elif path.exists():
+        raise TokenizerLoadError(f"tokenizer path {str(path)!r} is neither a regular file nor a folder (a pipe or a "
+                                 f"device?): point at the tokenizer's folder or its tokenizer.json")
     elif os.path.isabs(source) or str(source).startswith((".", "~")) or str(source).count("/") > 1:
         raise TokenizerLoadError(f"tokenizer path {str(source)!r} does not exist")
     else:
