@@ -69,7 +69,7 @@ class Objective:
 
     def describe(self) -> str:
         """One line for the log: the loss and the head."""
-        loss = (f"CE + {self.ntl_weight:g} x NTL ({self.settings.variant}, {self.ntl_schedule})" if self.ntl_on
+        loss = (f"CE + {self.ntl_weight:g} x NTL ({self.settings.describe()}; {self.ntl_schedule})" if self.ntl_on
                 else "CE only (NTL off)")
         head = (f"chunked LM head ({self.chunk_tokens} tokens a chunk, {self.chunk_backward} backward)"
                 if self.chunk_tokens else "full logits")

@@ -39,6 +39,11 @@ def test_tool_on_hf_folder_matches_the_hook(tmp_path: Path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "eval/arith/extrapolation/accuracy" in printed
+    # start-up notices, then what is evaluated and its progress per batch (not a terminal: plain lines)
+    assert f"loading {tmp_path / 'model'} on 1 process(es)" in printed and f"loaded {tmp_path / 'model'}" in printed
+    assert "eval arith: 12 problems (interpolation, extrapolation), batch size 4" in printed
+    assert [line.split(",")[0] for line in printed.splitlines() if " batches, " in line] == [
+        f"eval arith: {done}/3 batches" for done in (1, 2, 3)]
     result = json.loads((tmp_path / "out" / "eval_results_step_0000005.json").read_text())
     assert result["eval_config"]["arithmetic_ops"] == ["+", "*"] and result["step"] == 5
 
@@ -114,9 +119,9 @@ eval: {every_n_steps: 0, at_end: true, arithmetic_n: 6, arithmetic_max_new_token
 """
 
 
-def _run(command: list[str], cwd: Path, timeout: int) -> None:
-    run_ok(command, cwd=cwd, env=launch_env(NTL_CPU_PROCS="2", NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}"),
-           timeout=timeout)
+def _run(command: list[str], cwd: Path, timeout: int) -> str:
+    return run_ok(command, cwd=cwd, env=launch_env(NTL_CPU_PROCS="2", NTL_DEEPSPEED_ARGS=f"--master_port {free_port()}"),
+                  timeout=timeout).stdout
 
 
 @pytest.mark.multiprocess
@@ -129,8 +134,13 @@ def test_tool_on_training_checkpoint_reproduces_the_runs_final_evaluation(tmp_pa
     in_training = (run_dir / "eval" / "step_0000003.jsonl").read_text()
     assert len(in_training.splitlines()) == 12  # 6 interpolation + 6 extrapolation problems
 
-    _run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(TOOL), "--run", str(run_dir),
-          "--output-dir", str(tmp_path / "tool")], cwd=tmp_path, timeout=200)
+    printed = _run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(TOOL), "--run", str(run_dir),
+                    "--output-dir", str(tmp_path / "tool")], cwd=tmp_path, timeout=200)
+    # start-up notices and rank 0's progress, printed once (tp=2: one data-parallel rank, 12 problems, batches of 4)
+    assert printed.count(f"loading the checkpoint of {run_dir}") == 1 and printed.count("evaluation settings:") == 1
+    assert printed.count("eval arith: 12 problems") == 1
+    assert "2 processes, the prompts split over 1 data-parallel rank(s), rank 0's progress shown" in printed
+    assert printed.count("eval arith: 3/3 batches") == 1
     result = json.loads((tmp_path / "tool" / "eval_results_step_0000003.json").read_text())
     assert result["step"] == 3 and result["eval_config"]["arithmetic_n"] == 6  # the run's own eval settings
     # The checkpoint's weights, not freshly initialised ones: the same predictions as the run made at its end.

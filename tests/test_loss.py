@@ -347,3 +347,37 @@ def test_config_refuses_number_level_without_digit_level():
         load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=number_level"])
     load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=was"])
     load_config(None, minimal + ["tokenizer.digit_level=false", "loss.variant=number_level", "loss.enabled=false"])
+
+
+def test_reweigh_defaults_differ_between_the_drop_in_and_ours_and_the_start_up_line_names_it(word_tokenizer):
+    # ntloss's NTLoss (and our drop-in) reweigh by default; number_token_loss, ce_ntl_loss and the trainer do not
+    from ntl_pretrain.config import LossConfig
+    from ntl_pretrain.training_objective import Objective
+
+    vocab = NumberVocab.from_tokenizer(word_tokenizer)
+    logits, labels, _ = _batch(len(word_tokenizer), list(vocab.token_ids), seed=3)
+    drop_in = NTLoss(word_tokenizer)(logits, labels)
+    torch.testing.assert_close(drop_in, ntloss.NTLoss(word_tokenizer)(logits, labels))
+    torch.testing.assert_close(drop_in, number_token_loss(logits, labels, vocab, reweigh=True))
+    assert not torch.allclose(drop_in, number_token_loss(logits, labels, vocab))
+    for reweigh in (False, True):
+        line = Objective.from_config(LossConfig(reweigh=reweigh, squash_factor=4.0)).describe()
+        assert f"variant=was, reweigh={reweigh}, squash_factor=4.0, smoothing_sigma=0" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                             (torch.float64, torch.float64)])
+def test_loss_dtype_is_float32_or_the_logits_wider_dtype(word_tokenizer, dtype, expected):
+    # the documented rule (docs/loss.md, "Differences from ntloss"): computed in and returned as max(float32, dtype)
+    vocab = NumberVocab.from_tokenizer(word_tokenizer)
+    logits, labels, _ = _batch(len(word_tokenizer), list(vocab.token_ids), seed=5)
+    logits = logits.to(dtype)
+    results = {"ce_ntl_loss": ce_ntl_loss(logits, labels, vocab),
+               "number_token_loss": number_token_loss(logits, labels, vocab, reweigh=True),
+               "NTLoss": NTLoss(word_tokenizer)(logits, labels),
+               "predict_numbers": NTLossDotProduct(word_tokenizer).predict_numbers(logits)[0],
+               "ce_ntl_sums": ce_ntl_sums(logits, labels, vocab).stack()}
+    assert {name: value.dtype for name, value in results.items()} == dict.fromkeys(results, expected)
+    if dtype == torch.float64:  # ntloss computes in the logits' dtype: float64 agrees to float64 round-off
+        torch.testing.assert_close(results["NTLoss"], ntloss.NTLoss(word_tokenizer)(logits, labels),
+                                   rtol=1e-12, atol=1e-12)

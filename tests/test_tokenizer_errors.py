@@ -157,3 +157,42 @@ def test_number_vocab_command(tool, gpt2_style, tmp_path, capsys):
                          "--multi-digit"]) == 0
     multi = json.loads((tmp_path / "multi.json").read_text())
     assert multi["digit_level"] is False and len(multi["token_ids"]) > 10
+
+
+def _write(folder: Path, files: dict[str, str | bytes | None]) -> Path:
+    folder.mkdir()
+    for name, content in files.items():
+        if content is None:
+            (folder / name).mkdir()
+        elif isinstance(content, bytes):
+            (folder / name).write_bytes(content)
+        else:
+            (folder / name).write_text(content)
+    return folder
+
+
+@pytest.mark.parametrize("files, message", [
+    # a fast class without its vocabulary file builds an empty tokenizer (LlamaTokenizer: 3 tokens) or fails raw
+    ({"tokenizer_config.json": '{"tokenizer_class": "LlamaTokenizer"}'}, "holds tokenizer_config.json but no vocabulary"),
+    ({"tokenizer_config.json": '{"tokenizer_class": "PreTrainedTokenizerFast"}', "config.json": '{"model_type": "llama"}'},
+     "holds tokenizer_config.json but no vocabulary"),
+    ({"tokenizer.json": None}, "tokenizer.json' is not a regular file"),
+    ({"tokenizer.json": "[1, 2]"}, "tokenizer.json' holds a JSON list, not an object"),
+    ({"tokenizer.json": "{}"}, "tokenizer.json' is not a tokenizers pipeline"),
+    ({"tokenizer.json": '{"model": {"type": "BPE", "vocab": {}, "merges": []}}', "tokenizer_config.json": b'{"a": "\xe9"}'},
+     "tokenizer_config.json' is corrupt: not valid JSON"),
+    ({"vocab.json": '{"a": 0}'}, r"could not load a tokenizer from folder .* \(it holds vocab.json\): ValueError"),
+])
+def test_tokenizer_folder_errors_are_one_line_naming_the_folder_or_file(tmp_path, files, message):
+    folder = _write(tmp_path / "tok", files)
+    with pytest.raises(TokenizerLoadError, match=message) as raised:
+        load_tokenizer(folder)
+    assert "\n" not in str(raised.value) and str(folder) in str(raised.value)
+
+
+def test_a_tokenizer_path_that_is_a_pipe_is_named_as_such(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(TokenizerLoadError, match="is neither a regular file nor a folder"):
+        load_tokenizer(tmp_path / "tokenizer.json")

@@ -311,3 +311,27 @@ def test_train_spm_samples_lines_uniformly(tmp_path):
     assert 60 < sum(i < 1000 for i in indices) < 140  # both halves of the corpus, not just its start
     assert sample == _sample_lines([corpus], 200)  # reproducible
     assert len(_sample_lines([corpus], 0)) == 2000
+
+
+def test_split_digits_on_a_digit_level_tokenizer_says_so_and_keeps_the_pipeline(family_dirs, converted_dirs):
+    out, report = converted_dirs["spm_split_digits"]
+    original = load_tokenizer(family_dirs["spm_split_digits"])
+    converted = load_tokenizer(out)
+    assert report.digit_level_before and report.added_digits == {}
+    assert report.pipeline_after == report.pipeline_before
+    assert (json.loads(converted.backend_tokenizer.to_str())["pre_tokenizer"]
+            == json.loads(original.backend_tokenizer.to_str())["pre_tokenizer"])
+    assert "ALREADY DIGIT-LEVEL" in report.format() and "number-vocab" in report.format()
+    assert "ALREADY DIGIT-LEVEL" not in converted_dirs["gpt2_style"][1].format()
+
+
+def test_inspect_counts_special_tokens_apart(family_dirs):
+    tokenizer = load_tokenizer(family_dirs["llama3_style"])
+    specials = ["[control_8]", "<|reserved_special_token_12|>", "<|reserved_special_token_250|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    report = inspect_tokenizer(tokenizer, "llama3_style")
+    assert set(report.special_digit_examples) == set(specials) == {
+        token for token in tokenizer.all_special_tokens if re.search(r"[0-9]", token)}
+    assert report.special_digit_tokens == 3
+    assert not set(specials) & set(report.other_digit_examples + report.multi_digit_examples)
+    assert "special tokens with digits in their name (not text, never numbers): 3" in report.format()

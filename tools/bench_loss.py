@@ -2,8 +2,10 @@
 """Benchmark the loss alone: forward + backward of CE only vs CE + NTL, ours vs `ntloss`.
 
 For each vocabulary size and TP size, all methods are timed interleaved in the same process(es)
-(round-robin over repetitions, so machine noise hits all alike): the cold first iteration and the
-median of the warm ones, and ratios against CE alone measured in the same run. Peak memory is
+(round-robin over repetitions, so machine noise hits all alike): the cold first iteration, the
+median of the warm ones with their spread (min-max), and ratios against CE alone measured in the same
+run; each group's line gives the torch threads a process used and the machine's load average before and
+after, since on a busy machine the spread, not the median, says how far a ratio can be trusted. Peak memory is
 measured per method in a fresh process (per TP group: the largest rank's), on a second call after one
 untimed warm-up (peak RSS above the inputs, with glibc's mmap threshold fixed at 64 KiB so freed
 tensors leave the resident size), and the bytes each rank sends per collective are counted by
@@ -186,7 +188,11 @@ def child(args) -> None:
     from ntl_pretrain.loss import VocabShard
     from ntl_pretrain.numbers import NumberVocab
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1" if args.tp > 1 else str(os.cpu_count()))))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.tp > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # T processes on one machine: one thread each unless told otherwise
+    # else torch's own setting: OMP_NUM_THREADS when set, its default otherwise
     rank = 0
     group = None
     if args.tp > 1:
@@ -268,7 +274,8 @@ def child(args) -> None:
         for _ in range(args.reps):
             for name, fn in methods.items():
                 times[name].append(run_once(fn))
-        result = {name: {"cold_s": cold[name], "median_s": statistics.median(times[name])} for name in methods}
+        result = {name: {"cold_s": cold[name], "median_s": statistics.median(times[name]), "min_s": min(times[name]),
+                         "max_s": max(times[name]), "threads": torch.get_num_threads()} for name in methods}
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
@@ -335,6 +342,9 @@ def main() -> None:
                         help="rows per chunk of ds_fused_ce (0: DeepSpeed's default)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per process; 0 (default): torch's own setting (OMP_NUM_THREADS when set, "
+                             "else its default) at TP=1, and 1 per rank at TP>1 unless OMP_NUM_THREADS is set")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="time", help=argparse.SUPPRESS)
@@ -352,11 +362,16 @@ def main() -> None:
         if vocab % tp:
             raise SystemExit(f"--vocab {vocab} is not divisible by --tp {tp}")
         methods = [m for m in args.methods if tp == 1 or not m.startswith("ntloss")]
+        load_before = os.getloadavg()
         timing = launch(args, "time", methods, vocab, tp)
+        load = {"load_average_before": list(load_before), "load_average_after": list(os.getloadavg())}
+        print(f"n={tokens} V={vocab} tp={tp}: {timing[methods[0]]['threads']} torch thread(s) a process, "
+              f"{args.reps} warm repetitions; load average (1/5/15 min) {_loads(load_before)} before, "
+              f"{_loads(os.getloadavg())} after, on {os.cpu_count()} cores", flush=True)
         group_rows = []
         for name in methods:
             vs_ce = "ce" in timing and not is_head_method(name)
-            row = {"tokens": args.tokens, "vocab": vocab, "tp": tp, "method": name, **timing[name],
+            row = {"tokens": args.tokens, "vocab": vocab, "tp": tp, "method": name, **timing[name], **load,
                    "ratio_vs_ce": timing[name]["median_s"] / timing["ce"]["median_s"] if vs_ce else None}
             if not args.no_memory:
                 row.update(launch(args, "memory", [name], vocab, tp))
@@ -370,6 +385,10 @@ def main() -> None:
         rows += group_rows
         if args.json:  # after every group: a long sweep stopped midway keeps what it measured
             _write_json(args.json, {"rows": rows, "cpu_count": os.cpu_count()})
+
+
+def _loads(averages: tuple[float, ...]) -> str:
+    return "/".join(f"{value:.2f}" for value in averages)
 
 
 def _write_json(path: str, document: dict) -> None:
@@ -416,7 +435,8 @@ def _format_row(row: dict) -> str:
         if "memory_vs_ds_fused" in row:
             versus += f", memory {row['memory_vs_ds_fused']:.3f}x"
     return (f"n={row['tokens']:<6} V={row['vocab']:<7} tp={row['tp']}  {row['method']:<34} "
-            f"warm {row['median_s'] * 1e3:8.1f} ms  cold {row['cold_s'] * 1e3:8.1f} ms  {ratio:>8}{memory}{comm}"
+            f"warm {row['median_s'] * 1e3:8.1f} ms (min-max {row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f})  "
+            f"cold {row['cold_s'] * 1e3:8.1f} ms  {ratio:>8}{memory}{comm}"
             f"{versus}")
 
 

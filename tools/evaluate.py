@@ -13,7 +13,9 @@ Settings: with --run, the run's `eval` section (its config.yaml); with --model, 
 saved beside the weights (ntl_eval.json, written into every checkpoint and so into its export) when the
 folder has them (--default-settings ignores them), else the defaults. Trailing `key=value` arguments
 override them (ntl_pretrain.eval.EvalConfig keys, with or without the `eval.` prefix; values are YAML).
-The tool prints which settings it used. It runs the "final" evaluation (GSM8K: gsm8k_final_limit,
+The tool prints which settings it used, what it loads and how long that took, what each benchmark evaluates and
+its progress (rank 0's batches: a tqdm bar on a terminal, else about ten lines a benchmark and a line a minute
+while one batch is still generating). It runs the "final" evaluation (GSM8K: gsm8k_final_limit,
 0 = all). Rank 0 prints a table, writes every prediction to OUTPUT_DIR/eval/step_<step, 7 digits>.jsonl
 and the metrics to --json (default OUTPUT_DIR/eval_results_step_<step, 7 digits>.json). OUTPUT_DIR:
 --output-dir; else the run folder (--run); else MODEL_eval beside a local model folder (runs/demo/hf_export
@@ -27,6 +29,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
@@ -184,6 +187,12 @@ def format_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def _notice(is_main: bool, text: str) -> None:
+    """A start-up notice, printed once (by rank 0)."""
+    if is_main:
+        print(text, flush=True)
+
+
 def _write_json(path: str, data: Any) -> None:
     from ntl_pretrain.fs import write_json_atomic
 
@@ -204,33 +213,39 @@ def _evaluate(args: argparse.Namespace) -> int:
     from ntl_pretrain.eval.hooks import run_evaluation
     from ntl_pretrain.model import load_model_config, max_positions
 
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    overridden = f", overridden by {' '.join(args.overrides)}" if args.overrides else ""
+    started = time.monotonic()
     try:
         if args.model:
             base, settings_source = model_eval_settings(args)
+            settings_source += overridden
             cfg = eval_config(base, args.overrides)
             # a broken GSM8K line, or no room for an answer within the model's positions, fails before the weights load
             positions = max_positions(load_model_config(ModelConfig(name_or_path=args.model)))
             validate_eval_inputs(cfg, max_position_embeddings=positions, read_hub=True)
+            _notice(is_main, f"evaluation settings: {settings_source}")
+            _notice(is_main, f"loading {args.model} on {_world_size()} process(es) ...")
             model, tokenizer, description = load_hf_model(args)
             step = args.step if args.step is not None else 0
             output_dir = args.output_dir or default_output_dir(args.model)
         else:
+            _notice(is_main, f"loading the checkpoint of {args.run} ({args.tag or 'latest'}) on {_world_size()} "
+                             f"process(es): checking its files, building the model and engine ...")
             model, tokenizer, description, run_eval_cfg, tag, model_config = load_run_checkpoint(args)
-            settings_source = f"the training run's, from {os.path.join(args.run, 'config.yaml')}"
+            settings_source = f"the training run's, from {os.path.join(args.run, 'config.yaml')}{overridden}"
             cfg = eval_config(run_eval_cfg, args.overrides)
             validate_eval_inputs(cfg, max_position_embeddings=max_positions(model_config), read_hub=True)
+            _notice(is_main, f"evaluation settings: {settings_source}")
             match = re.search(r"(\d+)$", tag)
             step = args.step if args.step is not None else (int(match.group(1)) if match else 0)
             output_dir = args.output_dir or args.run
-        if args.overrides:
-            settings_source += f", overridden by {' '.join(args.overrides)}"
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"evaluation settings: {settings_source}", flush=True)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
-    metrics = run_evaluation(model, tokenizer, cfg, step=step, output_dir=output_dir, final=True)
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    _notice(is_main, f"loaded {description} in {time.monotonic() - started:.1f} s; predictions go to "
+                     f"{os.path.join(output_dir, 'eval')}")
+    metrics = run_evaluation(model, tokenizer, cfg, step=step, output_dir=output_dir, final=True, show_progress=True)
     if is_main:
         json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")
         # NaN (e.g. MAE with no parseable answer) is not JSON: write null.

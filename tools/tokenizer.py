@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenizer.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    source_help = "a tokenizer folder, a tokenizer.json, a SentencePiece .model file or a Hugging Face Hub id"
+    source_help = ("a tokenizer folder, a tokenizer.json, a SentencePiece .model file, a tiktoken BPE file (Meta's "
+                   "Llama-3 tokenizer.model, *.tiktoken) or a Hugging Face Hub id")
 
     def add_common(sub: argparse.ArgumentParser, json_help: str = "print JSON instead of text") -> None:
         sub.add_argument("--json", action="store_true", help=json_help)

@@ -23,7 +23,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,7 +140,8 @@ class _Batch:
 def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequence[str], *,
                     max_new_tokens: int | Sequence[int], stop: Sequence[str] | Sequence[Sequence[str]] = (),
                     batch_size: int = 16, max_length: int = 0, add_special_tokens: bool | None = None,
-                    prefix_ids: Sequence[int] = (), dp_group: Any = None, tp_group: Any = None) -> GenerationOutput:
+                    prefix_ids: Sequence[int] = (), dp_group: Any = None, tp_group: Any = None,
+                    progress: Callable[[int, int, int], None] | None = None) -> GenerationOutput:
     """Greedy continuations of `prompts`, returned in order and identically on every rank.
 
     Every rank of the world must call this with the same arguments (it runs collectives).
@@ -154,6 +155,8 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     training document); they count toward the length limit.
     `dp_group`: the group prompts are split over (default: `data_parallel_group`). `tp_group`: the
     group of a vocabulary-parallel LM head (default: the head's own, `vocab_shard_of`).
+    `progress`: called on this rank before the first step and after every decoding step with (this rank's
+    batches done, its batch count, tokens it generated so far), e.g. `eval.progress.GenerationProgress`.
     """
     n = len(prompts)
     if batch_size < 1:
@@ -218,6 +221,9 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     queue = [mine[start:start + batch_size] for start in range(0, len(mine), batch_size)]
 
     results: dict[int, tuple[str, int]] = {}
+    total_batches, done_batches, finished_tokens = len(queue), 0, 0
+    if progress is not None:
+        progress(0, total_batches, 0)
     idle_input = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
     forward_passes = 0
     was_training = module.training
@@ -242,8 +248,13 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
                                  **{cache_kwarg: batch.cache}, **last_logits_only)
                 batch.cache = outputs.get(cache_kwarg)
                 next_ids = global_argmax(outputs.logits[:, -1, :], shard)
-                if _advance(batch, next_ids, tokenizer, eos_id, stops, results):
+                finished = _advance(batch, next_ids, tokenizer, eos_id, stops, results)
+                batch_tokens = sum(len(generated) for generated in batch.generated)
+                if finished:
+                    done_batches, finished_tokens = done_batches + 1, finished_tokens + batch_tokens
                     batch = None
+                if progress is not None:
+                    progress(done_batches, total_batches, finished_tokens + (0 if finished else batch_tokens))
     finally:
         module.train(was_training)
     seconds = time.perf_counter() - started

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from ntl_pretrain.eval import gsm8k
 from ntl_pretrain.eval.arithmetic import generate_problems
 from ntl_pretrain.eval.config import EvalConfig
-from ntl_pretrain.eval.generate import greedy_generate
+from ntl_pretrain.eval.generate import data_parallel_group, greedy_generate
 from ntl_pretrain.eval.metrics import arithmetic_scores, parse_integer_answer
+from ntl_pretrain.eval.progress import GenerationProgress
 from ntl_pretrain.fs import atomic_write
 
 OP_NAMES = {"+": "add", "-": "sub", "*": "mul", "+*": "add_mul", "-*": "sub_mul"}
@@ -59,8 +60,21 @@ def _samples_markdown(records: list[dict[str, Any]], count: int) -> str:
     return "\n".join(lines)
 
 
+def _progress(show: bool, label: str, what: str, model: Any, dp_group: Any) -> GenerationProgress | None:
+    """A progress reporter on the writer rank when `show` (after a line saying what is evaluated), else None."""
+    if not (show and _is_writer_rank()):
+        return None
+    if dist.is_available() and dist.is_initialized():
+        split = dist.get_world_size(data_parallel_group(model, dp_group))
+        what += (f"; {dist.get_world_size()} processes, the prompts split over {split} data-parallel rank(s), "
+                 f"rank 0's progress shown")
+    print(f"eval {label}: {what}", flush=True)
+    return GenerationProgress(label)
+
+
 def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group: Any = None,
-                        tp_group: Any = None) -> tuple[dict[str, float], list[dict[str, Any]], int, float, int]:
+                        tp_group: Any = None,
+                        show_progress: bool = False) -> tuple[dict[str, float], list[dict[str, Any]], int, float, int]:
     """Arithmetic metrics per split (and accuracy per op), prediction records, tokens generated, seconds,
     truncated prompts."""
     problems = []
@@ -77,12 +91,15 @@ def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group
     if as_document and tokenizer.eos_token_id is None:
         raise ValueError("eval.arithmetic_prompt_format=document puts the EOS token before each prompt, but the "
                          "tokenizer has no EOS token; set eval.arithmetic_prompt_format=plain")
+    progress = _progress(show_progress, "arith", f"{len(problems)} problems ({', '.join(cfg.arithmetic_splits)}), "
+                         f"batch size {cfg.batch_size}, up to {cfg.arithmetic_max_new_tokens} new tokens each", model,
+                         dp_group)
     generation = greedy_generate(model, tokenizer, [p.prompt for _, p in problems],
                                  max_new_tokens=cfg.arithmetic_max_new_tokens, stop=ARITHMETIC_STOP,
                                  batch_size=cfg.batch_size, max_length=cfg.max_length,
                                  add_special_tokens=False if as_document else cfg.add_special_tokens,
                                  prefix_ids=[tokenizer.eos_token_id] if as_document else (),
-                                 dp_group=dp_group, tp_group=tp_group)
+                                 dp_group=dp_group, tp_group=tp_group, progress=progress)
     records = []
     for (split, problem), output in zip(problems, generation.texts):
         prediction = parse_integer_answer(output)
@@ -102,7 +119,8 @@ def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group
 
 
 def evaluate_gsm8k(model: Any, tokenizer: Any, cfg: EvalConfig, *, final: bool = False, dp_group: Any = None,
-                   tp_group: Any = None) -> tuple[dict[str, float], list[dict[str, Any]], int, float, int]:
+                   tp_group: Any = None,
+                   show_progress: bool = False) -> tuple[dict[str, float], list[dict[str, Any]], int, float, int]:
     """GSM8K accuracy per filter, prediction records, tokens generated, seconds, truncated prompts."""
     shots = gsm8k.default_num_fewshot(cfg.gsm8k_variant, cfg.num_fewshot)
     test_rows = gsm8k.load_gsm8k(cfg.gsm8k_path, "test", cfg.gsm8k_dataset_config)
@@ -112,11 +130,14 @@ def evaluate_gsm8k(model: Any, tokenizer: Any, cfg: EvalConfig, *, final: bool =
                                 fewshot_seed=cfg.fewshot_seed, fewshot_sampler=cfg.fewshot_sampler,
                                 cot_exemplars=cfg.gsm8k_cot_exemplars,
                                 limit=cfg.gsm8k_final_limit if final else cfg.gsm8k_limit)
+    progress = _progress(show_progress, "gsm8k", f"{len(items)} problems ({cfg.gsm8k_variant}, {shots}-shot), "
+                         f"batch size {cfg.batch_size}, up to {cfg.gsm8k_max_new_tokens} new tokens each", model,
+                         dp_group)
     generation = greedy_generate(model, tokenizer, [item.prompt for item in items],
                                  max_new_tokens=cfg.gsm8k_max_new_tokens, stop=gsm8k.STOP_STRINGS[cfg.gsm8k_variant],
                                  batch_size=cfg.batch_size, max_length=cfg.max_length,
                                  add_special_tokens=cfg.add_special_tokens, dp_group=dp_group,
-                                 tp_group=tp_group)
+                                 tp_group=tp_group, progress=progress)
     accuracy, details = gsm8k.score(generation.texts, [item.gold for item in items], cfg.gsm8k_variant)
     records = [{"benchmark": "gsm8k", "index": item.index, "prompt": item.prompt, "output": output,
                 "extracted": detail["extracted"], "gold": item.gold, "correct": detail["correct"]}
@@ -128,10 +149,12 @@ def evaluate_gsm8k(model: Any, tokenizer: Any, cfg: EvalConfig, *, final: bool =
 
 def run_evaluation(model_engine_or_module: Any, tokenizer: Any, cfg: EvalConfig, *, step: int, output_dir: str,
                    writer: Any = None, tp_group: Any = None, dp_group: Any = None,
-                   final: bool = False) -> dict[str, float]:
+                   final: bool = False, show_progress: bool = False) -> dict[str, float]:
     """Run the configured benchmarks on every rank; rank 0 writes predictions and TensorBoard logs.
 
     `final` selects `cfg.gsm8k_final_limit` (the full test set by default) instead of `cfg.gsm8k_limit`.
+    `show_progress`: rank 0 prints what each benchmark evaluates and its generation's progress
+    (`eval.progress.GenerationProgress`; tools/evaluate.py).
     Returns {tag: value}, identical on every rank.
     """
     started = time.perf_counter()
@@ -141,10 +164,10 @@ def run_evaluation(model_engine_or_module: Any, tokenizer: Any, cfg: EvalConfig,
     benchmarks = []
     if cfg.arithmetic_n > 0 and cfg.arithmetic_splits:
         benchmarks.append(lambda: evaluate_arithmetic(model_engine_or_module, tokenizer, cfg, dp_group=dp_group,
-                                                      tp_group=tp_group))
+                                                      tp_group=tp_group, show_progress=show_progress))
     if cfg.gsm8k_path:
         benchmarks.append(lambda: evaluate_gsm8k(model_engine_or_module, tokenizer, cfg, final=final,
-                                                 dp_group=dp_group, tp_group=tp_group))
+                                                 dp_group=dp_group, tp_group=tp_group, show_progress=show_progress))
     for benchmark in benchmarks:
         bench_metrics, bench_records, bench_tokens, bench_seconds, bench_truncated = benchmark()
         metrics.update(bench_metrics)

@@ -13,7 +13,8 @@ Differences, on purpose (docs/loss.md, "Differences from ntloss"):
   without the ten digits is an error that says how to fix it);
 - logits may be wider than the tokenizer (a padded vocabulary); ntloss requires the width to equal
   `vocab_size` exactly;
-- the maths runs in float32 whatever the logits' dtype, so losses and readouts are float32;
+- the maths runs in max(float32, the logits' dtype), so losses and readouts are float32 for bf16/fp16/fp32
+  logits and float64 for float64 logits (ntloss: the logits' dtype, bf16 included);
 - a bad `squash_factor` (<= 1) raises `ValueError`, not ntloss's `AssertionError` (which `python -O`
   strips);
 - ntloss's private helpers (`_validate_inputs`, `_prepare_number_token_targets`, `_get_dot_product`,
@@ -101,7 +102,8 @@ class NTLossDotProduct(_NTLossBase):
     def predict_numbers(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ntloss's readout at every position of `[B, T, V]` logits (not only where a label is a number):
         the expected number `softmax(logits[number tokens]) @ values` and the probability mass the
-        full-vocabulary softmax puts on the number tokens, each `[B, T]` float32 and differentiable."""
+        full-vocabulary softmax puts on the number tokens, each `[B, T]` in max(float32, the logits' dtype) and
+        differentiable."""
         self._check_logits(logits)
         if logits.shape[-1] < self.vocab_size:
             raise ValueError(f"the logits have {logits.shape[-1]} columns, fewer than vocab_size={self.vocab_size}: "

@@ -51,6 +51,16 @@ class NTLSettings:
         if self.float_level and self.variant != "number_level":
             raise ValueError(f"float_level applies to variant 'number_level' only, not {self.variant!r}")
 
+    def describe(self) -> str:
+        """The effective settings in one line (those of other variants left out), e.g. for a start-up log:
+        reweigh is always named, since ntloss's classes default to True and everything here to False."""
+        parts = [f"variant={self.variant}", f"reweigh={self.reweigh}"]
+        if self.variant == "was":
+            parts += [f"squash_factor={self.squash_factor}", f"smoothing_sigma={self.smoothing_sigma:g}"]
+        if self.variant == "number_level":
+            parts += [f"float_level={self.float_level}", f"max_number_digits={self.max_number_digits}"]
+        return ", ".join(parts)
+
 
 def distance_table(number_vocab: NumberVocab, squash_factor: float | None, device: torch.device,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:

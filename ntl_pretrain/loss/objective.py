@@ -33,8 +33,8 @@ class ObjectiveSums:
     A trainer normalises them globally (see `normalize.py`); `ce_ntl_loss` normalises locally.
     """
 
-    ce_sum: torch.Tensor  # differentiable float32 scalar: CE summed over non-ignored tokens
-    ntl_sum: torch.Tensor  # differentiable float32 scalar: weighted NTL summed over NTL terms
+    ce_sum: torch.Tensor  # differentiable scalar (max(float32, logits' dtype)): CE summed over non-ignored tokens
+    ntl_sum: torch.Tensor  # differentiable scalar (same dtype): weighted NTL summed over NTL terms
     token_count: torch.Tensor  # non-ignored tokens
     ntl_count: torch.Tensor  # the NTL normaliser: summed loss weights of the NTL terms
     number_tokens: torch.Tensor  # label positions that hold a number token
@@ -134,7 +134,7 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
 
     Args:
         logits: `[..., V_local]` logits, or this rank's vocabulary shard of them; any float dtype (the
-            maths runs in float32). Never modified.
+            maths runs in max(float32, their dtype)). Never modified.
         labels: `[...]` target ids aligned with the logits (already shifted); `settings.ignore_index`
             marks positions without a target. Identical on every rank of the shard's TP group.
         number_vocab: the number tokens (`NumberVocab.from_tokenizer`).
@@ -181,7 +181,8 @@ def sums_from_stats(stats: ShardStats, labels: torch.Tensor, number_vocab: Numbe
                          number_tokens=number_tokens, abs_error_sum=abs_error_sum)
 
 
-def _safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`total / count`, 0 (not NaN) where nothing was counted; no host sync."""
     return total / count.clamp_min(torch.finfo(torch.float32).eps)
 
 
@@ -192,7 +193,7 @@ def ce_ntl_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
     and data-parallel ranks use `ce_ntl_sums` with `normalize.py`)."""
     sums = ce_ntl_sums(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
                        with_ntl=ntl_weight != 0, check_inputs=check_inputs)
-    return _safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * _safe_mean(sums.ntl_sum, sums.ntl_count)
+    return safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * safe_mean(sums.ntl_sum, sums.ntl_count)
 
 
 def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, *,
@@ -204,7 +205,7 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
 
     Args:
         logits: `[..., V]` logits (or this rank's vocabulary shard, with `shard`), any float dtype;
-            computed in float32.
+            computed in max(float32, their dtype).
         labels: `[...]` target ids aligned with the logits; `ignore_index` positions are skipped.
         number_vocab: `NumberVocab.from_tokenizer(tokenizer)`.
         variant: "was", "mse", "mae", "huber" or "number_level".
@@ -221,7 +222,7 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
             reading values on the host; False for a hot loop whose layout was checked once
             (`VocabShard.check_tiling`).
 
-    Returns a float32 scalar, or a float32 tensor of the labels' shape for reduction "none".
+    Returns a scalar, or a tensor of the labels' shape for reduction "none", in max(float32, the logits' dtype).
     """
     settings = NTLSettings(variant=variant, reweigh=reweigh, squash_factor=squash_factor,
                            smoothing_sigma=smoothing_sigma, float_level=float_level, ignore_index=ignore_index,
@@ -248,5 +249,5 @@ def ntl_with_settings(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
     if reduction == "sum":
         return weighted.sum()
     if reduction == "mean":
-        return _safe_mean(weighted.sum(), terms.weights.sum())
+        return safe_mean(weighted.sum(), terms.weights.sum())
     return weighted.view(labels.shape)  # zero where no term sits

@@ -61,6 +61,8 @@ class InspectionReport:
     space_marked_digit_examples: list[str]
     other_digit_tokens: int
     other_digit_examples: list[str]
+    special_digit_tokens: int  # special tokens whose name holds a digit ('[control_8]', '<|reserved_special_token_3|>')
+    special_digit_examples: list[str]
     number_vocab: dict | None
     number_vocab_error: str | None
     multi_digit_number_vocab_size: int
@@ -95,6 +97,8 @@ class InspectionReport:
         lines.append(f"digits with a space marker: {self.space_marked_digit_tokens}"
                      f"{_examples(self.space_marked_digit_examples)}")
         lines.append(f"other tokens holding digits: {self.other_digit_tokens}{_examples(self.other_digit_examples)}")
+        lines.append(f"special tokens with digits in their name (not text, never numbers): {self.special_digit_tokens}"
+                     f"{_examples(self.special_digit_examples)}")
         if self.number_vocab is not None:
             ids = ", ".join(f"{t}={i}" for t, i in zip(self.number_vocab["tokens"], self.number_vocab["token_ids"]))
             lines.append(f"NTL number vocabulary (digit-level, K={len(self.number_vocab['token_ids'])}): {ids}")
@@ -127,13 +131,18 @@ def inspect_tokenizer(tokenizer: TokenizersBackend, source: str = "") -> Inspect
                             not digit_split_problems(tokenizer, text)))
     vocab = tokenizer.get_vocab()
     digit_ids = {d: vocab.get(d) for d in DIGITS}
-    multi, spaced, other = [], [], []
+    backend_json = json.loads(tokenizer.backend_tokenizer.to_str())
+    special_tokens = set(tokenizer.all_special_tokens) | {
+        added["content"] for added in backend_json.get("added_tokens") or [] if added.get("special")}
+    multi, spaced, other, special = [], [], [], []
     for token, _token_id in sorted(vocab.items(), key=lambda item: item[1]):
         digits = token_digits(token)
         if not digits or token in DIGITS:
             continue
         surface = _surface(token)
-        if surface.isascii() and surface.isdigit():
+        if token in special_tokens:
+            special.append(token)
+        elif surface.isascii() and surface.isdigit():
             (spaced if len(surface) == 1 else multi).append(token)
         else:
             other.append(token)
@@ -161,12 +170,12 @@ def inspect_tokenizer(tokenizer: TokenizersBackend, source: str = "") -> Inspect
         advice = (f"to make it digit-level run: python tools/tokenizer.py split-digits {source} OUT_DIR"
                   + ("  (digits will be added: then resize the model with tools/tokenizer.py resize-model)"
                      if missing else ""))
-    backend_json = json.loads(tokenizer.backend_tokenizer.to_str())
     return InspectionReport(
         source=str(source), tokenizer_class=type(tokenizer).__name__, tokenizer_size=len(tokenizer),
         family=tokenizer_family(backend_json), pipeline=describe_pipeline(backend_json), probes=probes,
         digit_token_ids=digit_ids, multi_digit_tokens=len(multi), multi_digit_examples=multi[:MAX_LISTED],
         space_marked_digit_tokens=len(spaced), space_marked_digit_examples=spaced[:MAX_LISTED],
-        other_digit_tokens=len(other), other_digit_examples=other[:MAX_LISTED], number_vocab=number_vocab,
+        other_digit_tokens=len(other), other_digit_examples=other[:MAX_LISTED], special_digit_tokens=len(special),
+        special_digit_examples=special[:MAX_LISTED], number_vocab=number_vocab,
         number_vocab_error=number_vocab_error, multi_digit_number_vocab_size=multi_digit_size,
         digit_level=digit_level, advice=advice, problems=problems)

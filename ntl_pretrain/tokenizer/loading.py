@@ -2,7 +2,8 @@
 
 Every tool works on a Hugging Face *fast* tokenizer (a `tokenizers` pipeline): that is what the
 trainer loads and what `split-digits` rewrites. transformers 5 converts slow-format files
-(`vocab.json` + `merges.txt`, SentencePiece `tokenizer.model`) to fast tokenizers at load time;
+(`vocab.json` + `merges.txt`, SentencePiece `tokenizer.model`) to fast tokenizers at load time, and
+tiktoken BPE files (Meta's Llama-3 `tokenizer.model`) are converted with its `TikTokenConverter`;
 tokenizers that exist only as Python code are refused with a message saying what to do instead.
 """
 
@@ -21,10 +22,13 @@ from transformers import AutoTokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from ..fs import atomic_directory
+from .tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe, load_tiktoken_file
 
 # Files whose presence makes a folder a tokenizer folder (transformers' own file names).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
                    "vocab.json", "vocab.txt", "tekken.json")
+# Files that hold a vocabulary: a folder with none of them (only tokenizer_config.json, say) holds no tokenizer.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tekken.json")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -41,7 +45,8 @@ class TokenizerLoadError(ValueError):
 
 
 def load_tokenizer(source: str | os.PathLike, trust_remote_code: bool = False) -> TokenizersBackend:
-    """Load a fast tokenizer from a folder, a `tokenizer.json`, a SentencePiece `.model` or a hub id.
+    """Load a fast tokenizer from a folder, a `tokenizer.json`, a SentencePiece `.model`, a tiktoken BPE file
+    (`.model`, `.tiktoken`) or a hub id.
 
     Raises `TokenizerLoadError` for paths that hold no tokenizer, corrupt files, and slow tokenizers
     that have no fast equivalent.
@@ -50,14 +55,19 @@ def load_tokenizer(source: str | os.PathLike, trust_remote_code: bool = False) -
     if path.is_file():
         if path.suffix == ".json":
             tokenizer = _load_tokenizer_json(path)
+        elif path.suffix in TIKTOKEN_SUFFIXES and is_tiktoken_bpe(path):
+            tokenizer = _load_tiktoken(path)
         elif path.suffix == ".model":
             tokenizer = _load_sentencepiece_model(path)
         else:
             raise TokenizerLoadError(
-                f"{str(path)!r} is not a tokenizer: expected a tokenizer folder, a tokenizer.json file or a "
-                f"SentencePiece .model file")
+                f"{str(path)!r} is not a tokenizer: expected a tokenizer folder, a tokenizer.json file, a "
+                f"SentencePiece .model file or a tiktoken BPE file (.model, .tiktoken)")
     elif path.is_dir():
         tokenizer = _load_folder(path, trust_remote_code)
+    elif path.exists():
+        raise TokenizerLoadError(f"tokenizer path {str(path)!r} is neither a regular file nor a folder (a pipe or a "
+                                 f"device?): point at the tokenizer's folder or its tokenizer.json")
     elif os.path.isabs(source) or str(source).startswith((".", "~")) or str(source).count("/") > 1:
         raise TokenizerLoadError(f"tokenizer path {str(source)!r} does not exist")
     else:
@@ -103,6 +113,14 @@ def _load_sentencepiece_model(path: Path) -> TokenizersBackend:
     return tokenizer
 
 
+def _load_tiktoken(path: Path) -> TokenizersBackend:
+    """A tiktoken BPE file (Meta's Llama-3 tokenizer.model) through transformers' TikTokenConverter."""
+    try:
+        return load_tiktoken_file(path)
+    except ValueError as error:
+        raise TokenizerLoadError(str(error)) from None
+
+
 def _check_sentencepiece_model(path: Path) -> None:
     import sentencepiece
 
@@ -112,22 +130,41 @@ def _check_sentencepiece_model(path: Path) -> None:
         raise TokenizerLoadError(f"{str(path)!r} is not a valid SentencePiece model ({error})") from None
 
 
+def _read_json_object(path: Path, fix: str) -> dict:
+    """A JSON file that must hold an object; anything else is one line naming the file and `fix`."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise TokenizerLoadError(f"{str(path)!r} is corrupt: not valid JSON ({error}). {fix}") from None
+    if not isinstance(value, dict):
+        raise TokenizerLoadError(f"{str(path)!r} holds a JSON {type(value).__name__}, not an object. {fix}")
+    return value
+
+
 def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
+    for name in TOKENIZER_FILES:
+        if (path / name).exists() and not (path / name).is_file():
+            raise TokenizerLoadError(f"{str(path / name)!r} is not a regular file (a folder?): put the tokenizer's "
+                                     f"{name} there, or point at the folder that holds it")
     present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
     if not present:
         raise TokenizerLoadError(
             f"folder {str(path)!r} holds no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it")
+    restore = "Restore it from the model's source, or save the tokenizer again with tokenizer.save_pretrained(folder)"
     if (path / TOKENIZER_JSON).is_file():
-        try:
-            json.loads((path / TOKENIZER_JSON).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise TokenizerLoadError(
-                f"{str(path / TOKENIZER_JSON)!r} is corrupt: not valid JSON ({error}). Restore it from the model's "
-                f"source") from None
+        if "model" not in _read_json_object(path / TOKENIZER_JSON, restore):
+            raise TokenizerLoadError(f"{str(path / TOKENIZER_JSON)!r} is not a tokenizers pipeline (it has no 'model' "
+                                     f"entry). {restore}")
+    if (path / TOKENIZER_CONFIG).is_file():
+        _read_json_object(path / TOKENIZER_CONFIG, restore)
+    no_vocabulary = None if any(name in VOCABULARY_FILES for name in present) else TokenizerLoadError(
+        f"folder {str(path)!r} holds {', '.join(present)} but no vocabulary (none of {', '.join(VOCABULARY_FILES)}): "
+        f"copy the tokenizer's tokenizer.json (or tokenizer.model) from the model's source into it, or save the "
+        f"tokenizer there with tokenizer.save_pretrained(folder)")
     if not (path / TOKENIZER_CONFIG).is_file() and not (path / TOKENIZER_JSON).is_file():
         model = path / SENTENCEPIECE_MODEL if (path / SENTENCEPIECE_MODEL).is_file() else path / "spiece.model"
         if model.is_file():
-            tokenizer = _load_sentencepiece_model(model)
+            tokenizer = _load_tiktoken(model) if is_tiktoken_bpe(model) else _load_sentencepiece_model(model)
             tokenizer.name_or_path = str(path)
             return tokenizer
     if _declares_generic_class(path):
@@ -137,11 +174,24 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
         try:
             return TokenizersBackend.from_pretrained(str(path))
         except Exception as error:
-            raise TokenizerLoadError(f"could not load the tokenizer.json of folder {str(path)!r}: {error}") from None
+            raise TokenizerLoadError(f"could not load the tokenizer.json of folder {str(path)!r}: "
+                                     f"{_one_line(error)}") from None
     try:  # AutoTokenizer also reads config.json, which names the model's tokenizer class and special tokens
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as error:
-        raise TokenizerLoadError(f"could not load a tokenizer from folder {str(path)!r}: {error}") from None
+        raise no_vocabulary or TokenizerLoadError(
+            f"could not load a tokenizer from folder {str(path)!r} (it holds {', '.join(present)}): "
+            f"{_one_line(error)}") from None
+    # without a vocabulary file a fast class builds an EMPTY tokenizer (LlamaTokenizer: 3 tokens); a slow one
+    # (ByT5, byte-level by design) is refused by ensure_fast with its own message
+    if no_vocabulary is not None and getattr(tokenizer, "is_fast", False):
+        raise no_vocabulary
+    return tokenizer
+
+
+def _one_line(error: Exception) -> str:
+    """An exception from transformers or tokenizers as one line with its type (their messages span several)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _declares_generic_class(path: Path) -> bool:
@@ -160,10 +210,9 @@ def _load_hub_id(name: str, trust_remote_code: bool) -> TokenizersBackend:
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as error:
-        reason = " ".join(str(error).split())  # one line: hub errors span several
         raise TokenizerLoadError(
-            f"{name!r} is neither a local path nor a loadable Hugging Face Hub tokenizer ({type(error).__name__}: "
-            f"{reason}; working directory {os.getcwd()})") from None
+            f"{name!r} is neither a local path nor a loadable Hugging Face Hub tokenizer ({_one_line(error)}; "
+            f"working directory {os.getcwd()})") from None
 
 
 def without_encoding_settings(backend_json: dict) -> dict[str, dict]:

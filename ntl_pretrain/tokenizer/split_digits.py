@@ -173,13 +173,16 @@ class DigitSplitPlan:
     """`truncation`/`padding` the original tokenizer.json carried, which the converted one drops."""
 
 
-def plan_digit_split(tokenizer: TokenizersBackend) -> DigitSplitPlan:
-    """Rewrite the tokenizer's pipeline in memory (the tokenizer itself is not modified)."""
+def plan_digit_split(tokenizer: TokenizersBackend, isolate_digits: bool = True) -> DigitSplitPlan:
+    """Rewrite the tokenizer's pipeline in memory (the tokenizer itself is not modified); `isolate_digits=False`
+    keeps the pre-tokenizer as it is (for a tokenizer that is digit-level already)."""
     backend_json = json.loads(tokenizer.backend_tokenizer.to_str())
     removed = without_encoding_settings(backend_json)
     before = describe_pipeline(backend_json)
     family = tokenizer_family(backend_json)
-    backend_json["pre_tokenizer"], step_added = _with_isolated_digits(backend_json.get("pre_tokenizer"))
+    step_added = False
+    if isolate_digits:
+        backend_json["pre_tokenizer"], step_added = _with_isolated_digits(backend_json.get("pre_tokenizer"))
     added, added_as = _add_missing_digits(backend_json)
     Tokenizer.from_str(json.dumps(backend_json))  # fail here, not after writing, if the rewrite is invalid
     return DigitSplitPlan(backend_json=backend_json, family=family, pipeline_before=before,
@@ -230,6 +233,10 @@ class SplitDigitsReport:
             f"  after:   {self.pipeline_after}",
             f"  digit-level before: {'yes' if self.digit_level_before else 'no'}",
         ]
+        if self.digit_level_before:
+            lines.append(f"  ALREADY DIGIT-LEVEL: nothing to convert; the pipeline is left as it is and {self.out_dir} "
+                         f"is a verified copy with number_vocab.json. The original works as it is (python "
+                         f"tools/tokenizer.py number-vocab {self.source})")
         if self.added_digits:
             lines.append(f"  added digit tokens ({self.added_as}): "
                          + ", ".join(f"{d!r}={i}" for d, i in self.added_digits.items()))
@@ -265,7 +272,10 @@ def split_digits(source: str | os.PathLike, out_dir: str | os.PathLike, corpus: 
     check_output_dir(out_dir, force, sources=(source,))
     texts = read_corpus(corpus) if corpus is not None else list(SAMPLE_CORPUS)
     original = load_tokenizer(source, trust_remote_code=trust_remote_code)
-    plan = plan_digit_split(original)
+    # already digit-level on the built-in sample and the corpus: the pipeline is kept as it is (the copy is
+    # still verified and gets its number_vocab.json)
+    digit_level_before = is_digit_level(original, list(SAMPLE_CORPUS) + list(texts))
+    plan = plan_digit_split(original, isolate_digits=not digit_level_before)
     with atomic_output_dir(out_dir, force) as staging:
         save_split_tokenizer(original, plan, staging)
         converted = load_tokenizer(staging)  # verify exactly what the trainer will load
@@ -280,7 +290,7 @@ def split_digits(source: str | os.PathLike, out_dir: str | os.PathLike, corpus: 
         number_vocab.save(staging)
         report = SplitDigitsReport(
             source=str(source), out_dir=str(out_dir), family=plan.family, pipeline_before=plan.pipeline_before,
-            pipeline_after=plan.pipeline_after, digit_level_before=is_digit_level(original),
+            pipeline_after=plan.pipeline_after, digit_level_before=digit_level_before,
             tokenizer_size_before=len(original), tokenizer_size_after=len(converted),
             added_digits=plan.added_digits, added_as=plan.added_as,
             corpus=str(corpus) if corpus is not None else f"built-in sample ({len(SAMPLE_CORPUS)} texts)",

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.distributed import tp_groups_from_args  # noqa: E402
 from helpers.numeric import relative_error  # noqa: E402
 from ntl_pretrain import distributed  # noqa: E402
-from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums, number_token_loss  # noqa: E402
+from ntl_pretrain.loss import HFTrainerLoss, NTLSettings, VocabShard, ce_ntl_sums, number_token_loss  # noqa: E402
 from ntl_pretrain.numbers import NumberVocab  # noqa: E402
 
 TOKENIZER_SIZE, PADDED_VOCAB = 60, 64  # the model's vocabulary is padded past the tokenizer's
@@ -84,6 +84,43 @@ def check_case(number_ids, settings, tp_group, tp_rank, tp_size, uneven, seed) -
     return worst
 
 
+class _ParallelHead(torch.nn.Module):
+    """The attributes of AutoTP's vocabulary-parallel head (`VocabParallelLinear`) that `vocab_shard_of` reads."""
+
+    is_vocab_parallel_lm_head = True
+
+    def __init__(self, tp_group, start: int, end: int) -> None:
+        super().__init__()
+        self.mp_group, self.vocab_start_index, self.vocab_end_index = tp_group, start, end
+
+
+class _CausalLM(torch.nn.Module):
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+def check_hf_trainer_loss(tp_group, tp_rank, tp_size) -> float:
+    """HFTrainerLoss on the model's vocabulary shard (found on its head) equals it on the full logits."""
+    vocab = NumberVocab(tuple(PLACEMENTS["split"]), tuple(float(v) for v in VALUE_ORDER), TOKENIZER_SIZE)
+    logits, labels = make_batch(PLACEMENTS["split"], 5)
+    labels[labels == -100] = 7  # unshifted labels as a collator gives them; the hook shifts them
+    start, end = shard_bounds(tp_rank, tp_size, uneven=True)
+    full = logits.clone().requires_grad_()
+    reference = HFTrainerLoss(vocab, settings=NTLSettings(reweigh=True))({"logits": full}, labels, 40)
+    (ref_grad,) = torch.autograd.grad(reference, full)
+    shard = logits[..., start:end].clone().requires_grad_()
+    model = _CausalLM(_ParallelHead(tp_group, start, end))
+    loss = HFTrainerLoss(vocab, model=model, settings=NTLSettings(reweigh=True))({"logits": shard}, labels, 40)
+    (grad,) = torch.autograd.grad(loss, shard)
+    errors = [relative_error(loss, reference), relative_error(grad, ref_grad[..., start:end])]
+    assert max(errors) <= 1e-6, f"HFTrainerLoss on a vocabulary shard: relative errors {errors}"
+    return max(errors)
+
+
 def count_collectives(tp_group, tp_rank, tp_size, check_inputs: bool) -> dict[str, int]:
     counts: dict[str, int] = {}
     original = dist.all_reduce
@@ -122,6 +159,8 @@ def main() -> None:
         worst = max(worst, check_case(ids, settings, tp_group, tp_rank, tp_size, uneven=False, seed=rank // tp_size))
     for settings in (NTLSettings(variant="was", reweigh=True), NTLSettings(variant="number_level")):
         worst = max(worst, check_case(PLACEMENTS["split"], settings, tp_group, tp_rank, tp_size, uneven=True, seed=3))
+
+    worst = max(worst, check_hf_trainer_loss(tp_group, tp_rank, tp_size))
 
     # a full-vocabulary tensor passed where a shard is expected fails on every rank (no hang)
     vocab = NumberVocab(tuple(PLACEMENTS["split"]), tuple(float(v) for v in VALUE_ORDER), TOKENIZER_SIZE)
