@@ -305,3 +305,29 @@ def test_run_process_exits_with_mains_code_after_destroying_the_group_and_flushi
         assert proc.returncode == code, (out, err)
         assert out.splitlines() == ["sum 2", "group destroyed"], (out, err)
         assert stderr_has in err
+
+
+def test_run_lock_never_follows_a_link_nor_writes_into_a_shared_file(tmp_path):
+    """A `.run.lock` planted as a link (or a hard link) to someone's file is refused by name, the file untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".run.lock").symlink_to(victim)
+    with pytest.raises(RunLockError, match=rf"^{str(out / '.run.lock')!r} is a symbolic link, which the run lock "
+                                           rf"never follows; remove it"):
+        RunLock(str(out)).acquire()
+    assert victim.read_text() == "precious"
+    (out / ".run.lock").unlink()
+    os.link(victim, out / ".run.lock")
+    with pytest.raises(RunLockError, match=r"\.run\.lock' has other hard links, which the run lock never writes into"):
+        RunLock(str(out)).acquire()
+    assert victim.read_text() == "precious"
+    (out / ".run.lock").unlink()
+    (out / ".run.lock").mkdir()
+    with pytest.raises(RunLockError, match=r"\.run\.lock' is a folder, not the run lock file"):
+        RunLock(str(out)).acquire()
+    (out / ".run.lock").rmdir()
+    os.mkfifo(out / ".run.lock")
+    with pytest.raises(RunLockError, match=r"\.run\.lock' is not a regular file"):
+        RunLock(str(out)).acquire()
