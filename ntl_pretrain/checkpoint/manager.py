@@ -3,6 +3,7 @@ keep-last-K and resume planning (fingerprint, data, learning-rate schedule, layo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -18,26 +19,32 @@ import torch
 from ..fs import atomic_write, commit_directory, write_text_atomic
 from .collective import agree, broadcast_from_main, run_on_main
 from .fingerprint import check_data, check_fingerprint, describe_changes, lr_text
-from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_SUFFIX,
-                     UNIVERSAL_SUFFIX, CheckpointError, CheckpointInfo, SavedLayout, UnsafeCheckpointError,
+from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_MARKER,
+                     STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError, CheckpointInfo, SavedLayout, UnsafeCheckpointError,
                      file_sizes, folder_bytes, needs_reshard, read_manifest, saved_layout, step_of_tag, tag_for_step)
 from .integrity import hash_files, hash_record, verify_checkpoint
 from .safe_loading import load_rng_state, reseed, rng_state, set_rng_state, weights_only_loads
-from .staging import make_staging, remove_interrupted_saves
+from .staging import make_staging, mark_staging, remove_interrupted_saves, remove_staging
 from .universal import convert_to_universal, universal_path
 
 logger = logging.getLogger("ntl_pretrain")
 
 
 def list_checkpoints(output_dir: str, verify: bool = True) -> list[CheckpointInfo]:
-    """The complete checkpoints of a run folder, oldest first (incomplete ones, and with `verify` those with
-    a missing or truncated file, are skipped; contents are checked by `verify_checkpoint`)."""
+    """The complete checkpoints of a run folder, oldest first. Skipped with a warning naming them: symbolic
+    links (never followed out of the run folder), incomplete ones, those whose name and manifest disagree on
+    the step, and with `verify` those with a missing, truncated, linked or unlisted file (contents are
+    checked by `verify_checkpoint`). So neither resume=auto nor keep-last-K acts on any of them."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
         step = step_of_tag(name)
         path = os.path.join(output_dir, name)
+        if step is not None and os.path.islink(path):
+            logger.warning("skipping %s: it is a symbolic link, and checkpoints are never followed out of the run "
+                           "folder; copy the checkpoint in (cp -r) to resume from it", path)
+            continue
         if step is None or not os.path.isdir(path):
             continue
         try:
@@ -107,6 +114,9 @@ def resolve_resume(output_dir: str, resume: str) -> str | None:
         raise CheckpointError(f"train.resume={resume!r}: the checkpoint directory train.output_dir={output_dir!r} "
                               f"does not exist")
     path = os.path.join(output_dir, resume)
+    if os.path.islink(path):
+        raise CheckpointError(f"train.resume={resume!r}: {path!r} is a symbolic link, and checkpoints are never "
+                              f"followed out of the run folder; copy the checkpoint in (cp -r) instead")
     if not os.path.isdir(path):
         found = [info.tag for info in list_checkpoints(output_dir, verify=False)]
         raise CheckpointError(f"train.resume={resume!r}: no such checkpoint in {output_dir!r} (found: {found or 'none'})")
@@ -115,11 +125,14 @@ def resolve_resume(output_dir: str, resume: str) -> str | None:
 
 
 def _read_latest(output_dir: str) -> str | None:
+    """The tag `latest` names (None: none, or not a tag). Never read through a link: a warning quotes it."""
     try:
-        with open(os.path.join(output_dir, LATEST_NAME), encoding="utf-8") as handle:
-            return handle.read().strip() or None
+        fd = os.open(os.path.join(output_dir, LATEST_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as handle:
+            text = handle.read(256).decode("utf-8", errors="replace").strip()
     except OSError:
         return None
+    return text if step_of_tag(text) is not None else None
 
 
 
@@ -314,15 +327,23 @@ class CheckpointManager:
                     f"process writing into train.output_dir?)"))
             write_text_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(manifest, indent=1))
             replaced = None
-            if os.path.exists(final):  # the same step saved again (a resume from an older checkpoint)
+            if os.path.lexists(final):  # the same step saved again (a resume from an older checkpoint)
                 replaced = final + REPLACED_SUFFIX
                 os.rename(final, replaced)
+                if not os.path.islink(replaced):  # ours again: the start-up cleanup restores or removes it
+                    mark_staging(replaced)
             commit_directory(staging, final)
+            # committed: no longer "an interrupted save of ours" (killed before this line, the marker stays
+            # in a folder no clean-up pattern matches, and the manifest does not list it)
+            with contextlib.suppress(OSError):  # left there, it is harmless: allowed unlisted, and never a leftover
+                os.remove(os.path.join(final, STAGING_MARKER))
             write_text_atomic(os.path.join(self.output_dir, LATEST_NAME), tag)
-            if replaced:
-                shutil.rmtree(replaced, ignore_errors=True)
+            if replaced and os.path.islink(replaced):  # a link the user had named global_stepN: never followed
+                logger.warning("left %s (a symbolic link that stood where %s was saved) alone", replaced, final)
+            elif replaced:
+                remove_staging(replaced)
                 stale = universal_path(final)
-                if os.path.isdir(stale):
+                if os.path.isdir(stale) and not os.path.islink(stale):
                     shutil.rmtree(stale, ignore_errors=True)
         except OSError as exc:
             raise CheckpointError(self._with_previous(f"saving checkpoint {tag} failed while committing it: {exc}")) from None
@@ -339,8 +360,11 @@ class CheckpointManager:
             if info.permanent:
                 continue
             shutil.rmtree(info.path)
-            if os.path.isdir(universal_path(info.path)):
-                shutil.rmtree(universal_path(info.path))
+            universal = universal_path(info.path)
+            if os.path.islink(universal):
+                logger.warning("keep-last-K left %s alone: it is a symbolic link, never followed", universal)
+            elif os.path.isdir(universal):
+                shutil.rmtree(universal)
             removed.append(info.tag)
         if removed:
             logger.info("removed old checkpoints %s (checkpoint.keep_last=%d)", ", ".join(removed), keep_last)
