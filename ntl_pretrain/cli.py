@@ -72,4 +72,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    distributed.run_process(main)
+    distributed.run_process(main, lost_peer_hint="once every rank has stopped, rerun the same command with "
+                                                 "train.resume=auto (it continues from the last complete checkpoint)")
