@@ -442,3 +442,24 @@ def test_a_committed_checkpoint_keeps_no_staging_marker(tmp_path):
         assert verify_checkpoint(str(tag))["step"] == 3
         assert sorted(p.name for p in out.iterdir() if p.name.startswith("global_step")) == ["global_step3"]
     assert remove_interrupted_saves(str(out)) == [] and tag.is_dir()
+
+
+class _DiskFullEngine:
+    """DeepSpeed's save on a full disk: torch's zip writer reports the failed write as "unexpected pos"."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        import torch
+
+        torch.save({"module": torch.ones(1000)}, "/dev/full")  # every write: ENOSPC
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_during_a_save_is_named_with_the_space_left(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    manager = _manager(out, keep_last=0)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100 << 20))
+    with pytest.raises(CheckpointError, match=rf"^saving checkpoint global_step3 failed on rank 0: no space left on "
+                                              rf"{str(out)!r} \(0.10 GiB free\); no previous checkpoint exists") as caught:
+        manager.save(_DiskFullEngine(), 3, {}, lambda folder: os.makedirs(folder))
+    assert "\n" not in str(caught.value) and not (out / "global_step3").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
@@ -122,6 +123,15 @@ def resolve_resume(output_dir: str, resume: str) -> str | None:
         raise CheckpointError(f"train.resume={resume!r}: no such checkpoint in {output_dir!r} (found: {found or 'none'})")
     verify_checkpoint(path, collective=True)
     return resume
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_SHORT_WRITE_SIGNS = ("unexpected pos", "file write failed", "No space left")  # torch's zip writer, failed write
+LOW_SPACE_BYTES = 256 << 20  # below this, a short write is taken for a full disk
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
 
 
 def _read_latest(output_dir: str) -> str | None:
@@ -261,8 +271,9 @@ class CheckpointManager:
         try:  # each rank's own RNG state, beside DeepSpeed's files
             with atomic_write(os.path.join(staging, f"rng_state_{self.layout.rank}.pt"), "wb") as handle:
                 torch.save(rng_state(), handle)
-        except OSError as exc:  # torch.save passes on its handle's OSError
-            error = f"saving checkpoint {tag}: rank {self.layout.rank} could not write its RNG state: {exc}"
+        except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a short write, OSError from the handle
+            error = (f"saving checkpoint {tag}: rank {self.layout.rank} could not write its RNG state: "
+                     f"{self._write_failure(exc)}")
         agree(self._with_previous(error))
         try:
             engine.save_checkpoint(self.output_dir, tag=staging_tag, client_state=client_state, save_latest=False)
@@ -270,7 +281,7 @@ class CheckpointManager:
             # Raised at once (not agreed on): the other ranks may be inside DeepSpeed's barrier. The
             # launcher stops them when this process exits; the partial folder is never resumed from.
             raise CheckpointError(self._with_previous(
-                f"saving checkpoint {tag} failed on rank {self.layout.rank}: {type(exc).__name__}: {exc}")) from None
+                f"saving checkpoint {tag} failed on rank {self.layout.rank}: {self._write_failure(exc)}")) from None
         agree(None)  # every rank has written its files
         written = time.perf_counter() - started
         sizes = broadcast_from_main(self.layout.is_main, lambda: file_sizes(staging))
@@ -290,6 +301,21 @@ class CheckpointManager:
         self.last_save = {"save_s": time.perf_counter() - started, "write_s": written, "hash_s": hashed,
                           "bytes": float(sum(sizes.values()))}
         return tag
+
+    def _write_failure(self, exc: BaseException) -> str:
+        """What a failed write of checkpoint files says: a full disk as such, with the space left (torch's
+        writer reports one only as a short write, "unexpected pos")."""
+        detail = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        try:
+            free = shutil.disk_usage(self.output_dir).free
+        except OSError:
+            return detail
+        short_write = any(sign in str(exc) for sign in _SHORT_WRITE_SIGNS)
+        if getattr(exc, "errno", None) in _DISK_FULL_ERRNOS or (short_write and free < LOW_SPACE_BYTES):
+            return f"no space left on {self.output_dir!r} ({_gib(free)} free)"
+        if short_write:
+            return f"a write was cut short ({detail}) with {_gib(free)} free on {self.output_dir!r}: a disk quota?"
+        return detail
 
     def _with_previous(self, error: str | None) -> str | None:
         if error is None:
@@ -315,7 +341,8 @@ class CheckpointManager:
             make_staging(staging)
             write_hf_files(os.path.join(staging, HF_DIR))
         except OSError as exc:
-            raise CheckpointError(self._with_previous(f"cannot save a checkpoint into {staging!r}: {exc}")) from None
+            raise CheckpointError(self._with_previous(
+                f"cannot save a checkpoint into {staging!r}: {self._write_failure(exc)}")) from None
 
     def _commit(self, staging: str, final: str, tag: str, manifest: dict) -> None:
         try:
@@ -346,7 +373,8 @@ class CheckpointManager:
                 if os.path.isdir(stale) and not os.path.islink(stale):
                     shutil.rmtree(stale, ignore_errors=True)
         except OSError as exc:
-            raise CheckpointError(self._with_previous(f"saving checkpoint {tag} failed while committing it: {exc}")) from None
+            raise CheckpointError(self._with_previous(
+                f"saving checkpoint {tag} failed while committing it: {self._write_failure(exc)}")) from None
         self.prune()
 
     def prune(self) -> list[str]:
