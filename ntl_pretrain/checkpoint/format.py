@@ -106,7 +106,7 @@ def read_manifest(path: str) -> dict:
         raw = handle.read()
     try:
         manifest = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as error:
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, a key twice, nesting
         raise CheckpointError(f"checkpoint {path!r} has a damaged {MANIFEST_NAME}: {error}") from None
     check_manifest(manifest, path)
     return manifest
@@ -118,6 +118,12 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     if twice:
         raise ValueError(f"the key {twice[0]!r} appears twice in one object")
     return dict(pairs)
+
+
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
 
 
 def _is_count(value: Any) -> bool:
@@ -149,7 +155,7 @@ def check_manifest(manifest: Any, path: str) -> None:
         raise CheckpointError(f"{where}: 'step' is {manifest['step']!r}, not a step number")
     files = manifest["files"]
     if not isinstance(files, dict) or not files:
-        raise CheckpointError(f"{where}: 'files' is {'empty' if files == {} else type(files).__name__}, not the "
+        raise CheckpointError(f"{where}: 'files' is {'empty' if files == {} else _json_type(files)}, not the "
                               f"mapping of the checkpoint's files to their sizes, so nothing could be verified")
     for name, size in files.items():
         problem = outside_name_problem(name)
@@ -162,7 +168,7 @@ def check_manifest(manifest: Any, path: str) -> None:
         if key in manifest and not isinstance(manifest[key], types):
             wanted = " or ".join("null" if t is _NoneType else {"dict": "a mapping"}.get(t.__name__, t.__name__)
                                  for t in types)
-            raise CheckpointError(f"{where}: {key!r} is a {type(manifest[key]).__name__}, not {wanted}")
+            raise CheckpointError(f"{where}: {key!r} is {_json_type(manifest[key])}, not {wanted}")
     hashes = manifest.get("hashes", manifest.get("sha256")) if version >= 2 else None
     if version >= 2 and (not isinstance(hashes, dict) or set(hashes) != set(files)
                          or not all(isinstance(digest, str) for digest in hashes.values())):
