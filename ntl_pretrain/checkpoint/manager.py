@@ -314,7 +314,8 @@ class CheckpointManager:
         if getattr(exc, "errno", None) in _DISK_FULL_ERRNOS or (short_write and free < LOW_SPACE_BYTES):
             return f"no space left on {self.output_dir!r} ({_gib(free)} free)"
         if short_write:
-            return f"a write was cut short ({detail}) with {_gib(free)} free on {self.output_dir!r}: a disk quota?"
+            return (f"a write was cut short ({detail}) with {_gib(free)} free on {self.output_dir!r}: a disk quota "
+                    f"or a file-size limit (ulimit -f)?")
         return detail
 
     def _with_previous(self, error: str | None) -> str | None:
