@@ -427,6 +427,7 @@ def test_a_committed_checkpoint_keeps_no_staging_marker(tmp_path):
     from ntl_pretrain.checkpoint import remove_interrupted_saves, verify_checkpoint
 
     out = tmp_path / "run"
+    out.mkdir()  # made with the run lock at start
     manager = _manager(out, keep_last=0)
 
     def write_hf(folder):
@@ -456,6 +457,7 @@ class _DiskFullEngine:
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
 def test_a_full_disk_during_a_save_is_named_with_the_space_left(tmp_path, monkeypatch):
     out = tmp_path / "run"
+    out.mkdir()
     manager = _manager(out, keep_last=0)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100 << 20))
@@ -463,3 +465,14 @@ def test_a_full_disk_during_a_save_is_named_with_the_space_left(tmp_path, monkey
                                               rf"{str(out)!r} \(0.10 GiB free\); no previous checkpoint exists") as caught:
         manager.save(_DiskFullEngine(), 3, {}, lambda folder: os.makedirs(folder))
     assert "\n" not in str(caught.value) and not (out / "global_step3").exists()
+
+
+def test_a_run_folder_deleted_while_training_is_not_silently_recreated_by_a_save(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    manager = _manager(out, keep_last=0)
+    out.rmdir()  # `rm -rf` of the run folder while the run trains
+    with pytest.raises(CheckpointError, match=r"^cannot save a checkpoint: train.output_dir=.* was deleted or moved "
+                                              r"while this run was training .* nothing was saved"):
+        manager.save(_FileWritingEngine(), 3, {}, lambda folder: os.makedirs(folder))
+    assert not out.exists()

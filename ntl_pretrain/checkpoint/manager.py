@@ -326,7 +326,10 @@ class CheckpointManager:
         return f"{error}; {keep} (resume with train.resume=auto); free disk space or fix permissions of {self.output_dir!r}"
 
     def _prepare(self, staging: str, write_hf_files: Callable[[str], None]) -> None:
-        os.makedirs(self.output_dir, exist_ok=True)
+        if not os.path.isdir(self.output_dir):  # made with the run lock at start: never recreated without it
+            raise CheckpointError(f"cannot save a checkpoint: train.output_dir={self.output_dir!r} was deleted or moved "
+                                  f"while this run was training (its checkpoints and run lock with it); nothing was "
+                                  f"saved. Put the folder back and resume with train.resume=auto, or start afresh")
         if not os.access(self.output_dir, os.W_OK):
             raise CheckpointError(self._with_previous(f"cannot save a checkpoint: {self.output_dir!r} is not writable"))
         remove_interrupted_saves(self.output_dir)  # never complete, never used
