@@ -3,6 +3,7 @@ waits, the TP size chosen for the world, errors printed once, DeepSpeed's compil
 
 The lock is held by a real second process (and then killed with SIGKILL); the start-up wait is a real
 rendezvous that one rank of two never joins; the error-once check starts the real entry point as two
+ranks; a rank that raises or is stopped (SIGSTOP) past the collective timeout is one of three real gloo
 ranks. Two-run and signal tests with the launcher are in tests/test_signals.py.
 """
 
