@@ -38,9 +38,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from ntl_pretrain.cli import main  # noqa: E402
+from ntl_pretrain.cli import LOST_PEER_HINT, main  # noqa: E402
 from ntl_pretrain.distributed import run_process  # noqa: E402
 
 # main raises (traceback, exit 1) only on a bug; errors a user can fix return 2. By the time it returns the
-# lock is released and TensorBoard closed; run_process leaves without the interpreter's teardown.
-run_process(main)
+# lock is released and TensorBoard closed; run_process leaves without the interpreter's teardown (and turns a
+# collective that failed because another rank ended or stalled into one line with the resume hint).
+run_process(main, lost_peer_hint=LOST_PEER_HINT)

@@ -18,6 +18,11 @@ from .preflight import dry_run
 from .train import Trainer
 
 
+# what a rank says after its collective failed because another rank ended or stalled (`distributed.run_process`)
+LOST_PEER_HINT = ("once every rank has stopped, rerun the same command with train.resume=auto (it continues from the "
+                  "last complete checkpoint)")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="launch/pretrain.sh",
@@ -72,4 +77,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    distributed.run_process(main)
+    distributed.run_process(main, lost_peer_hint=LOST_PEER_HINT)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn, TypeVar
@@ -128,7 +131,60 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def run_process(main: Callable[[], int | None]) -> NoReturn:
+# A collective that failed because another rank ended (its connections closed) or stalled (the collective
+# timeout): gloo raises plain RuntimeErrors naming its source file, NCCL and the rendezvous store torch's DistError.
+_PEER_LOST_SIGNS = ("third_party/gloo", "Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                    "TCPStore", "NCCL communicator was aborted")
+_TIMEOUT_SIGNS = ("Timed out", "timed out", "Timeout", "timeout")
+STALL_REPORT_WAIT_S = 10.0  # how long a rank whose collective timed out waits for the others to say theirs did too
+
+
+def lost_peer_message(error: BaseException) -> str | None:
+    """One line for a collective that failed because another rank ended or stalled (None: another error).
+
+    After a timeout the ranks that timed out report it in the rendezvous store and wait a few seconds for
+    each other (`_ranks_not_reporting`): the ranks that did not report are the stalled ones; a store that
+    cannot be reached means global rank 0, which holds it, is the one."""
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error).strip()
+    if not (isinstance(error, dist.DistError) or any(sign in text for sign in _PEER_LOST_SIGNS)):
+        return None
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(error).__name__)
+    detail = detail.split(". This is typically")[0].rstrip(".")  # gloo's advice: replaced by ours
+    if any(sign in text for sign in _TIMEOUT_SIGNS):
+        return f"a collective timed out ({detail}): {_stalled_ranks()} stalled (stopped, swapped out or stuck in I/O)"
+    return (f"another rank ended while this one waited in a collective ({detail}); that rank printed its own error "
+            f"(above, or in its node's log)")
+
+
+def _stalled_ranks() -> str:
+    """Which rank(s) stalled, as far as the rendezvous store tells (see `lost_peer_message`)."""
+    found: list[list[int]] = []
+    # a thread: a store request to a stopped process blocks whatever the store's timeout (os._exit ends it)
+    asker = threading.Thread(target=lambda: found.append(_ranks_not_reporting()), daemon=True)
+    asker.start()
+    asker.join(STALL_REPORT_WAIT_S + 5)
+    if not found:
+        return "global rank 0 (the rendezvous store it holds does not answer)"
+    silent = found[0]
+    if not silent:
+        return "another rank"
+    return f"global rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+
+
+def _ranks_not_reporting() -> list[int]:
+    """The global ranks that have not reported a timed-out collective within STALL_REPORT_WAIT_S."""
+    store = dist.distributed_c10d._get_default_store()  # torch's rendezvous store: every rank reaches it
+    store.set(f"ntl_timed_out/{dist.get_rank()}", "1")
+    keys = [f"ntl_timed_out/{rank}" for rank in range(dist.get_world_size())]
+    deadline = time.monotonic() + STALL_REPORT_WAIT_S
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [rank for rank, key in enumerate(keys) if not store.check([key])]
+
+
+def run_process(main: Callable[[], int | None], lost_peer_hint: str = "") -> NoReturn:
     """Run `main` as the whole of a distributed process, then end the process with its exit code (None: 0)
     without the interpreter's teardown.
 
@@ -138,7 +194,8 @@ def run_process(main: Callable[[], int | None]) -> NoReturn:
     without an active exception", rc -6) even after `destroy_process_group`; atexit handlers are skipped
     too and threads still running are not waited for, so `main` closes and joins what it opened. As at a
     normal exit, an exception prints its traceback and exits 1 (KeyboardInterrupt: 130), and SystemExit
-    keeps its code (a message: printed, exit 1).
+    keeps its code (a message: printed, exit 1). A collective that failed because another rank ended or
+    stalled is one `error:` line instead (`lost_peer_message`, then `lost_peer_hint`, e.g. how to resume).
     """
     try:
         code = main()
@@ -147,8 +204,13 @@ def run_process(main: Callable[[], int | None]) -> NoReturn:
     except KeyboardInterrupt:
         traceback.print_exc()
         code = 128 + 2  # as a shell reports a process that SIGINT ended
-    except BaseException:  # noqa: BLE001 - any failure: its traceback, exit 1, like the interpreter's own
-        traceback.print_exc()
+    except BaseException as error:  # noqa: BLE001 - any failure: its traceback, exit 1, like the interpreter's own
+        lost = lost_peer_message(error)
+        if lost:
+            rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "0")
+            print(f"error: [rank {rank}] {lost}{'; ' + lost_peer_hint if lost_peer_hint else ''}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         code = 1
     if not isinstance(code, int):
         if code is not None:

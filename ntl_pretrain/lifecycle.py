@@ -21,6 +21,7 @@ DeepSpeed's compiled CPU op and shared-memory buffers, and what a rank tells the
 from __future__ import annotations
 
 import contextlib
+import errno
 import faulthandler
 import fcntl
 import hashlib
@@ -29,6 +30,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import sys
 import threading
 import time
@@ -77,10 +79,23 @@ class RunLock:
         self._created_dir = not os.path.isdir(self.output_dir)
         try:
             os.makedirs(self.output_dir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            # never follow a link (a teammate's `.run.lock -> your file` in a group-writable run folder would
+            # have the lock record written into, then truncate, its target); O_NONBLOCK: a FIFO does not wait
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise RunLockError(f"{self.path!r} is a symbolic link, which the run lock never follows; remove it "
+                                   f"(rm {self.path}) and start again") from None
+            if error.errno == errno.EISDIR:
+                raise RunLockError(f"{self.path!r} is a folder, not the run lock file; remove or rename it") from None
             raise RunLockError(f"train.output_dir={self.output_dir!r} cannot be written ({error.strerror}); "
                                f"choose a folder you can write to") from None
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+            os.close(fd)
+            what = "has other hard links" if stat.S_ISREG(status.st_mode) else "is not a regular file"
+            raise RunLockError(f"{self.path!r} {what}, which the run lock never writes into; remove it "
+                               f"(rm {self.path}) and start again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

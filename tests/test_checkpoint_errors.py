@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,3 +261,216 @@ def test_errors_of_checkpoint_work_on_main_are_agreed_checkpoint_errors():
         run_on_main(True, fails(OSError(28, "No space left on device")))
     assert run_on_main(False, fails(OSError(28, "never run"))) is None  # not the main rank: nothing runs
     assert run_on_main(True, lambda: 7) == 7
+
+
+# ------------------------------------------------------------------ issue 23: names, links, schema, folder names
+def _manager(out, keep_last: int):
+    from ntl_pretrain.checkpoint import CheckpointManager
+    from ntl_pretrain.config.schema import CheckpointConfig
+    from ntl_pretrain.distributed import ParallelLayout
+
+    layout = ParallelLayout(world_size=1, rank=0, local_rank=0, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0)
+    return CheckpointManager(CheckpointConfig(keep_last=keep_last), str(out), layout, 1, {}, seed=0)
+
+
+def _write_manifest(tag, **changes) -> None:
+    manifest = json.loads((tag / MANIFEST_NAME).read_text())
+    manifest.update(changes)
+    (tag / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../secret.bin", "/SECRET", "hf/../../secret.bin", "./shard.bin", "hf//x"])
+def test_manifest_names_outside_the_checkpoint_are_refused_before_anything_is_read(tmp_path, name):
+    """No size, hash or pickle scan of a file outside the folder, and no error telling anything about it."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s" * 4321)
+    out = tmp_path / "run"
+    _hashed_manifest(out, 1, {"shard.bin": b"a" * 10}, "xxh3_128")
+    tag = out / "global_step1"
+    target = str(secret) if name == "/SECRET" else name
+    _write_manifest(tag, files={"shard.bin": 10, target: 1}, hashes={"shard.bin": "0", target: "0"})
+    with pytest.raises(CheckpointError, match=r"ntl_checkpoint.json lists .*, which is not a plain relative path "
+                                              r"inside the checkpoint") as caught:
+        resolve_resume(str(out), "global_step1")
+    assert "4321" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_links_unlisted_files_and_folders_in_a_checkpoint_are_refused_by_name(tmp_path, caplog):
+    """Verification (resume, conversion, export) passes only a folder holding exactly its manifest's files."""
+    from ntl_pretrain.checkpoint import verify_checkpoint
+
+    secret = tmp_path / "id_rsa"
+    secret.write_bytes(b"PRIVATE KEY")
+    out = tmp_path / "run"
+    _hashed_manifest(out, 1, {"shard.bin": b"a" * 10}, "xxh3_128")
+    _hashed_manifest(out, 2, {"shard.bin": b"b" * 10, "hf/config.json": b"{}", "hf/tokenizer.json": b"PRIVATE KEY"},
+                     "xxh3_128")
+    tag = out / "global_step2"
+    (tag / "KEEP").write_text("")  # made by hand after the save: allowed
+    assert verify_checkpoint(str(tag))["step"] == 2
+    (tag / "hf" / "tokenizer.json").unlink()
+    (tag / "hf" / "tokenizer.json").symlink_to(secret)  # same size and hash as listed, as an attacker would
+    with pytest.raises(CheckpointError, match=r"global_step2': hf/tokenizer.json is a symbolic link; .* links are "
+                                              r"never followed"):
+        verify_checkpoint(str(tag))
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        assert resolve_resume(str(out), "auto") == "global_step1"
+    assert "hf/tokenizer.json is a symbolic link" in caplog.text
+    (tag / "hf" / "tokenizer.json").unlink()
+    (tag / "hf" / "tokenizer.json").write_bytes(b"PRIVATE KEY")
+    (tag / "hf" / "extra").mkdir()
+    with pytest.raises(CheckpointError, match=r"hf/extra is a folder; hf/ holds the model's config and tokenizer files "
+                                              r"only"):
+        verify_checkpoint(str(tag))
+    (tag / "hf" / "extra").rmdir()
+    (tag / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"global_step2' holds notes.txt, which its manifest does not list"):
+        verify_checkpoint(str(tag))
+    (tag / "notes.txt").unlink()
+    (tag / "zero").mkdir()
+    with pytest.raises(CheckpointError, match=r"holds the folder zero, which its manifest does not list"):
+        verify_checkpoint(str(tag))
+    (tag / "zero").rmdir()
+    os.mkfifo(tag / "pipe")
+    listed = json.loads((tag / MANIFEST_NAME).read_text())
+    _write_manifest(tag, files={**listed["files"], "pipe": 0}, hashes={**listed["hashes"], "pipe": "0"})
+    with pytest.raises(CheckpointError, match=r"pipe is not a regular file"):
+        verify_checkpoint(str(tag), content=False)
+    (tag / "pipe").unlink()
+    (tag / MANIFEST_NAME).rename(tmp_path / "manifest.json")
+    (tag / MANIFEST_NAME).symlink_to(tmp_path / "manifest.json")
+    with pytest.raises(CheckpointError, match=r"its ntl_checkpoint.json is a symbolic link, which is never followed"):
+        verify_checkpoint(str(tag))
+
+
+def test_a_linked_checkpoint_is_never_followed_and_never_crashes_keep_last(tmp_path, caplog):
+    other = tmp_path / "other_run"
+    _fake_complete(other, 9)
+    out = tmp_path / "run"
+    _fake_complete(out, 1)
+    _fake_complete(out, 2)
+    (out / "global_step9").symlink_to(other / "global_step9")
+    (out / "latest").symlink_to(tmp_path / "secret")
+    (tmp_path / "secret").write_text("top secret")
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        assert resolve_resume(str(out), "auto") == "global_step2"
+    assert "global_step9: it is a symbolic link, and checkpoints are never followed out of the run folder" in caplog.text
+    assert "top secret" not in caplog.text  # `latest` is not read through a link either
+    with pytest.raises(CheckpointError, match=r"train.resume='global_step9': .* is a symbolic link"):
+        resolve_resume(str(out), "global_step9")
+    assert _manager(out, keep_last=1).prune() == ["global_step1"]
+    assert (out / "global_step9").is_symlink() and (other / "global_step9" / "shard.pt").is_file()
+
+
+def test_a_folder_named_for_another_step_than_its_manifest_is_skipped(tmp_path, caplog):
+    out = tmp_path / "run"
+    _fake_complete(out, 2)
+    _fake_complete(out, 4)
+    shutil.copytree(out / "global_step2", out / "global_step9")  # a copy of step 2, misnamed
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        assert resolve_resume(str(out), "auto") == "global_step4"
+    assert "global_step9' is named for step 9 but its manifest says step 2" in caplog.text
+    with pytest.raises(CheckpointError, match=r"named for step 9 but its manifest says step 2 .* rename it "
+                                              r"global_step2 or remove it"):
+        resolve_resume(str(out), "global_step9")
+    assert _manager(out, keep_last=1).prune() == ["global_step2"]  # never on the strength of the misnamed folder
+    assert (out / "global_step4").is_dir() and (out / "global_step9").is_dir()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"format": 99}, r"has format 99, which this version does not know \(1, 2, 3\)"),
+    ({"format": "3"}, r"has format '3', which this version does not know"),
+    ({"files": {}}, r"'files' is empty, not the mapping of the checkpoint's files to their sizes"),
+    ({"files": ["shard.bin"]}, r"'files' is a list, not the mapping"),
+    ({"files": "shard.bin"}, r"'files' is a string, not the mapping"),
+    ({"files": {"shard.bin": "10"}}, r"the size of shard.bin is '10', not a number of bytes"),
+    ({"step": "2"}, r"'step' is '2', not a step number"),
+    ({"hashes": ["x"]}, r"'hashes' is a list, not a mapping"),
+    ({"hashes": {}}, r"is of format 3 but does not record a content hash for each file"),
+    ({"fingerprint": "x"}, r"'fingerprint' is a string, not a mapping"),
+    ({"layout": [1, 1, 1, 0]}, r"'layout' is a list, not a mapping"),
+    ({"layout": {"world_size": 1}}, r"'layout' is \{'world_size': 1\}, not \{world_size, dp_size, tp_size, zero_stage"),
+    ({"data": []}, r"'data' is a list, not a mapping or null"),
+])
+def test_a_manifest_of_the_wrong_shape_or_version_is_refused_in_one_line(tmp_path, changes, message):
+    out = tmp_path / "run"
+    _hashed_manifest(out, 2, {"shard.bin": b"a" * 10}, "xxh3_128")
+    _write_manifest(out / "global_step2", **changes)
+    with pytest.raises(CheckpointError, match=message) as caught:
+        resolve_resume(str(out), "global_step2")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_manifest_with_a_key_twice_is_refused(tmp_path):
+    out = tmp_path / "run"
+    _hashed_manifest(out, 2, {"shard.bin": b"a" * 10}, "xxh3_128")
+    text = (out / "global_step2" / MANIFEST_NAME).read_text()
+    (out / "global_step2" / MANIFEST_NAME).write_text(text[:-1] + ', "files": {"shard.bin": 10}}')
+    with pytest.raises(CheckpointError, match=r"damaged ntl_checkpoint.json: the key 'files' appears twice"):
+        read_manifest(str(out / "global_step2"))
+
+
+class _FileWritingEngine:
+    """What DeepSpeed's save leaves for one rank: its files in the tag's folder."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        import torch
+
+        torch.save({"module": torch.ones(3), "client": client_state}, os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"))
+
+
+def test_a_committed_checkpoint_keeps_no_staging_marker(tmp_path):
+    """A save (the manager's own, with a stand-in for DeepSpeed's file writing) commits a folder without the
+    `.ntl_staging` marker, which only interrupted saves carry; a re-save of the same step leaves nothing aside."""
+    from ntl_pretrain.checkpoint import remove_interrupted_saves, verify_checkpoint
+
+    out = tmp_path / "run"
+    out.mkdir()  # made with the run lock at start
+    manager = _manager(out, keep_last=0)
+
+    def write_hf(folder):
+        os.makedirs(folder)
+        with open(os.path.join(folder, "config.json"), "w") as handle:
+            handle.write("{}")
+
+    for _ in range(2):  # the second: the same step saved again
+        assert manager.save(_FileWritingEngine(), 3, {"tokens_seen": 7}, write_hf) == "global_step3"
+        tag = out / "global_step3"
+        assert not (tag / ".ntl_staging").exists()
+        assert ".ntl_staging" not in json.loads((tag / MANIFEST_NAME).read_text())["files"]
+        assert verify_checkpoint(str(tag))["step"] == 3
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith("global_step")) == ["global_step3"]
+    assert remove_interrupted_saves(str(out)) == [] and tag.is_dir()
+
+
+class _DiskFullEngine:
+    """DeepSpeed's save on a full disk: torch's zip writer reports the failed write as "unexpected pos"."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        import torch
+
+        torch.save({"module": torch.ones(1000)}, "/dev/full")  # every write: ENOSPC
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_during_a_save_is_named_with_the_space_left(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    manager = _manager(out, keep_last=0)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100 << 20))
+    with pytest.raises(CheckpointError, match=rf"^saving checkpoint global_step3 failed on rank 0: no space left on "
+                                              rf"{str(out)!r} \(0.10 GiB free\); no previous checkpoint exists") as caught:
+        manager.save(_DiskFullEngine(), 3, {}, lambda folder: os.makedirs(folder))
+    assert "\n" not in str(caught.value) and not (out / "global_step3").exists()
+
+
+def test_a_run_folder_deleted_while_training_is_not_silently_recreated_by_a_save(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    manager = _manager(out, keep_last=0)
+    out.rmdir()  # `rm -rf` of the run folder while the run trains
+    with pytest.raises(CheckpointError, match=r"^cannot save a checkpoint: train.output_dir=.* was deleted or moved "
+                                              r"while this run was training .* nothing was saved"):
+        manager.save(_FileWritingEngine(), 3, {}, lambda folder: os.makedirs(folder))
+    assert not out.exists()

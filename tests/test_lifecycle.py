@@ -3,12 +3,14 @@ waits, the TP size chosen for the world, errors printed once, DeepSpeed's compil
 
 The lock is held by a real second process (and then killed with SIGKILL); the start-up wait is a real
 rendezvous that one rank of two never joins; the error-once check starts the real entry point as two
+ranks; a rank that raises or is stopped (SIGSTOP) past the collective timeout is one of three real gloo
 ranks. Two-run and signal tests with the launcher are in tests/test_signals.py.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -305,3 +307,75 @@ def test_run_process_exits_with_mains_code_after_destroying_the_group_and_flushi
         assert proc.returncode == code, (out, err)
         assert out.splitlines() == ["sum 2", "group destroyed"], (out, err)
         assert stderr_has in err
+
+
+def test_run_lock_never_follows_a_link_nor_writes_into_a_shared_file(tmp_path):
+    """A `.run.lock` planted as a link (or a hard link) to someone's file is refused by name, the file untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".run.lock").symlink_to(victim)
+    with pytest.raises(RunLockError, match=rf"^{str(out / '.run.lock')!r} is a symbolic link, which the run lock "
+                                           rf"never follows; remove it"):
+        RunLock(str(out)).acquire()
+    assert victim.read_text() == "precious"
+    (out / ".run.lock").unlink()
+    os.link(victim, out / ".run.lock")
+    with pytest.raises(RunLockError, match=r"\.run\.lock' has other hard links, which the run lock never writes into"):
+        RunLock(str(out)).acquire()
+    assert victim.read_text() == "precious"
+    (out / ".run.lock").unlink()
+    (out / ".run.lock").mkdir()
+    with pytest.raises(RunLockError, match=r"\.run\.lock' is a folder, not the run lock file"):
+        RunLock(str(out)).acquire()
+    (out / ".run.lock").rmdir()
+    os.mkfifo(out / ".run.lock")
+    with pytest.raises(RunLockError, match=r"\.run\.lock' is not a regular file"):
+        RunLock(str(out)).acquire()
+
+
+_PEER_SCRIPT = """
+import datetime, os, signal, sys
+import torch.distributed as dist
+from ntl_pretrain.distributed import run_process
+
+case = sys.argv[1]
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+    dist.barrier()
+    if case == "rank 0 raises" and dist.get_rank() == 0:
+        raise ValueError("broken input on rank 0 only")
+    if case.startswith("rank") and case.endswith("stalls") and dist.get_rank() == int(case.split()[1]):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dist.get_rank())
+
+run_process(main, lost_peer_hint="rerun with train.resume=auto")
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case, stalled", [("rank 0 raises", None), ("rank 2 stalls", 2), ("rank 0 stalls", 0)])
+def test_ranks_that_lose_a_peer_exit_with_one_line(case, stalled):
+    """Three gloo ranks; one raises (its traceback) or stops (SIGSTOP) past the collective timeout: every other
+    rank exits with one `error:` line saying what happened to which rank and how to resume, no gloo trace."""
+    procs = start_ranks([sys.executable, "-c", _PEER_SCRIPT, case], 3, merge_stderr=False)
+    if stalled is not None:
+        others = [proc for rank, proc in enumerate(procs) if rank != stalled]
+        outputs = finish_ranks(others, timeout=120, what="the ranks that did not stall")
+        procs[stalled].kill()
+        procs[stalled].communicate(timeout=30)
+    else:
+        raised, *outputs = finish_ranks(procs, timeout=120)
+        others = procs[1:]
+        assert "ValueError: broken input on rank 0 only" in raised[1]
+    for proc, (_, err) in zip(others, outputs):
+        lines = err.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, err
+        if stalled is None:
+            assert "another rank ended while this one waited in a collective (" in lines[0], err
+        else:
+            assert re.search(rf"a collective timed out \(.*\): global rank {stalled}( \(.*\))? stalled \(", lines[0]), err
+        assert lines[0].startswith("error: [rank ") and lines[0].endswith("; rerun with train.resume=auto"), err

@@ -143,7 +143,8 @@ def test_output_dir_with_another_runs_checkpoints_is_refused(tmp_path):
     out = tmp_path / "run"
     (out / "global_step20").mkdir(parents=True)
     # a complete checkpoint carries its manifest (ntl_pretrain/checkpoint); resume=auto ignores folders without one
-    (out / "global_step20" / "ntl_checkpoint.json").write_text('{"step": 20, "files": {}}')
+    (out / "global_step20" / "shard.pt").write_bytes(b"x")
+    (out / "global_step20" / "ntl_checkpoint.json").write_text('{"step": 20, "files": {"shard.pt": 1}}')
     (out / "latest").write_text("global_step20")
     before = sorted(p.name for p in out.iterdir())
     cfg = _cfg(f"train.output_dir={out}")

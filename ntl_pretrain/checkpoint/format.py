@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
+from typing import Any
 
 from ..distributed import AgreedError
 
@@ -61,26 +64,125 @@ class CheckpointInfo:
         return bool(self.manifest.get("permanent")) or os.path.exists(os.path.join(self.path, KEEP_MARKER))
 
 
+MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists names, sizes and hashes: far below this for any real checkpoint
+KNOWN_FORMATS = (1, 2, FORMAT_VERSION)
+UNLISTED_ENTRIES = (MANIFEST_NAME, KEEP_MARKER, STAGING_MARKER)  # files at a checkpoint's top its manifest never
+#                                                                 lists (the marker: a save killed after its rename)
+_LAYOUT_FIELDS = ("world_size", "dp_size", "tp_size", "zero_stage")
+_NoneType = type(None)
+# the manifest's other entries: the types they must have where present (a list where a mapping belongs, a
+# string for a number, is refused in one line before anything uses it)
+MANIFEST_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "tag": (str,), "tokens_seen": (int, _NoneType), "layout": (dict,), "fingerprint": (dict,),
+    "permanent": (bool,), "saved_at": (str,), "data": (dict, _NoneType), "lr_schedule": (dict, _NoneType),
+    "hash_algorithm": (str,), "hashes": (dict,), "sha256": (dict,), "bytes": (int,), "universal_of": (str,),
+}
+
+
 def read_manifest(path: str) -> dict:
-    """The manifest of a checkpoint folder; CheckpointError if the folder is missing, unreadable or incomplete."""
+    """The manifest of a checkpoint folder, its schema checked (`check_manifest`); CheckpointError if the
+    folder is missing, unreadable or incomplete, or the manifest is damaged, a link or of an unknown format."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path!r} does not exist")
     if not os.access(path, os.R_OK | os.X_OK):
         raise CheckpointError(f"checkpoint folder {path!r} is not readable (permissions); fix them with chmod")
     manifest_path = os.path.join(path, MANIFEST_NAME)
-    try:
-        with open(manifest_path, encoding="utf-8") as handle:
-            manifest = json.load(handle)
+    try:  # never through a link: its error or content would tell about a file outside the checkpoint
+        fd = os.open(manifest_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path!r} is incomplete: it has no {MANIFEST_NAME} (its save was "
                               f"interrupted, or it was not written by ntl_pretrain); resume from another one") from None
-    except PermissionError as error:
-        raise CheckpointError(f"checkpoint {path!r} is not readable: {error}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(f"checkpoint {path!r}: its {MANIFEST_NAME} is a symbolic link, which is never "
+                                  f"followed; resume from another checkpoint") from None
+        raise CheckpointError(f"checkpoint {path!r}: cannot read its {MANIFEST_NAME} ({error.strerror}); fix its "
+                              f"permissions or resume from another checkpoint") from None
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode) or status.st_size > MANIFEST_MAX_BYTES:
+            raise CheckpointError(f"checkpoint {path!r}: its {MANIFEST_NAME} is not a manifest (not a regular file "
+                                  f"of at most {MANIFEST_MAX_BYTES >> 20} MiB); resume from another checkpoint")
+        raw = handle.read()
+    try:
+        manifest = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, a key twice, nesting
         raise CheckpointError(f"checkpoint {path!r} has a damaged {MANIFEST_NAME}: {error}") from None
-    if not isinstance(manifest, dict) or "files" not in manifest or "step" not in manifest:
-        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST_NAME} lacks 'files' or 'step'")
+    check_manifest(manifest, path)
     return manifest
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"the key {twice[0]!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def outside_name_problem(name: Any) -> str | None:
+    """Why a file name from a manifest does not name a file inside its checkpoint (None: it does): only
+    plain relative paths, without `.`, `..` or empty parts, are joined to the folder."""
+    if not isinstance(name, str) or not name:
+        return "is not a file name"
+    if "\x00" in name or os.path.isabs(name) or any(part in ("", ".", "..") for part in name.split("/")):
+        return "is not a plain relative path inside the checkpoint (absolute, or with '..', '.' or '//')"
+    return None
+
+
+def check_manifest(manifest: Any, path: str) -> None:
+    """Check a parsed manifest's schema before anything uses it: a known `format`, the step, a non-empty file
+    list of names inside the checkpoint with their sizes, a hash for each file (formats 2 and 3), and each
+    other entry of its type (`MANIFEST_FIELD_TYPES`); CheckpointError in one line naming what is wrong."""
+    where = f"checkpoint {path!r}: {MANIFEST_NAME}"
+    if not isinstance(manifest, dict) or "files" not in manifest or "step" not in manifest:
+        raise CheckpointError(f"{where} lacks 'files' or 'step'")
+    version = manifest.get("format", 1)
+    if version not in KNOWN_FORMATS or isinstance(version, bool):
+        raise CheckpointError(f"{where} has format {version!r}, which this version does not know "
+                              f"({', '.join(map(str, KNOWN_FORMATS))}); use the ntl_pretrain version that saved it")
+    if not _is_count(manifest["step"]):
+        raise CheckpointError(f"{where}: 'step' is {manifest['step']!r}, not a step number")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{where}: 'files' is {'empty' if files == {} else _json_type(files)}, not the "
+                              f"mapping of the checkpoint's files to their sizes, so nothing could be verified")
+    for name, size in files.items():
+        problem = outside_name_problem(name)
+        if problem:
+            raise CheckpointError(f"{where} lists {name!r}, which {problem}; a manifest names files of its own "
+                                  f"folder only: nothing was read")
+        if not _is_count(size):
+            raise CheckpointError(f"{where}: the size of {name} is {size!r}, not a number of bytes")
+    for key, types in MANIFEST_FIELD_TYPES.items():
+        if key in manifest and not isinstance(manifest[key], types):
+            wanted = " or ".join("null" if t is _NoneType else {"dict": "a mapping"}.get(t.__name__, t.__name__)
+                                 for t in types)
+            raise CheckpointError(f"{where}: {key!r} is {_json_type(manifest[key])}, not {wanted}")
+    hashes = manifest.get("hashes", manifest.get("sha256")) if version >= 2 else None
+    if version >= 2 and (not isinstance(hashes, dict) or set(hashes) != set(files)
+                         or not all(isinstance(digest, str) for digest in hashes.values())):
+        raise CheckpointError(f"{where} is of format {version} but does not record a content hash for each file "
+                              f"it lists; resume from another checkpoint")
+    if "layout" in manifest:
+        layout = manifest["layout"]
+        if sorted(layout) != sorted(_LAYOUT_FIELDS) or not all(_is_count(v) for v in layout.values()):
+            raise CheckpointError(f"{where}: 'layout' is {layout!r}, not {{{', '.join(_LAYOUT_FIELDS)}}} as numbers")
+    step = step_of_tag(os.path.basename(os.path.normpath(path)))
+    if step is not None and step != manifest["step"]:
+        raise CheckpointError(f"checkpoint {path!r} is named for step {step} but its manifest says step "
+                              f"{manifest['step']} (a copied or renamed folder); rename it "
+                              f"{tag_for_step(manifest['step'])} or remove it")
 
 
 def folder_bytes(path: str) -> int:
@@ -89,11 +191,12 @@ def folder_bytes(path: str) -> int:
 
 
 def file_sizes(path: str) -> dict[str, int]:
-    """Bytes of each file under a checkpoint folder, by relative path (its own manifest left out)."""
+    """Bytes of each file under a checkpoint folder, by relative path (its own manifest and staging marker
+    left out)."""
     sizes = {}
     for root, _, files in os.walk(path):
         for name in files:
-            if name == MANIFEST_NAME and root == path:
+            if name in (MANIFEST_NAME, STAGING_MARKER) and root == path:  # the marker is removed at commit
                 continue
             full = os.path.join(root, name)
             sizes[os.path.relpath(full, path)] = os.path.getsize(full)
@@ -114,6 +217,9 @@ class SavedLayout:
 
 
 def saved_layout(manifest: dict) -> SavedLayout:
+    if "layout" not in manifest:
+        raise CheckpointError(f"checkpoint {manifest.get('tag', '?')}: its {MANIFEST_NAME} records no 'layout' (not "
+                              f"saved by ntl_pretrain); it cannot be resumed")
     return SavedLayout(**manifest["layout"])
 
 

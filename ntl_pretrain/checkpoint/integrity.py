@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 from typing import Any, Callable
 
 import xxhash
 
 from .collective import agree, gather, is_collective, my_share
-from .format import CheckpointError, UnsafeCheckpointError, read_manifest
+from .format import HF_DIR, UNLISTED_ENTRIES, CheckpointError, UnsafeCheckpointError, read_manifest
 from .safe_loading import LEGACY_RNG_GLOBALS, unsafe_pickle_globals, weights_only_loads
 
 logger = logging.getLogger("ntl_pretrain")
@@ -50,24 +51,22 @@ def recorded_hashes(manifest: dict, where: str) -> tuple[str, dict[str, str]] | 
 def verify_checkpoint(path: str, content: bool = True, collective: bool = False) -> dict:
     """Check a checkpoint folder before anything in it is loaded; return its manifest.
 
-    Every file the manifest lists must be present with its recorded size (a truncated or missing shard
-    is caught before DeepSpeed reads it, which would fail deep inside torch.load, or on one rank only).
-    With `content`, each file's hash must match the manifest's (a shard corrupted in place) and no
-    pickle may hold more than tensors and the allow-listed DeepSpeed classes (`unsafe_pickle_globals`).
-    With `collective` (torch.distributed initialised) every rank must call this at the same point: each
-    checks a share of the files and all agree on the result. A manifest of format 1 (no hashes) is
-    checked by size only, with a warning.
+    The manifest's schema is checked first (`read_manifest`: its names stay inside the folder). The folder
+    must hold exactly the files the manifest lists (`listed_file_sizes`: no link, no unlisted file or folder),
+    each with its recorded size (a truncated or missing shard is caught before DeepSpeed reads it, which
+    would fail deep inside torch.load, or on one rank only). With `content`, each file's hash must match
+    the manifest's (a shard corrupted in place) and no pickle may hold more than tensors and the
+    allow-listed DeepSpeed classes (`unsafe_pickle_globals`). With `collective` (torch.distributed
+    initialised) every rank must call this at the same point: each checks a share of the files and all
+    agree on the result. A manifest of format 1 (no hashes) is checked by size only, with a warning.
     """
     manifest = read_manifest(path)
+    present = listed_file_sizes(path, manifest)
     for name, size in manifest["files"].items():
-        file_path = os.path.join(path, name)
-        try:
-            actual = os.path.getsize(file_path)
-        except FileNotFoundError:
+        actual = present.get(name)
+        if actual is None:
             raise CheckpointError(f"checkpoint {path!r} is damaged: {name} is missing; resume from another "
-                                  f"checkpoint (train.resume=TAG)") from None
-        except OSError as error:
-            raise CheckpointError(f"checkpoint {path!r}: cannot read {name}: {error}") from None
+                                  f"checkpoint (train.resume=TAG)")
         if actual != size:
             raise CheckpointError(f"checkpoint {path!r} is damaged: {name} has {actual} bytes, {size} were written "
                                   f"(a truncated shard); resume from another checkpoint (train.resume=TAG)")
@@ -76,12 +75,62 @@ def verify_checkpoint(path: str, content: bool = True, collective: bool = False)
     return manifest
 
 
+def listed_file_sizes(path: str, manifest: dict) -> dict[str, int]:
+    """{name: bytes} of the files a checkpoint folder holds, walked without following links; CheckpointError
+    naming the first entry that is a symbolic link, not a regular file or folder, a folder inside `hf/`,
+    or a file or folder its manifest does not list (only `UNLISTED_ENTRIES` at the top may be unlisted).
+
+    The gate before anything in a checkpoint is read, loaded or copied (resume, conversion, export): what
+    passes holds only the manifest's own files, inside the folder."""
+    listed = manifest["files"]
+    parents = {"/".join(name.split("/")[:depth]) for name in listed for depth in range(1, name.count("/") + 1)}
+    where = f"checkpoint {path!r}"
+    fix = "remove it, or resume from another checkpoint"
+    present: dict[str, int] = {}
+    for root, folders, names in os.walk(path, onerror=_raise_walk_error(path)):
+        relative_root = os.path.relpath(root, path)
+        prefix = "" if relative_root == "." else relative_root + "/"
+        for name in folders + names:
+            relative = prefix + name
+            try:
+                status = os.lstat(os.path.join(root, name))
+            except OSError as error:  # removed or made unreadable while being checked
+                raise CheckpointError(f"{where}: cannot read {relative} ({error.strerror}): {fix}") from None
+            mode = status.st_mode
+            if stat.S_ISLNK(mode):
+                raise CheckpointError(f"{where}: {relative} is a symbolic link; a checkpoint holds its own files "
+                                      f"and links are never followed: replace it with the file it stands for or {fix}")
+            if stat.S_ISDIR(mode):
+                if prefix.split("/")[0] == HF_DIR:
+                    raise CheckpointError(f"{where}: {relative} is a folder; {HF_DIR}/ holds the model's config and "
+                                          f"tokenizer files only: {fix}")
+                if relative not in parents:
+                    raise CheckpointError(f"{where} holds the folder {relative}, which its manifest does not list "
+                                          f"(added after the save): {fix}")
+            elif not stat.S_ISREG(mode):
+                raise CheckpointError(f"{where}: {relative} is not a regular file (a pipe, socket or device): {fix}")
+            elif relative in listed:
+                present[relative] = status.st_size
+            elif not (prefix == "" and name in UNLISTED_ENTRIES):
+                raise CheckpointError(f"{where} holds {relative}, which its manifest does not list (added after the "
+                                      f"save): {fix}")
+    return present
+
+
+def _raise_walk_error(path: str) -> Callable[[OSError], None]:
+    def raise_error(error: OSError) -> None:
+        raise CheckpointError(f"checkpoint {path!r}: cannot list {os.path.relpath(error.filename, path)} "
+                              f"({error.strerror}); fix its permissions or resume from another checkpoint")
+    return raise_error
+
+
 def file_digest(path: str, algorithm: str = HASH_ALGORITHM) -> str:
     """The hex digest of a file (`HASHERS[algorithm]`), read in 1 MiB blocks."""
     digest = HASHERS[algorithm]()
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
+    # O_NOFOLLOW: a link put in place of a checked file is not read through
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as handle:
         while True:
             count = handle.readinto(buffer)
             if not count:

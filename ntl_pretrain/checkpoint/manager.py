@@ -3,8 +3,10 @@ keep-last-K and resume planning (fingerprint, data, learning-rate schedule, layo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
@@ -18,26 +20,32 @@ import torch
 from ..fs import atomic_write, commit_directory, write_text_atomic
 from .collective import agree, broadcast_from_main, run_on_main
 from .fingerprint import check_data, check_fingerprint, describe_changes, lr_text
-from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_SUFFIX,
-                     UNIVERSAL_SUFFIX, CheckpointError, CheckpointInfo, SavedLayout, UnsafeCheckpointError,
+from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_MARKER,
+                     STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError, CheckpointInfo, SavedLayout, UnsafeCheckpointError,
                      file_sizes, folder_bytes, needs_reshard, read_manifest, saved_layout, step_of_tag, tag_for_step)
 from .integrity import hash_files, hash_record, verify_checkpoint
 from .safe_loading import load_rng_state, reseed, rng_state, set_rng_state, weights_only_loads
-from .staging import make_staging, remove_interrupted_saves
+from .staging import make_staging, mark_staging, remove_interrupted_saves, remove_staging
 from .universal import convert_to_universal, universal_path
 
 logger = logging.getLogger("ntl_pretrain")
 
 
 def list_checkpoints(output_dir: str, verify: bool = True) -> list[CheckpointInfo]:
-    """The complete checkpoints of a run folder, oldest first (incomplete ones, and with `verify` those with
-    a missing or truncated file, are skipped; contents are checked by `verify_checkpoint`)."""
+    """The complete checkpoints of a run folder, oldest first. Skipped with a warning naming them: symbolic
+    links (never followed out of the run folder), incomplete ones, those whose name and manifest disagree on
+    the step, and with `verify` those with a missing, truncated, linked or unlisted file (contents are
+    checked by `verify_checkpoint`). So neither resume=auto nor keep-last-K acts on any of them."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
         step = step_of_tag(name)
         path = os.path.join(output_dir, name)
+        if step is not None and os.path.islink(path):
+            logger.warning("skipping %s: it is a symbolic link, and checkpoints are never followed out of the run "
+                           "folder; copy the checkpoint in (cp -r) to resume from it", path)
+            continue
         if step is None or not os.path.isdir(path):
             continue
         try:
@@ -107,6 +115,9 @@ def resolve_resume(output_dir: str, resume: str) -> str | None:
         raise CheckpointError(f"train.resume={resume!r}: the checkpoint directory train.output_dir={output_dir!r} "
                               f"does not exist")
     path = os.path.join(output_dir, resume)
+    if os.path.islink(path):
+        raise CheckpointError(f"train.resume={resume!r}: {path!r} is a symbolic link, and checkpoints are never "
+                              f"followed out of the run folder; copy the checkpoint in (cp -r) instead")
     if not os.path.isdir(path):
         found = [info.tag for info in list_checkpoints(output_dir, verify=False)]
         raise CheckpointError(f"train.resume={resume!r}: no such checkpoint in {output_dir!r} (found: {found or 'none'})")
@@ -114,12 +125,24 @@ def resolve_resume(output_dir: str, resume: str) -> str | None:
     return resume
 
 
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_SHORT_WRITE_SIGNS = ("unexpected pos", "file write failed", "No space left")  # torch's zip writer, failed write
+LOW_SPACE_BYTES = 256 << 20  # below this, a short write is taken for a full disk
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
 def _read_latest(output_dir: str) -> str | None:
+    """The tag `latest` names (None: none, or not a tag). Never read through a link: a warning quotes it."""
     try:
-        with open(os.path.join(output_dir, LATEST_NAME), encoding="utf-8") as handle:
-            return handle.read().strip() or None
+        fd = os.open(os.path.join(output_dir, LATEST_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as handle:
+            text = handle.read(256).decode("utf-8", errors="replace").strip()
     except OSError:
         return None
+    return text if step_of_tag(text) is not None else None
 
 
 
@@ -248,8 +271,9 @@ class CheckpointManager:
         try:  # each rank's own RNG state, beside DeepSpeed's files
             with atomic_write(os.path.join(staging, f"rng_state_{self.layout.rank}.pt"), "wb") as handle:
                 torch.save(rng_state(), handle)
-        except OSError as exc:  # torch.save passes on its handle's OSError
-            error = f"saving checkpoint {tag}: rank {self.layout.rank} could not write its RNG state: {exc}"
+        except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a short write, OSError from the handle
+            error = (f"saving checkpoint {tag}: rank {self.layout.rank} could not write its RNG state: "
+                     f"{self._write_failure(exc)}")
         agree(self._with_previous(error))
         try:
             engine.save_checkpoint(self.output_dir, tag=staging_tag, client_state=client_state, save_latest=False)
@@ -257,7 +281,7 @@ class CheckpointManager:
             # Raised at once (not agreed on): the other ranks may be inside DeepSpeed's barrier. The
             # launcher stops them when this process exits; the partial folder is never resumed from.
             raise CheckpointError(self._with_previous(
-                f"saving checkpoint {tag} failed on rank {self.layout.rank}: {type(exc).__name__}: {exc}")) from None
+                f"saving checkpoint {tag} failed on rank {self.layout.rank}: {self._write_failure(exc)}")) from None
         agree(None)  # every rank has written its files
         written = time.perf_counter() - started
         sizes = broadcast_from_main(self.layout.is_main, lambda: file_sizes(staging))
@@ -278,6 +302,22 @@ class CheckpointManager:
                           "bytes": float(sum(sizes.values()))}
         return tag
 
+    def _write_failure(self, exc: BaseException) -> str:
+        """What a failed write of checkpoint files says: a full disk as such, with the space left (torch's
+        writer reports one only as a short write, "unexpected pos")."""
+        detail = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        try:
+            free = shutil.disk_usage(self.output_dir).free
+        except OSError:
+            return detail
+        short_write = any(sign in str(exc) for sign in _SHORT_WRITE_SIGNS)
+        if getattr(exc, "errno", None) in _DISK_FULL_ERRNOS or (short_write and free < LOW_SPACE_BYTES):
+            return f"no space left on {self.output_dir!r} ({_gib(free)} free)"
+        if short_write:
+            return (f"a write was cut short ({detail}) with {_gib(free)} free on {self.output_dir!r}: a disk quota "
+                    f"or a file-size limit (ulimit -f)?")
+        return detail
+
     def _with_previous(self, error: str | None) -> str | None:
         if error is None:
             return None
@@ -286,7 +326,10 @@ class CheckpointManager:
         return f"{error}; {keep} (resume with train.resume=auto); free disk space or fix permissions of {self.output_dir!r}"
 
     def _prepare(self, staging: str, write_hf_files: Callable[[str], None]) -> None:
-        os.makedirs(self.output_dir, exist_ok=True)
+        if not os.path.isdir(self.output_dir):  # made with the run lock at start: never recreated without it
+            raise CheckpointError(f"cannot save a checkpoint: train.output_dir={self.output_dir!r} was deleted or moved "
+                                  f"while this run was training (its checkpoints and run lock with it); nothing was "
+                                  f"saved. Put the folder back and resume with train.resume=auto, or start afresh")
         if not os.access(self.output_dir, os.W_OK):
             raise CheckpointError(self._with_previous(f"cannot save a checkpoint: {self.output_dir!r} is not writable"))
         remove_interrupted_saves(self.output_dir)  # never complete, never used
@@ -302,7 +345,8 @@ class CheckpointManager:
             make_staging(staging)
             write_hf_files(os.path.join(staging, HF_DIR))
         except OSError as exc:
-            raise CheckpointError(self._with_previous(f"cannot save a checkpoint into {staging!r}: {exc}")) from None
+            raise CheckpointError(self._with_previous(
+                f"cannot save a checkpoint into {staging!r}: {self._write_failure(exc)}")) from None
 
     def _commit(self, staging: str, final: str, tag: str, manifest: dict) -> None:
         try:
@@ -314,18 +358,27 @@ class CheckpointManager:
                     f"process writing into train.output_dir?)"))
             write_text_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(manifest, indent=1))
             replaced = None
-            if os.path.exists(final):  # the same step saved again (a resume from an older checkpoint)
+            if os.path.lexists(final):  # the same step saved again (a resume from an older checkpoint)
                 replaced = final + REPLACED_SUFFIX
                 os.rename(final, replaced)
+                if not os.path.islink(replaced):  # ours again: the start-up cleanup restores or removes it
+                    mark_staging(replaced)
             commit_directory(staging, final)
+            # committed: no longer "an interrupted save of ours" (killed before this line, the marker stays
+            # in a folder no clean-up pattern matches, and the manifest does not list it)
+            with contextlib.suppress(OSError):  # left there, it is harmless: allowed unlisted, and never a leftover
+                os.remove(os.path.join(final, STAGING_MARKER))
             write_text_atomic(os.path.join(self.output_dir, LATEST_NAME), tag)
-            if replaced:
-                shutil.rmtree(replaced, ignore_errors=True)
+            if replaced and os.path.islink(replaced):  # a link the user had named global_stepN: never followed
+                logger.warning("left %s (a symbolic link that stood where %s was saved) alone", replaced, final)
+            elif replaced:
+                remove_staging(replaced)
                 stale = universal_path(final)
-                if os.path.isdir(stale):
+                if os.path.isdir(stale) and not os.path.islink(stale):
                     shutil.rmtree(stale, ignore_errors=True)
         except OSError as exc:
-            raise CheckpointError(self._with_previous(f"saving checkpoint {tag} failed while committing it: {exc}")) from None
+            raise CheckpointError(self._with_previous(
+                f"saving checkpoint {tag} failed while committing it: {self._write_failure(exc)}")) from None
         self.prune()
 
     def prune(self) -> list[str]:
@@ -339,8 +392,11 @@ class CheckpointManager:
             if info.permanent:
                 continue
             shutil.rmtree(info.path)
-            if os.path.isdir(universal_path(info.path)):
-                shutil.rmtree(universal_path(info.path))
+            universal = universal_path(info.path)
+            if os.path.islink(universal):
+                logger.warning("keep-last-K left %s alone: it is a symbolic link, never followed", universal)
+            elif os.path.isdir(universal):
+                shutil.rmtree(universal)
             removed.append(info.tag)
         if removed:
             logger.info("removed old checkpoints %s (checkpoint.keep_last=%d)", ", ".join(removed), keep_last)

@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 
-from .format import STAGING_MARKER, CheckpointError
+from .format import MANIFEST_NAME, STAGING_MARKER, CheckpointError
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -16,7 +16,14 @@ def make_staging(path: str) -> None:
     """Create a folder under a temporary name, marked as made by this package (so only such folders are
     ever removed as leftovers of an interrupted save, conversion or export)."""
     os.makedirs(path)
-    with open(os.path.join(path, STAGING_MARKER), "w", encoding="utf-8") as handle:
+    mark_staging(path)
+
+
+def mark_staging(path: str) -> None:
+    """Mark a folder of ours as a temporary one (a new staging folder, a committed checkpoint moved aside);
+    a link in the marker's place is not written through (OSError)."""
+    fd = os.open(os.path.join(path, STAGING_MARKER), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write("made by ntl_pretrain.checkpoint; removed with its folder when a save, conversion or export "
                      "is interrupted\n")
 
@@ -35,6 +42,11 @@ def remove_staging(path: str) -> None:
     shutil.rmtree(path)
 
 
+def _is_committed(path: str) -> bool:
+    """A folder holding a manifest: a committed checkpoint (moved aside by a re-save killed before marking it)."""
+    return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
 _LEFTOVER_RE = re.compile(r"^global_step\d+(_universal)?(\.partial|\.replaced)$")
 
 
@@ -48,8 +60,8 @@ def remove_interrupted_saves(output_dir: str) -> list[str]:
     for name in sorted(os.listdir(output_dir)):
         path = os.path.join(output_dir, name)
         committed = path[: -len(".replaced")]
-        if (_LEFTOVER_RE.match(name) and name.endswith(".replaced") and is_own_staging(path)
-                and not os.path.lexists(committed)):
+        if (_LEFTOVER_RE.match(name) and name.endswith(".replaced") and not os.path.lexists(committed)
+                and (is_own_staging(path) or _is_committed(path))):
             # killed between moving the old checkpoint of this step aside and committing the new one: the old
             # one is complete and the only copy of its step, so it is put back rather than deleted
             os.rename(path, committed)
