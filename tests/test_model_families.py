@@ -184,7 +184,8 @@ def test_dry_run_refuses_what_the_trainer_refuses_and_auto_picks_a_size_that_run
     """`--dry-run` at 2 processes gives the Trainer's refusal (the launches above) for each TP size, and
     parallel.tp_size=auto picks 2 only where T=2 runs with the default load."""
     from ntl_pretrain.config import ConfigError
-    from ntl_pretrain.preflight import dry_run, preflight
+    from ntl_pretrain.ds_config import resolve_run
+    from ntl_pretrain.preflight import dry_run
 
     root = setup[0]
     for tp in TP_SIZES:
@@ -197,8 +198,8 @@ def test_dry_run_refuses_what_the_trainer_refuses_and_auto_picks_a_size_that_run
             with pytest.raises(ConfigError) as refused:
                 dry_run(cfg, 2)
             assert str(refused.value) == problem
-    auto = preflight(_config(root, f"model.name_or_path={root / model_type}", "parallel.tp_size=auto"), 2, True)
-    assert auto.run.cfg.parallel.tp_size == (1 if family_problem(model_type, 2, partitioned_load=True) else 2)
+    auto = resolve_run(_config(root, f"model.name_or_path={root / model_type}", "parallel.tp_size=auto"), True, 2)
+    assert auto.cfg.parallel.tp_size == (1 if family_problem(model_type, 2, partitioned_load=True) else 2)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
