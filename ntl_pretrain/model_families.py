@@ -44,12 +44,8 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("Granite", special="embedding, residual, attention and logit multipliers"),
     "smollm3": Family("SmolLM3", special="tied head, layers without RoPE"),
     "starcoder2": Family("StarCoder2", special="LayerNorm, biases, GELU MLP, sliding window"),
-    "gemma3_text": Family("Gemma3 (text)", special="tied scaled embedding, q/k norms, sliding/global layers",
-                          no_tp_partitioned_load="DeepSpeed's AutoTP copies its embedding scale out of the meta "
-                                                 "tensor the sliced load leaves"),
-    "gemma2": Family("Gemma2", special="tied scaled embedding, attention and logit soft-capping, sliding window",
-                     no_tp="DeepSpeed 0.19's vocabulary-parallel sharding does not support its scaled embedding "
-                           "(Gemma2TextScaledWordEmbedding)"),
+    "gemma3_text": Family("Gemma3 (text)", special="tied scaled embedding, q/k norms, sliding/global layers"),
+    "gemma2": Family("Gemma2", special="tied scaled embedding, attention and logit soft-capping, sliding window"),
     "phi3": Family("Phi-3 / Phi-3.5 / Phi-4-mini", special="fused qkv_proj and gate_up_proj, partial RoPE, tied head",
                    no_tp=_FUSED_TP.format(what="o_proj and down_proj (after its fused qkv_proj, gate_up_proj)")),
     "olmo2": Family("OLMo2", special="q/k norms over the whole projection, post-norms",
@@ -84,6 +80,30 @@ def families_table() -> str:
         rows.append(f"| {family.name} (`{model_type}`) | {_cell(model_type, 1)} | {_cell(model_type, 2)} | "
                     f"{partitioned} | {family.special} |")
     return "\n".join(rows)
+
+
+# embeddings whose forward is nn.Embedding's lookup times their `embed_scale` buffer, as Gemma3's, which DeepSpeed
+# 0.19's VocabParallelEmbedding accepts (it multiplies by `embed_scale` after the vocabulary-parallel lookup)
+SCALED_EMBEDDINGS = {"transformers.models.gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding"}
+
+
+def accept_scaled_embeddings() -> None:
+    """Let DeepSpeed's vocabulary-parallel embedding take the embeddings of `SCALED_EMBEDDINGS` as it takes
+    Gemma3's (its check names Gemma3's class only). Installed once per process, before `deepspeed.initialize`."""
+    from deepspeed.module_inject.layers import VocabParallelEmbedding
+
+    validate = VocabParallelEmbedding.validate_embedding
+    if getattr(validate, "_ntl_scaled_embeddings", False):
+        return
+
+    def validate_embedding(module: torch.nn.Module) -> None:
+        kind = type(module)
+        plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+        if not (plain and f"{kind.__module__}.{kind.__qualname__}" in SCALED_EMBEDDINGS):
+            validate(module)
+
+    validate_embedding._ntl_scaled_embeddings = True  # type: ignore[attr-defined]
+    VocabParallelEmbedding.validate_embedding = staticmethod(validate_embedding)
 
 
 def family_of(config: Any) -> tuple[str, Family | None]:
