@@ -21,6 +21,8 @@ from typing import Callable, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import model_families
+
 T = TypeVar("T")
 
 
@@ -90,10 +92,12 @@ def resolve_tp_size(cfg, world_size: int, local_world_size: int | None = None) -
         return None
     node = local_world_size or world_size
     heads = _attention_heads(cfg.model)
-    size = max(t for t in range(1, node + 1)
+    limit = model_families.tp_limit(cfg) or node  # a family that cannot run with tensor parallelism: 1
+    size = max(t for t in range(1, min(node, limit) + 1)
                if world_size % t == 0 and node % t == 0 and all(h % t == 0 for h in heads))
     cfg.parallel.tp_size = size
     why = f"the model's heads {heads}" if heads else "no head count known (model.architecture has none)"
+    why += "; its family runs only at tp_size=1 with this load (docs/training.md)" if limit == 1 else ""
     return (f"parallel.tp_size=auto: using tp_size={size} for world size {world_size} "
             f"({node} processes per node, {why}); dp={world_size // size}")
 

@@ -269,8 +269,10 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
     """
     from transformers import AutoModelForCausalLM
 
-    from . import model_loading
+    from . import model_families, model_loading
 
+    if tp_size > 1:  # before deepspeed.initialize shards the embedding (Gemma2's scaled embedding)
+        model_families.accept_scaled_embeddings()
     attn = choose_attention(cfg.attn_implementation)
     dtype = DTYPES[cfg.dtype]
     config = load_model_config(cfg)

@@ -18,6 +18,8 @@ from .data import DataError, resolve_files
 from .ds_config import ResolvedRun, resolve_run
 from .eval.config import validate_eval_inputs
 from .fs import writable_problem
+from .model_families import check_family
+from .model_loading import partitioned_load_applies
 from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
 from .numbers import NumberVocab
 from .training_objective import Objective
@@ -50,7 +52,19 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
         model_config = None
     else:
         check_sequence_length(model_config, run.cfg.data.seq_len)
+        check_model_family(run, model_config)
     return Preflight(run=run, objective=objective, model_config=model_config)
+
+
+def check_model_family(run: ResolvedRun, model_config: Any) -> None:
+    """The model's family can run at the run's tensor-parallel size with the load the run will use (the partitioned
+    load of model.name_or_path under ZeRO-3, `model.partitioned_load`); else a ConfigError naming the reason and
+    the fix (`model_families.FAMILIES`), before anything is built."""
+    model = run.cfg.model
+    tp_size = run.cfg.parallel.tp_size
+    partitioned = (model.name_or_path is not None and model.partitioned_load
+                   and partitioned_load_applies(run.ds_config, tp_size))
+    check_family(model_config, tp_size, partitioned)
 
 
 def output_problems(cfg: Config) -> str | None:

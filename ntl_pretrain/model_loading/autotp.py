@@ -44,9 +44,10 @@ class _PendingTPLoad:
     """What the fill after AutoTP needs: the files, the file key of each parameter, the resize plan."""
 
     def __init__(self, folder: str, files: dict[str, str], keys: dict[str, str], vocab_params: set[str],
-                 row_plan: Any | None, ds_config: dict) -> None:
+                 row_plan: Any | None, ds_config: dict, buffers: dict[str, torch.Tensor]) -> None:
         self.folder, self.files, self.keys, self.vocab_params, self.row_plan = folder, files, keys, vocab_params, row_plan
         self.ds_config = ds_config
+        self.buffers = buffers  # every buffer by name, before AutoTP (its layers may copy one onto the meta device)
 
 
 def load_tp_sliced(folder: str, config: Any, ds_config: dict, *, attn_implementation: str, dtype: torch.dtype,
@@ -73,7 +74,8 @@ def load_tp_sliced(folder: str, config: Any, ds_config: dict, *, attn_implementa
                 grown = GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
                 _fill_slice(param, reader, keys[name], grown, None)
         load_buffers(model, files, reader)
-    setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan, ds_config))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan, ds_config, buffers))
     _install_fill_after_autotp()
     return model
 
@@ -167,7 +169,23 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
             _replace_parameter(model, param, values, name)
             if zero_init is not None:
                 zero_init._zero_init_param(values)
+    _restore_meta_buffers(model, pending.buffers)
     delattr(model, PENDING_TP_LOAD)
+
+
+def _restore_meta_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Give the buffers AutoTP's layers left on the meta device the values they had before it: its
+    vocabulary-parallel embedding copies a scaled embedding's `embed_scale` (Gemma) to its weight's device,
+    which is meta until the fill."""
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None or not buffer.is_meta:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            if full_name not in buffers or buffers[full_name].is_meta:
+                raise ValueError(f"AutoTP left the buffer {full_name!r} without values, which the sliced load does not "
+                                 f"hold; set model.partitioned_load=false")
+            module._buffers[name] = buffers[full_name].clone()
 
 
 def _replace_parameter(model: torch.nn.Module, old: torch.nn.Parameter, new: torch.nn.Parameter, name: str) -> None:

@@ -1,0 +1,235 @@
+"""Every family of `ntl_pretrain.model_families.FAMILIES` on a tiny model of its own transformers config class
+with its published features (`TINY`): the real Trainer's first step at T=1 and at T=2 (2 CPU ranks, ZeRO-3, NTL
+on, the default load: partitioned from the saved folder) has the CE, NTL and loss of plain transformers + ntloss
+in one process, or, where the table says the family cannot run so, the Trainer refuses it with the table's line
+before the model is built (and `--dry-run` with the same line). One launch per tensor-parallel size runs every
+family. Single-process: `parallel.tp_size=auto` picks only sizes the family can run; the export layout
+(`published_state_dict`) equals `save_pretrained`'s and reloads; docs/training.md's table is the registry's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.distributed import REPO, run_workers
+from ntl_pretrain.model_families import FAMILIES, family_problem
+
+WORDS = ["[UNK]", "[PAD]", "</s>", "the", "answer", "is", "plus", "minus", "times", "equals", "7", "3", "0", "9",
+         "1", "5", "2", "8", "4", "6", ".", ",", "apples", "cost", "and", "of", "to", "a", "we", "get", "so", "it"]
+NTL_WEIGHT = 0.5
+COMMON = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+              max_position_embeddings=64)
+# each family's published features at tiny shapes (8 heads, 2 key-value heads: T=2 divides them; no weight has
+# the head's shape (vocabulary 32 x hidden 64), which the tied-head placeholder of the partitioned build matches)
+TINY = {
+    "llama": dict(tie_word_embeddings=False, **COMMON),
+    "qwen2": dict(tie_word_embeddings=True, **COMMON),
+    "qwen3": dict(tie_word_embeddings=True, head_dim=8, **COMMON),
+    "mistral": dict(sliding_window=8, tie_word_embeddings=False, **COMMON),
+    "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                    logits_scaling=8.0, tie_word_embeddings=True, **COMMON),
+    "smollm3": dict(no_rope_layer_interval=2, tie_word_embeddings=True, **COMMON),
+    "starcoder2": dict(sliding_window=8, use_bias=True, tie_word_embeddings=False, **COMMON),
+    "gemma3_text": dict(head_dim=8, sliding_window=8, query_pre_attn_scalar=8,
+                        layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0, **COMMON),
+    "gemma2": dict(head_dim=8, sliding_window=8, query_pre_attn_scalar=8, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, **COMMON),
+    "phi3": dict(partial_rotary_factor=0.75, tie_word_embeddings=True, **COMMON),  # Phi-4-mini's features
+    "olmo2": dict(tie_word_embeddings=False, **COMMON),
+    "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                      tie_word_embeddings=False, **COMMON),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False, **COMMON),
+    "gpt_neox": dict(rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False, hidden_size=64,
+                     intermediate_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=64),
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True, bias=False, hidden_size=64,
+                   num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=64),
+}
+CONFIG = """\
+model: {{dtype: fp32, attn_implementation: eager}}
+tokenizer: {{name_or_path: {root}/tokenizer}}
+data:
+  sources: [{{path: {root}/corpus.jsonl, text_field: text}}]
+  seq_len: 16
+  micro_batch_size: 2
+  validation_documents: 0
+loss: {{enabled: true, ntl_weight: {ntl_weight}, variant: was}}
+parallel: {{zero_stage: 3}}
+optim: {{lr: 0.01, lr_schedule: constant, warmup_steps: 1, grad_clip: 0.0}}
+train: {{max_steps: 1, val_every_n_steps: -1, log_every_n_steps: 1}}
+checkpoint: {{every_n_steps: 0, save_final: false}}
+eval: {{at_end: false}}
+monitor: {{progress_bar: never}}
+"""
+TP_SIZES = (1, 2)
+
+
+def tiny_config(model_type: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, vocab_size=len(WORDS), pad_token_id=None, bos_token_id=None,
+                                eos_token_id=None, **TINY[model_type])
+
+
+def tiny_model(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="eager").eval()
+
+
+def test_every_family_has_a_tiny_model():
+    assert set(TINY) == set(FAMILIES)
+
+
+def write_setup(root):
+    """The tokenizer, each family's saved tiny model, the corpus, the config and the fixed batch, under `root`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                        eos_token="</s>")
+    tokenizer.save_pretrained(root / "tokenizer")
+    for model_type in FAMILIES:
+        tiny_model(model_type).save_pretrained(root / model_type)
+    lines = [" ".join(WORDS[3 + (i * 7 + j) % (len(WORDS) - 3)] for j in range(40)) for i in range(20)]
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    (root / "config.yaml").write_text(CONFIG.format(root=root, ntl_weight=NTL_WEIGHT))
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, len(WORDS), (2, 17), generator=generator)
+    tokens[1, ::2] = torch.randint(10, 20, (9,), generator=generator)  # digits in both vocabulary shards
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    torch.save(batch, root / "batch.pt")
+    return root, tokenizer, batch
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return write_setup(tmp_path_factory.mktemp("families"))
+
+
+def _cases(root, tp: int) -> list[dict]:
+    """Each family with the default load at `tp`, and with the full load where the table says to use it."""
+    cases = []
+    for model_type in FAMILIES:
+        overrides = [f"model.name_or_path={root / model_type}", f"parallel.tp_size={tp}", f"data.micro_batch_size={tp}"]
+        cases.append({"name": f"{model_type}_t{tp}", "overrides": overrides})
+        if family_problem(model_type, tp, partitioned_load=True) and not family_problem(model_type, tp, False):
+            cases.append({"name": f"{model_type}_t{tp}_full", "overrides": [*overrides, "model.partitioned_load=false"]})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results(setup) -> dict:
+    """{case name: the worker's record}: one 2-rank launch per TP size, every family in it."""
+    root = setup[0]
+    found = {}
+    for tp in TP_SIZES:
+        cases = _cases(root, tp)
+        (root / f"cases_t{tp}.json").write_text(json.dumps(cases))
+        run_workers("model_families.py", 2, [str(root), str(root / "batch.pt"), str(root / "config.yaml"),
+                                             str(root / f"cases_t{tp}.json")], timeout=120 + 20 * len(cases))
+        found.update({case["name"]: json.loads((root / f"{case['name']}.json").read_text()) for case in cases})
+    return found
+
+
+def _reference(setup, model_type: str) -> dict[str, float]:
+    """Plain transformers + ntloss in one process: the step's CE, NTL and loss on the whole batch."""
+    import ntloss
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    root, tokenizer, batch = setup
+    model = AutoModelForCausalLM.from_pretrained(root / model_type, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+    ntl = ntloss.NTLoss(tokenizer, vocab_size=len(WORDS), digit_level=True, reweigh=False)(logits, batch["labels"])
+    return {"train/ce": ce.item(), "train/ntl": ntl.item(), "train/loss": (ce + NTL_WEIGHT * ntl).item()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_family_trains_or_is_refused_before_the_build(setup, results, model_type: str, tp: int):
+    """The default load trains with plain transformers' step-1 figures, or is refused (before the model is built)
+    with the table's line; where that line says model.partitioned_load=false, that run trains."""
+    result = results[f"{model_type}_t{tp}"]
+    assert "error" not in result, result["error"]
+    problem = family_problem(model_type, tp, partitioned_load=True)
+    if problem is not None:
+        assert result == {"refused": problem, "built": False}
+        if "set model.partitioned_load=false" not in problem:
+            return
+        result = results[f"{model_type}_t{tp}_full"]
+        assert "error" not in result, result["error"]
+    assert "figures" in result, result
+    for tag, expected in _reference(setup, model_type).items():
+        assert result["figures"][tag] == pytest.approx(expected, rel=1e-5, abs=1e-6), (tag, result["figures"])
+
+
+def _config(root, *overrides: str):
+    from ntl_pretrain.config import load_config
+
+    return load_config(str(root / "config.yaml"), [f"train.output_dir={root / 'run'}", *overrides])
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_dry_run_refuses_what_the_trainer_refuses_and_auto_picks_a_size_that_runs(setup, model_type: str, capsys):
+    """`--dry-run` at 2 processes gives the Trainer's refusal (the launches above) for each TP size, and
+    parallel.tp_size=auto picks 2 only where T=2 runs with the default load."""
+    from ntl_pretrain.config import ConfigError
+    from ntl_pretrain.ds_config import resolve_run
+    from ntl_pretrain.preflight import dry_run
+
+    root = setup[0]
+    for tp in TP_SIZES:
+        cfg = _config(root, f"model.name_or_path={root / model_type}", f"parallel.tp_size={tp}")
+        problem = family_problem(model_type, tp, partitioned_load=True)
+        if problem is None:
+            dry_run(cfg, 2)
+            assert "# dry run OK" in capsys.readouterr().out
+        else:
+            with pytest.raises(ConfigError) as refused:
+                dry_run(cfg, 2)
+            assert str(refused.value) == problem
+    auto = resolve_run(_config(root, f"model.name_or_path={root / model_type}", "parallel.tp_size=auto"), True, 2)
+    assert auto.cfg.parallel.tp_size == (1 if family_problem(model_type, 2, partitioned_load=True) else 2)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_published_state_dict_is_the_save_pretrained_layout_and_reloads(tmp_path, model_type: str):
+    """The in-memory weights in the family's published layout: the key names and shapes `save_pretrained` of the
+    same model writes, the same values, and `from_pretrained` of them gives the model back."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from ntl_pretrain.model_families import published_state_dict
+
+    model = tiny_model(model_type)
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    in_memory = {name: param.detach() for name, param in model.named_parameters()}  # tied weights once
+    published = published_state_dict(model, in_memory)
+    assert {k: tuple(v.shape) for k, v in published.items()} == {k: tuple(v.shape) for k, v in saved.items()}
+    for key, tensor in saved.items():
+        assert torch.equal(published[key], tensor), key
+    model.config.save_pretrained(tmp_path / "export")
+    save_file({k: v.contiguous() for k, v in published.items()}, tmp_path / "export" / "model.safetensors",
+              metadata={"format": "pt"})
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
+    expected = model.state_dict()
+    assert reloaded.state_dict().keys() == expected.keys()
+    for key, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[key]), key
+
+
+def test_docs_table_is_the_registry():
+    from ntl_pretrain.model_families import families_table
+
+    assert families_table() in (REPO / "docs" / "training.md").read_text(encoding="utf-8")
