@@ -1,5 +1,8 @@
 """The trainer's command line: `launch/pretrain.sh [--config X.yaml] [--dry-run [--world-size N]] [key.sub=value ...]`.
 
+Started by DeepSpeed's launcher, torchrun, srun or `bash launch/pretrain.sh` (one process per rank), or as
+`python launch/pretrain.sh` alone: a world of one process (`launcher.use_world_of_one`).
+
 Exit codes: 0 done (or stopped by a pre-emption signal after saving), 2 an error a user can fix (printed
 once, one line naming the key, file or value), 1 a bug (traceback).
 """
@@ -10,12 +13,13 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import distributed, lifecycle
+from . import distributed, launcher, lifecycle
 from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
 from .nonfinite import TrainingDiverged
 from .preflight import dry_run
 from .train import Trainer
+from .versions import check_versions
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -50,10 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = None
     try:
         try:
+            launcher.check_accelerate_launch()
+            check_versions()
             cfg = load_config(args.config, args.overrides)
             if args.dry_run:
                 dry_run(cfg, args.world_size)
                 return 0
+            launcher.use_world_of_one()
+            launcher.check_rendezvous_port()
             trainer = Trainer(cfg)
         except ValueError as error:  # ConfigError, DataError, CheckpointError, RunLockError, ...: exit 2
             _report_error(error)

@@ -18,7 +18,7 @@ exiting 1. So:
   When every rank of this node has reported a clean stop (`lifecycle.report_to_supervisor`), the
   supervisor exits 0 whatever the launchers returned.
 - A one-node job that names no port gets a free one when DeepSpeed's default (29500) is taken, so two runs
-  can share a machine.
+  can share a machine; a port it names that another process holds is refused before any rank starts.
 
 Usage: `python -m ntl_pretrain.supervisor [deepspeed launcher args] script [script args]`.
 """
@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,10 @@ from typing import Any
 
 import psutil
 
+from .launcher import LauncherError, busy_port_message, free_port, port_is_free
 from .lifecycle import SUPERVISOR_DIR_ENV
+
+__all__ = ["Supervisor", "free_port", "main", "with_free_master_port"]
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -185,35 +187,32 @@ DEFAULT_MASTER_PORT = 29500  # DeepSpeed's runner's default (torch's TORCH_DISTR
 DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"  # the runner goes multi-node when this exists
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("", port))  # the rendezvous store listens on every address
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A TCP port free on every address now (the kernel's pick), for a rendezvous or a service."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
 def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PORT) -> list[str]:
-    """The launcher arguments, with `--master_port` of a free port prepended when this is a one-node job
-    that sets no port and the default one is taken (a second run on the machine would otherwise die in the
-    rendezvous with EADDRINUSE). Multi-node jobs keep the default: every node must agree on the port."""
+    """The launcher arguments, checked before any rank starts: on a one-node job, a port the user chose
+    (`--master_port`, MASTER_PORT) that another process holds is refused in one line (LauncherError), and when
+    none is chosen and the default is taken, `--master_port` of a free port is prepended (a second run on the
+    machine would otherwise die in the rendezvous with EADDRINUSE). Multi-node jobs are left as they are: the
+    port is on the master node, which every node must agree on."""
     launcher = []
     for arg in args:
         if arg.endswith((".sh", ".py")) and not (launcher and launcher[-1] in ("--hostfile", "-H")):
             break  # the training script: what follows is its own arguments
         launcher.append(arg)
-    chosen = any(a.split("=")[0] in ("--master_port", "--hostfile", "-H", "--master_addr") for a in launcher)
-    if chosen or os.environ.get("MASTER_PORT") or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE):
+    names = [a.split("=")[0] for a in launcher]
+    if any(n in ("--hostfile", "-H", "--master_addr") for n in names) or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE):
         return args
-    if _port_is_free(default_port):
+    chosen = os.environ.get("MASTER_PORT") or None
+    for index, arg in enumerate(launcher):
+        if arg.startswith("--master_port="):
+            chosen = arg.split("=", 1)[1]
+        elif arg == "--master_port" and index + 1 < len(launcher):
+            chosen = launcher[index + 1]
+    if chosen is not None:
+        if chosen.isdigit() and not port_is_free(int(chosen)):
+            raise LauncherError(busy_port_message(int(chosen), "choose another with NTL_DEEPSPEED_ARGS=\"--master_port "
+                                                  "N\", or name none and a free one is chosen"))
+        return args
+    if port_is_free(default_port):
         return args
     port = free_port()
     print(f"note: port {default_port} is in use (another job on this machine?): this run's rendezvous uses "
@@ -222,7 +221,11 @@ def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PO
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = with_free_master_port(sys.argv[1:] if argv is None else argv)
+    try:
+        args = with_free_master_port(sys.argv[1:] if argv is None else argv)
+    except LauncherError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     folder = tempfile.mkdtemp(prefix="ntl_supervisor_")
     try:
         return Supervisor([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *args], folder).run()
