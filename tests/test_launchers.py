@@ -65,6 +65,7 @@ def test_accelerate_launch_is_refused_in_one_line(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow  # the bash form runs the supervisor (it starts DeepSpeed's launcher when the port is free)
 @pytest.mark.parametrize("form", ["bash", "rank"])
 def test_a_busy_explicit_master_port_is_refused_before_any_rank_starts(assets, tmp_path, form):
     """`bash launch/pretrain.sh` with NTL_DEEPSPEED_ARGS="--master_port P" (the supervisor checks before it starts
