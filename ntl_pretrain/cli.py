@@ -19,7 +19,7 @@ from .config import ConfigError, help_text, load_config
 from .nonfinite import TrainingDiverged
 from .preflight import dry_run
 from .train import Trainer
-from .versions import check_versions
+from .versions import UnsupportedVersionError, check_versions
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -41,12 +41,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def _report_error(error: BaseException) -> None:
     """Print a start-up or run error once: errors every rank raises together (configuration, agreed by a
-    collective) are printed by global rank 0 only; anything else by the rank that hit it."""
+    collective) are printed by global rank 0 only; those of every rank of a node (its library versions, how it
+    was launched) by local rank 0; anything else by the rank that hit it."""
     shared = isinstance(error, (ConfigError, distributed.AgreedError))
-    if lifecycle.global_rank() == 0:
+    per_node = isinstance(error, (launcher.LauncherError, UnsupportedVersionError))
+    rank = lifecycle.global_rank()
+    if rank == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
+    elif per_node:
+        if lifecycle.local_rank() == 0:
+            print(f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
     elif not shared:
-        print(f"error: [rank {lifecycle.global_rank()}] {error}", file=sys.stderr, flush=True)
+        print(f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,6 +48,11 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_rank() -> int:
+    """This process's rank on its node from the launcher's environment (0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def local_world_size() -> int:
     """Processes on this node (DeepSpeed's launcher sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1")
