@@ -9,7 +9,8 @@ exiting 1. So:
 
 - SIGTERM or SIGINT (Ctrl-C) to the supervisor is forwarded to the ranks only, as SIGTERM (SIGUSR1 and
   SIGUSR2 as themselves): they save at the next step boundary and exit 0, and the launchers follow. A
-  second SIGTERM / SIGINT ends the whole job at once, without saving.
+  second SIGTERM / SIGINT ends the whole job at once, without saving. Before any rank has started training
+  (DeepSpeed's start-up, its CPU op build) a stop signal ends the job at once: no step has run, nothing is saved.
 - The runner gets its own process group, so a terminal's Ctrl-C reaches the supervisor alone; it is
   ended with the supervisor (PR_SET_PDEATHSIG), and the supervisor adopts the processes it leaves
   behind (PR_SET_CHILD_SUBREAPER), so launch.py and the ranks are waited for even if the runner dies.
@@ -25,6 +26,7 @@ Usage: `python -m ntl_pretrain.supervisor [deepspeed launcher args] script [scri
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
@@ -110,6 +112,12 @@ class Supervisor:
             _say(f"{name} again: ending the job now, without saving")
             self._kill_all()
             os._exit(128 + number)
+        if not self.records("started"):
+            # no rank has reached training (DeepSpeed's CPU op build, the rendezvous): no step to save at
+            _say(f"{name} received before any rank started training (DeepSpeed's start-up, e.g. its CPU op build): "
+                 f"ending the job now; nothing is saved (no step has run)")
+            self._end_all()
+            os._exit(128 + number)
         if self.stop_reason is None:
             self.stop_reason = name
             self.forward_signal = signal.Signals(number) if number in FORWARDED_AS_IS else signal.SIGTERM
@@ -132,6 +140,18 @@ class Supervisor:
                 self.signalled.add(pid)
             except ProcessLookupError:
                 continue
+
+    def _end_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every process of the job (a rank compiling DeepSpeed's op ends its compiler and removes its
+        build lock), SIGKILL to those left after `grace_s`."""
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for child in alive:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
     def _kill_all(self) -> None:
         for child in psutil.Process().children(recursive=True):
