@@ -80,7 +80,7 @@ def assets(tmp_path_factory) -> Path:
 # marked slow (never fast): checked at collection from the source of the test, its fixtures and the helpers
 # of its module that they call. What starts one, as written in the tests:
 STARTS_A_LAUNCHER_OR_SERVICE = {
-    "DeepSpeed's launcher": re.compile(r"deepspeed_command\(|\[\s*\"deepspeed\""),
+    "DeepSpeed's launcher": re.compile(r"(?<!def )deepspeed_command\(|\[\s*\"deepspeed\""),
     "torchrun": re.compile(r"\[\s*\"torchrun\""),
     "bash launch/pretrain.sh (DeepSpeed's launcher)": re.compile(
         r"\[\s*\"bash\",\s*(?:\"launch/pretrain\.sh\"|str\(REPO\s*/\s*\"launch\"\s*/\s*\"pretrain\.sh\"\))"
