@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import distributed, launcher, lifecycle
+from . import distributed, launcher, lifecycle, log_filter
 from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
 from .nonfinite import TrainingDiverged
@@ -33,6 +33,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="validate the configuration and print it with the DeepSpeed config; load nothing")
     parser.add_argument("--world-size", type=int, default=None,
                         help="--dry-run: number of processes the run will have (default: WORLD_SIZE or tp_size)")
+    parser.add_argument(log_filter.VERBOSE_FLAG, action="store_true",
+                        help="show every line the libraries print (otherwise known-harmless ones are filtered: "
+                             "docs/training.md, Launching)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by DeepSpeed's launcher (LOCAL_RANK is used)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
@@ -57,6 +60,7 @@ def _report_error(error: BaseException) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    log_filter.install(verbose=args.verbose)
     trainer = None
     try:
         try:

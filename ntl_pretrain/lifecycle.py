@@ -357,7 +357,10 @@ def announce_shm_op_build(local_rank: int) -> None:
     with _stop_at_once("compiling DeepSpeed's CPU communication op", own_lock), _notices_every(
             BUILD_NOTICE_EVERY_S, lambda s: f"still compiling DeepSpeed's CPU communication op ({builder.name}): "
                                             f"{_elapsed(s)} so far (first use in this environment only)"):
+        started = time.monotonic()
         builder.load(verbose=False)
+    print(f"compiled DeepSpeed's CPU communication op in {_elapsed(time.monotonic() - started)}", file=sys.stderr,
+          flush=True)
 
 
 def own_shm_buffer() -> str | None:

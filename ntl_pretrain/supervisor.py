@@ -41,10 +41,11 @@ from typing import Any
 
 import psutil
 
+from . import log_filter
 from .launcher import LauncherError, busy_port_message, free_port, port_is_free
 from .lifecycle import SUPERVISOR_DIR_ENV
 
-__all__ = ["Supervisor", "free_port", "main", "with_free_master_port"]
+__all__ = ["Supervisor", "free_port", "main", "with_free_master_port", "with_quiet_launcher"]
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -240,9 +241,17 @@ def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PO
     return ["--master_port", str(port), *args]
 
 
+def with_quiet_launcher(args: list[str]) -> list[str]:
+    """The launcher arguments with `--log_level warning` (DeepSpeed's runner and launch.py then leave out their
+    INFO blocks: commands, environment, world info), unless the user set a level or asked for `--verbose`."""
+    if log_filter.wants_verbose(args) or any(a.split("=")[0] in ("--log_level", "--quiet", "-q") for a in args):
+        return args
+    return ["--log_level", "warning", *args]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = with_free_master_port(sys.argv[1:] if argv is None else argv)
+        args = with_quiet_launcher(with_free_master_port(sys.argv[1:] if argv is None else argv))
     except LauncherError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
