@@ -210,7 +210,7 @@ DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"  # the runner goes multi-node when 
 
 def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PORT) -> list[str]:
     """The launcher arguments, checked before any rank starts: on a one-node job, a port the user chose
-    (`--master_port`, MASTER_PORT) that another process holds is refused in one line (LauncherError), and when
+    (`--master_port`) that another process holds is refused in one line (LauncherError), and when
     none is chosen and the default is taken, `--master_port` of a free port is prepended (a second run on the
     machine would otherwise die in the rendezvous with EADDRINUSE). Multi-node jobs are left as they are: the
     port is on the master node, which every node must agree on."""
@@ -222,7 +222,7 @@ def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PO
     names = [a.split("=")[0] for a in launcher]
     if any(n in ("--hostfile", "-H", "--master_addr") for n in names) or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE):
         return args
-    chosen = os.environ.get("MASTER_PORT") or None
+    chosen = None
     for index, arg in enumerate(launcher):
         if arg.startswith("--master_port="):
             chosen = arg.split("=", 1)[1]
@@ -233,8 +233,8 @@ def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PO
             raise LauncherError(busy_port_message(int(chosen), "choose another with NTL_DEEPSPEED_ARGS=\"--master_port "
                                                   "N\", or name none and a free one is chosen"))
         return args
-    if port_is_free(default_port):
-        return args
+    if os.environ.get("MASTER_PORT") or port_is_free(default_port):
+        return args  # MASTER_PORT: the user's business (DeepSpeed's runner uses --master_port, default 29500)
     port = free_port()
     print(f"note: port {default_port} is in use (another job on this machine?): this run's rendezvous uses "
           f"{port}; choose one with NTL_DEEPSPEED_ARGS=\"--master_port N\"", file=sys.stderr, flush=True)

@@ -44,6 +44,8 @@ def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tm
     alone = run_ok([sys.executable, "launch/pretrain.sh", *demo_args(assets, runs["alone"], *extra)],
                    env=_no_launcher_env(), timeout=TIMEOUT)
     assert "dp=1 tp=1 zero=3" in alone.stdout and "mpi4py" not in alone.stderr
+    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/log_filter.py
+        assert noise not in alone.stdout + alone.stderr, noise
     reference = read_scalars(runs["deepspeed"] / "tensorboard")
     for name in ("torchrun", "alone"):
         logged = read_scalars(runs[name] / "tensorboard")

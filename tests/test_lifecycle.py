@@ -318,7 +318,7 @@ def test_a_rank_that_never_joins_fails_the_start_within_the_limit(tmp_path):
      "data.sources.0.path='missing.jsonl': no such file or folder", "working directory"),
 ])
 def test_an_error_of_every_rank_is_printed_once_before_the_communication_start_up(tmp_path, overrides, message, hint):
-    procs = _ranks(2, [0, 1], overrides, tmp_path)
+    procs = _ranks(2, [0, 1], [*overrides, "--verbose"], tmp_path)  # --verbose: DeepSpeed's op line unfiltered
     outputs = _outputs(procs, timeout=240)
     assert [p.returncode for p in procs] == [2, 2], outputs
     joined = "".join(outputs)
