@@ -41,6 +41,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from ntl_pretrain import log_filter  # noqa: E402
+
+log_filter.install(verbose=log_filter.wants_verbose(sys.argv))  # first: the imports below already warn
+
 from ntl_pretrain.cli import main  # noqa: E402
 from ntl_pretrain.distributed import run_process  # noqa: E402
 

@@ -59,8 +59,7 @@ def _report_error(error: BaseException) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    log_filter.install(verbose=args.verbose)
+    args = parse_args(sys.argv[1:] if argv is None else argv)  # --verbose: read by launch/pretrain.sh already
     trainer = None
     try:
         try:

@@ -17,12 +17,19 @@ library still shows. What is filtered (docs/training.md, "Launching", lists the 
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import re
 import sys
+import types
 import warnings
 from dataclasses import dataclass
 from typing import TextIO
+
+import tqdm
 
 VERBOSE_FLAG = "--verbose"
 
@@ -98,7 +105,8 @@ def wants_verbose(argv: list[str]) -> bool:
 
 
 def install(verbose: bool = False) -> None:
-    """Filter the known-harmless output in this process (nothing when `verbose`); call once at start-up."""
+    """Filter the known-harmless output in this process (nothing when `verbose`); called once, by the entry point
+    (launch/pretrain.sh) before it imports the trainer, never by library code (it replaces sys.stdout)."""
     if verbose:
         return
     for known in KNOWN_WARNINGS:
@@ -112,16 +120,35 @@ def install(verbose: bool = False) -> None:
 
 
 def _untitled_conversion_bars_off() -> None:
-    """DeepSpeed's universal conversion shows two progress bars without a title; ours are titled."""
-    import functools
-    import importlib
-    import types
+    """DeepSpeed's universal conversion shows two progress bars without a title (ours are titled): its module's
+    `tqdm` is replaced by one whose bars are off, now or when it is first imported (--help imports no DeepSpeed)."""
+    module = sys.modules.get(UNIVERSAL_CONVERSION_MODULE)
+    if module is not None:
+        _bars_off(module)
+    elif not any(isinstance(finder, _BarsOffAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BarsOffAfterImport())
 
-    import tqdm
 
-    try:
-        module = importlib.import_module(UNIVERSAL_CONVERSION_MODULE)
-    except ImportError:
-        return
+def _bars_off(module: types.ModuleType) -> None:
     if getattr(module, "tqdm", None) is tqdm:
         module.tqdm = types.SimpleNamespace(tqdm=functools.partial(tqdm.tqdm, disable=True))
+
+
+class _BarsOffAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the conversion module it wraps the real loader so `_bars_off` runs after it."""
+
+    def find_spec(self, name: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != UNIVERSAL_CONVERSION_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_then_bars_off(module: types.ModuleType) -> None:
+            run_module(module)
+            _bars_off(module)
+
+        spec.loader.exec_module = exec_then_bars_off  # type: ignore[method-assign]
+        return spec
