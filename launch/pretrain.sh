@@ -5,11 +5,14 @@
 #       DeepSpeed's launcher runs `python -u launch/pretrain.sh --local_rank=N ...` once per rank;
 #       Python reads this file and starts the trainer (the bash part below is a Python string).
 #   deepspeed --hostfile hostfile launch/pretrain.sh --config ...      (several nodes)
+#   torchrun --nproc_per_node N launch/pretrain.sh --config ...       (torch's launcher; the same run)
+#   python launch/pretrain.sh --config ...                            (no launcher: a world of one process)
 #   bash launch/pretrain.sh --config configs/demo.yaml [key=value ...]
 #       starts DeepSpeed's launcher on this machine: all local GPUs, or NTL_CPU_PROCS (default 2)
 #       CPU processes with DS_ACCELERATOR=cpu (gloo) when there is no GPU. --help, --dry-run run directly.
 #       The launcher runs under ntl_pretrain/supervisor.py, which stays the parent: SIGTERM / Ctrl-C to
 #       it (or to any process of the job) makes every rank save at its next step boundary; exit 0.
+#   --verbose (any form) shows the libraries' known-harmless lines too (ntl_pretrain/log_filter.py).
 """:"
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,6 +40,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from ntl_pretrain import log_filter  # noqa: E402
+
+log_filter.install(verbose=log_filter.wants_verbose(sys.argv))  # first: the imports below already warn
 
 from ntl_pretrain.cli import LOST_PEER_HINT, main  # noqa: E402
 from ntl_pretrain.distributed import run_process  # noqa: E402

@@ -1,5 +1,8 @@
 """The trainer's command line: `launch/pretrain.sh [--config X.yaml] [--dry-run [--world-size N]] [key.sub=value ...]`.
 
+Started by DeepSpeed's launcher, torchrun, srun or `bash launch/pretrain.sh` (one process per rank), or as
+`python launch/pretrain.sh` alone: a world of one process (`launcher.use_world_of_one`).
+
 Exit codes: 0 done (or stopped by a pre-emption signal after saving), 2 an error a user can fix (printed
 once, one line naming the key, file or value), 1 a bug (traceback).
 """
@@ -10,12 +13,13 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import distributed, lifecycle
+from . import distributed, launcher, lifecycle, log_filter
 from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
 from .nonfinite import TrainingDiverged
 from .preflight import dry_run
 from .train import Trainer
+from .versions import UnsupportedVersionError, check_versions
 
 
 # what a rank says after its collective failed because another rank ended or stalled (`distributed.run_process`)
@@ -34,6 +38,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="validate the configuration and print it with the DeepSpeed config; load nothing")
     parser.add_argument("--world-size", type=int, default=None,
                         help="--dry-run: number of processes the run will have (default: WORLD_SIZE or tp_size)")
+    parser.add_argument(log_filter.VERBOSE_FLAG, action="store_true",
+                        help="show every line the libraries print (otherwise known-harmless ones are filtered: "
+                             "docs/training.md, Launching)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by DeepSpeed's launcher (LOCAL_RANK is used)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
@@ -42,23 +49,33 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def _report_error(error: BaseException) -> None:
     """Print a start-up or run error once: errors every rank raises together (configuration, agreed by a
-    collective) are printed by global rank 0 only; anything else by the rank that hit it."""
+    collective) are printed by global rank 0 only; those of every rank of a node (its library versions, how it
+    was launched) by local rank 0; anything else by the rank that hit it."""
     shared = isinstance(error, (ConfigError, distributed.AgreedError))
-    if lifecycle.global_rank() == 0:
+    per_node = isinstance(error, (launcher.LauncherError, UnsupportedVersionError))
+    rank = lifecycle.global_rank()
+    if rank == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
+    elif per_node:
+        if lifecycle.local_rank() == 0:
+            print(f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
     elif not shared:
-        print(f"error: [rank {lifecycle.global_rank()}] {error}", file=sys.stderr, flush=True)
+        print(f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)  # --verbose: read by launch/pretrain.sh already
     trainer = None
     try:
         try:
+            launcher.check_accelerate_launch()
+            check_versions()
             cfg = load_config(args.config, args.overrides)
             if args.dry_run:
                 dry_run(cfg, args.world_size)
                 return 0
+            launcher.use_world_of_one()
+            launcher.check_rendezvous_port()
             trainer = Trainer(cfg)
         except ValueError as error:  # ConfigError, DataError, CheckpointError, RunLockError, ...: exit 2
             _report_error(error)

@@ -9,8 +9,9 @@ DeepSpeed's compiled CPU op and shared-memory buffers, and what a rank tells the
   what was waited for, instead of a silent hang until the collective timeout.
 - `use_environment_extensions_dir` / `announce_shm_op_build`: DeepSpeed compiles its CPU shared-memory
   all-reduce op on first use; the build goes into a folder of this Python environment (two virtualenvs
-  on one Python otherwise rebuild it alternately), the first build is announced, and a build lock left by a
-  killed build (which makes every later start wait forever) is removed.
+  on one Python otherwise rebuild it alternately), local rank 0 of each node alone removes a build lock left
+  by a killed build (which makes every later start wait forever) and compiles the op before any rank loads it,
+  saying so with the time so far; a stop signal during the build ends the job at once (nothing to save).
 - `remove_own_shm_buffer`: DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm and never
   unlinks it; once every rank has mapped all of them (after the first collective) each rank unlinks its
   own, so the memory is freed when the job ends, however it ends.
@@ -29,12 +30,13 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import stat
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .fs import write_json_atomic
 
@@ -48,6 +50,11 @@ SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed csrc/cpu/comm/shm.
 def global_rank() -> int:
     """This process's global rank from the launcher's environment (0 without a launcher)."""
     return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    """This process's rank on its node from the launcher's environment (0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def local_world_size() -> int:
@@ -252,31 +259,123 @@ def clear_stale_build_lock(folder: str, min_age_s: float = 30.0) -> str | None:
     return f"removed {lock}, left {age:.0f} s ago by a build that was killed (no process was building)"
 
 
-def announce_shm_op_build(local_rank: int) -> None:
-    """On local rank 0, clear a build lock left by a killed build, and say that DeepSpeed is about to compile
-    its CPU communication op (when it is not built yet in this environment), and what it needs."""
+BUILD_NOTICE_EVERY_S = 60.0  # while the op compiles (12+ minutes on a loaded machine): a line with the time so far
+BUILD_POLL_S = 0.5
+STOP_SIGNALS_BEFORE_TRAINING = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def _shm_op_to_build() -> tuple[object, str] | None:
+    """(DeepSpeed's builder of its CPU communication op, the folder it is compiled into) when this run's
+    DeepSpeed start-up will compile or load it from that folder; None otherwise (GPU, pre-built, not supported)."""
     from deepspeed.accelerator import get_accelerator
 
-    if local_rank != 0 or get_accelerator().device_name() != "cpu":
-        return
+    if get_accelerator().device_name() != "cpu":
+        return None
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None:
-        return
+        return None
+    import deepspeed.ops
     from deepspeed.git_version_info import installed_ops
 
-    if installed_ops.get(builder.name, False):
-        return  # pre-built into the DeepSpeed install
-    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", environment_extensions_dir()), builder.name)
+    if installed_ops.get(builder.name, False) or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None  # pre-built into the DeepSpeed install, or DeepSpeed will not use it
+    return builder, os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", environment_extensions_dir()), builder.name)
+
+
+def _elapsed(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+@contextlib.contextmanager
+def _notices_every(interval_s: float, line: Callable[[float], str]) -> Iterator[None]:
+    """Print `line(elapsed seconds)` every `interval_s` until the block ends."""
+    started, done = time.monotonic(), threading.Event()
+
+    def repeat() -> None:
+        while not done.wait(interval_s):
+            print(line(time.monotonic() - started), file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=repeat, name="op-build-notice", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _stop_at_once(what: str, own_lock: str | None = None) -> Iterator[None]:
+    """A stop signal inside the block ends this process at once (no step has run, so there is nothing to save):
+    the compiler processes it started are ended and the build lock it took (`own_lock`) removed, so the next
+    start neither waits on it nor races a half-removed one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(number: int, frame: object) -> None:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        if own_lock is not None:
+            with contextlib.suppress(OSError):
+                os.remove(own_lock)
+        print(f"error: [rank {global_rank()}] {signal.Signals(number).name} while {what}, before step 1: stopped at "
+              f"once, nothing is saved (no step has run)", file=sys.stderr, flush=True)
+        os._exit(128 + number)
+
+    previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS_BEFORE_TRAINING}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def announce_shm_op_build(local_rank: int) -> None:
+    """Settle DeepSpeed's CPU communication op on this node before any rank loads it.
+
+    Local rank 0 alone decides about a build lock (one left by a killed build is removed, see
+    `clear_stale_build_lock`) and, when the op is not built in this environment yet, compiles it: a notice,
+    repeated every BUILD_NOTICE_EVERY_S with the time so far; a stop signal ends the build and the process at
+    once. The other local ranks wait meanwhile until the op is built and no lock is held: none of them waits
+    on a lock that local rank 0 then removes (and takes the removal for a finished build), so DeepSpeed's
+    start-up on every rank finds the op built.
+    """
+    found = _shm_op_to_build()
+    if found is None:
+        return
+    builder, folder = found
+    library, lock = os.path.join(folder, f"{builder.name}.so"), os.path.join(folder, "lock")
+    if local_rank != 0:
+        if os.path.exists(library) and not os.path.exists(lock):
+            return
+        with _stop_at_once("waiting for local rank 0 to compile DeepSpeed's CPU communication op"), _notices_every(
+                BUILD_NOTICE_EVERY_S, lambda s: f"[rank {global_rank()}] still waiting for local rank 0 to compile "
+                                                f"DeepSpeed's CPU communication op: {_elapsed(s)} so far"):
+            while not os.path.exists(library) or os.path.exists(lock):
+                time.sleep(BUILD_POLL_S)
+        return
     lock_note = clear_stale_build_lock(folder)
     if lock_note:
         print(f"note: {lock_note}", file=sys.stderr, flush=True)
-    if os.path.exists(os.path.join(folder, f"{builder.name}.so")):
-        return
+    if os.path.exists(library) and not os.path.exists(lock):
+        return  # built (DeepSpeed's start-up loads it; torch rebuilds it itself if its sources changed)
     compiler = os.environ.get("CXX", "c++")
     need = "" if shutil.which(compiler) else (f" It needs a C++ compiler and `{compiler}` is not on PATH: install "
                                               f"one (e.g. apt-get install g++) or set CXX.")
     print(f"compiling DeepSpeed's CPU communication op ({builder.name}) into {folder}: first use in this "
-          f"environment only, ~1-4 min.{need}", file=sys.stderr, flush=True)
+          f"environment only, ~1-4 min (12+ on a loaded machine).{need}", file=sys.stderr, flush=True)
+    own_lock = None if os.path.exists(lock) else lock  # a lock there now is another live build's: not ours
+    with _stop_at_once("compiling DeepSpeed's CPU communication op", own_lock), _notices_every(
+            BUILD_NOTICE_EVERY_S, lambda s: f"still compiling DeepSpeed's CPU communication op ({builder.name}): "
+                                            f"{_elapsed(s)} so far (first use in this environment only)"):
+        started = time.monotonic()
+        builder.load(verbose=False)
+    print(f"compiled DeepSpeed's CPU communication op in {_elapsed(time.monotonic() - started)}", file=sys.stderr,
+          flush=True)
 
 
 def own_shm_buffer() -> str | None:

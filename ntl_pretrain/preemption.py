@@ -1,5 +1,5 @@
-"""Pre-emption: a stop signal (SIGTERM / SIGUSR1, configurable) or the end of the DeepSpeed launcher above a
-rank makes every rank save at the next step boundary and exit 0, within a bounded grace time."""
+"""Pre-emption: a stop signal (checkpoint.preempt_signals: SIGTERM, SIGINT, SIGUSR1 by default) or the end of
+the DeepSpeed launcher above a rank makes every rank save at the next step boundary and exit 0, within a bounded grace time."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ logger = logging.getLogger("ntl_pretrain")
 
 
 class PreemptionHandler:
-    """SIGTERM / SIGUSR1 (configurable) on any rank -> every rank saves at the next step boundary and exits 0.
+    """SIGTERM / SIGINT / SIGUSR1 (configurable) on any rank -> every rank saves at the next step boundary and exits 0.
 
     The handler only records the signal; `requested()` (called by every rank at every step boundary)
     agrees on it over the whole world with one all-reduce of one integer in host memory, over a gloo group

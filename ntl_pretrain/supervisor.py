@@ -9,7 +9,8 @@ exiting 1. So:
 
 - SIGTERM or SIGINT (Ctrl-C) to the supervisor is forwarded to the ranks only, as SIGTERM (SIGUSR1 and
   SIGUSR2 as themselves): they save at the next step boundary and exit 0, and the launchers follow. A
-  second SIGTERM / SIGINT ends the whole job at once, without saving.
+  second SIGTERM / SIGINT ends the whole job at once, without saving. Before any rank has started training
+  (DeepSpeed's start-up, its CPU op build) a stop signal ends the job at once: no step has run, nothing is saved.
 - The runner gets its own process group, so a terminal's Ctrl-C reaches the supervisor alone; it is
   ended with the supervisor (PR_SET_PDEATHSIG), and the supervisor adopts the processes it leaves
   behind (PR_SET_CHILD_SUBREAPER), so launch.py and the ranks are waited for even if the runner dies.
@@ -18,20 +19,20 @@ exiting 1. So:
   When every rank of this node has reported a clean stop (`lifecycle.report_to_supervisor`), the
   supervisor exits 0 whatever the launchers returned.
 - A one-node job that names no port gets a free one when DeepSpeed's default (29500) is taken, so two runs
-  can share a machine.
+  can share a machine; a port it names that another process holds is refused before any rank starts.
 
 Usage: `python -m ntl_pretrain.supervisor [deepspeed launcher args] script [script args]`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,11 @@ from typing import Any
 
 import psutil
 
+from . import log_filter
+from .launcher import LauncherError, busy_port_message, free_port, port_is_free
 from .lifecycle import SUPERVISOR_DIR_ENV
+
+__all__ = ["Supervisor", "free_port", "main", "with_free_master_port", "with_quiet_launcher"]
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -109,6 +114,12 @@ class Supervisor:
             _say(f"{name} again: ending the job now, without saving")
             self._kill_all()
             os._exit(128 + number)
+        if not self.records("started"):
+            # no rank has reached training (DeepSpeed's CPU op build, the rendezvous): no step to save at
+            _say(f"{name} received before any rank started training (DeepSpeed's start-up, e.g. its CPU op build): "
+                 f"ending the job now; nothing is saved (no step has run)")
+            self._end_all()
+            os._exit(128 + number)
         if self.stop_reason is None:
             self.stop_reason = name
             self.forward_signal = signal.Signals(number) if number in FORWARDED_AS_IS else signal.SIGTERM
@@ -131,6 +142,18 @@ class Supervisor:
                 self.signalled.add(pid)
             except ProcessLookupError:
                 continue
+
+    def _end_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every process of the job (a rank compiling DeepSpeed's op ends its compiler and removes its
+        build lock), SIGKILL to those left after `grace_s`."""
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for child in alive:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
     def _kill_all(self) -> None:
         for child in psutil.Process().children(recursive=True):
@@ -187,44 +210,53 @@ DEFAULT_MASTER_PORT = 29500  # DeepSpeed's runner's default (torch's TORCH_DISTR
 DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"  # the runner goes multi-node when this exists
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("", port))  # the rendezvous store listens on every address
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A TCP port free on every address now (the kernel's pick), for a rendezvous or a service."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
 def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PORT) -> list[str]:
-    """The launcher arguments, with `--master_port` of a free port prepended when this is a one-node job
-    that sets no port and the default one is taken (a second run on the machine would otherwise die in the
-    rendezvous with EADDRINUSE). Multi-node jobs keep the default: every node must agree on the port."""
+    """The launcher arguments, checked before any rank starts: on a one-node job, a port the user chose
+    (`--master_port`) that another process holds is refused in one line (LauncherError), and when
+    none is chosen and the default is taken, `--master_port` of a free port is prepended (a second run on the
+    machine would otherwise die in the rendezvous with EADDRINUSE). Multi-node jobs are left as they are: the
+    port is on the master node, which every node must agree on."""
     launcher = []
     for arg in args:
         if arg.endswith((".sh", ".py")) and not (launcher and launcher[-1] in ("--hostfile", "-H")):
             break  # the training script: what follows is its own arguments
         launcher.append(arg)
-    chosen = any(a.split("=")[0] in ("--master_port", "--hostfile", "-H", "--master_addr") for a in launcher)
-    if chosen or os.environ.get("MASTER_PORT") or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE):
+    names = [a.split("=")[0] for a in launcher]
+    if any(n in ("--hostfile", "-H", "--master_addr") for n in names) or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE):
         return args
-    if _port_is_free(default_port):
+    chosen = None
+    for index, arg in enumerate(launcher):
+        if arg.startswith("--master_port="):
+            chosen = arg.split("=", 1)[1]
+        elif arg == "--master_port" and index + 1 < len(launcher):
+            chosen = launcher[index + 1]
+    if chosen is not None:
+        if chosen.isdigit() and not port_is_free(int(chosen)):
+            raise LauncherError(busy_port_message(int(chosen), "choose another with NTL_DEEPSPEED_ARGS=\"--master_port "
+                                                  "N\", or name none and a free one is chosen"))
         return args
+    if os.environ.get("MASTER_PORT") or port_is_free(default_port):
+        return args  # MASTER_PORT: the user's business (DeepSpeed's runner uses --master_port, default 29500)
     port = free_port()
     print(f"note: port {default_port} is in use (another job on this machine?): this run's rendezvous uses "
           f"{port}; choose one with NTL_DEEPSPEED_ARGS=\"--master_port N\"", file=sys.stderr, flush=True)
     return ["--master_port", str(port), *args]
 
 
+def with_quiet_launcher(args: list[str]) -> list[str]:
+    """The launcher arguments with `--log_level warning` (DeepSpeed's runner and launch.py then leave out their
+    INFO blocks: commands, environment, world info), unless the user set a level or asked for `--verbose`."""
+    if log_filter.wants_verbose(args) or any(a.split("=")[0] in ("--log_level", "--quiet", "-q") for a in args):
+        return args
+    return ["--log_level", "warning", *args]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = with_free_master_port(sys.argv[1:] if argv is None else argv)
+    try:
+        args = with_quiet_launcher(with_free_master_port(sys.argv[1:] if argv is None else argv))
+    except LauncherError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     folder = tempfile.mkdtemp(prefix="ntl_supervisor_")
     try:
         return Supervisor([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *args], folder).run()

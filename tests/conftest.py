@@ -1,9 +1,12 @@
 """Shared fixtures: tokenizers built in the test session (nothing downloaded; tests/helpers/models.py), the
-shared data folder, the demo config's assets shared by every launched run, the DeepSpeed shared-memory clean-up."""
+shared data folder, the demo config's assets shared by every launched run, the DeepSpeed shared-memory clean-up;
+the test tiers (`pytest -m fast`; a test that starts a launcher or a service must be marked slow)."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,61 @@ def assets(tmp_path_factory) -> Path:
     """configs/demo.yaml's corpus, tokenizer and data cache for `helpers.launch.demo_overrides`: written by the
     session's first launched run, reused by every later one (no run changes them)."""
     return tmp_path_factory.mktemp("demo_assets")
+
+
+# ---------------------------------------------------------------------------------------------- test tiers
+# `pytest -m fast`: the quick tier (modules marked fast). A test that starts a launcher or a service must be
+# marked slow (never fast): checked at collection from the source of the test, its fixtures and the helpers
+# of its module that they call. What starts one, as written in the tests:
+STARTS_A_LAUNCHER_OR_SERVICE = {
+    "DeepSpeed's launcher": re.compile(r"(?<!def )deepspeed_command\(|\[\s*\"deepspeed\""),
+    "torchrun": re.compile(r"\[\s*\"torchrun\""),
+    "bash launch/pretrain.sh (DeepSpeed's launcher)": re.compile(
+        r"\[\s*\"bash\",\s*(?:\"launch/pretrain\.sh\"|str\(REPO\s*/\s*\"launch\"\s*/\s*\"pretrain\.sh\"\))"
+        r"(?![^\]\n]*--help)"),
+    "an sshd or Slurm cluster (tools/local_cluster.py)": re.compile(r"local_cluster\.\w+\("),
+    "tools/run_repro.py or tools/gpu_check.sh (launched runs)": re.compile(r"run_repro\.py\"|gpu_check\.sh\""),
+}
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def _sources_run_by(item: pytest.Item) -> str:
+    """The test's source, its fixtures' and those of the module-level functions of its module they name."""
+    texts = [_source(item.function)]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        texts.append(_source(definitions[-1].func))
+    module_functions = {name: value for name, value in vars(item.module).items()
+                        if inspect.isfunction(value) and value.__module__ == item.module.__name__}
+    seen: set[str] = set()
+    pending = "\n".join(texts)
+    while True:
+        called = [name for name in module_functions if name not in seen and re.search(rf"\b{name}\(", pending)]
+        if not called:
+            return "\n".join(texts)
+        seen.update(called)
+        pending = "\n".join(_source(module_functions[name]) for name in called)
+        texts.append(pending)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
+    for item in items:
+        slow, fast = item.get_closest_marker("slow"), item.get_closest_marker("fast")
+        if slow and fast:
+            wrong.append(f"{item.nodeid}: marked both fast and slow")
+            continue
+        if slow or not isinstance(item, pytest.Function):
+            continue
+        text = _sources_run_by(item)
+        starts = [what for what, pattern in STARTS_A_LAUNCHER_OR_SERVICE.items() if pattern.search(text)]
+        if starts:
+            wrong.append(f"{item.nodeid}: starts {', '.join(starts)} without the slow marker "
+                         f"(add `pytestmark = pytest.mark.slow` to its module or @pytest.mark.slow)")
+    if wrong:
+        raise pytest.UsageError("tests/conftest.py: test tiers:\n" + "\n".join(wrong))

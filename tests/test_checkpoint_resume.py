@@ -29,7 +29,7 @@ from helpers.launch import REPO, demo_args, deepspeed_command, launch_env, run  
 from helpers.tensorboard import scalars as _scalars  # noqa: E402
 
 TIMEOUT = 300  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(4 * TIMEOUT)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(4 * TIMEOUT)]
 
 
 def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:

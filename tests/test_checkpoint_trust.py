@@ -33,7 +33,7 @@ from helpers.launch import REPO, demo_args, deepspeed_command, launch_env, run a
 from helpers.tensorboard import scalars  # noqa: E402
 
 TIMEOUT = 400
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT)]
 LR, MIN_RATIO = 3.0e-3, 0.1
 
 

@@ -19,6 +19,7 @@ from ntl_pretrain.cli import main, parse_args
 from ntl_pretrain.training_objective import Objective
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.fast
 MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", "data.sources.0.path=corpus.jsonl"]
 
 

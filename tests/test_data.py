@@ -14,6 +14,7 @@ from ntl_pretrain.config import DataConfig, DataSourceConfig
 from ntl_pretrain.data import DataError, Mixture, PretrainingData
 from ntl_pretrain.model import train_digit_bpe
 
+pytestmark = pytest.mark.fast
 SEQ = 16
 
 

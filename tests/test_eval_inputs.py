@@ -17,6 +17,7 @@ from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.eval.config import EvalConfig
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # one test starts bash launch/pretrain.sh
 MINIMAL = ["model.architecture={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
            "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 64}",
            "tokenizer.name_or_path=tok", "data.sources=[{path: corpus.jsonl, generate_arithmetic: 100}]"]

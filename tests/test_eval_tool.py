@@ -14,6 +14,7 @@ from helpers.distributed import free_port
 from helpers.launch import REPO, launch_env, run_ok
 
 TOOL = REPO / "tools" / "evaluate.py"
+pytestmark = pytest.mark.slow  # runs a training and the tool under DeepSpeed's launcher
 
 
 def _load_tool():

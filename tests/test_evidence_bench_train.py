@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 

@@ -23,6 +23,7 @@ import run_repro  # noqa: E402
 from ntl_pretrain.config import load_config  # noqa: E402
 
 REPRO_CONFIGS = ("ce", "ntl_was", "ntl_mse", "ntl_mse015")
+pytestmark = pytest.mark.slow  # tools/run_repro.py launches runs
 
 
 def test_repro_configs_differ_only_in_the_loss_and_output_dir():

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO_ROOT
 from helpers.distributed import free_port
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 

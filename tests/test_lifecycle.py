@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -134,15 +135,126 @@ def test_extensions_folder_is_per_environment(monkeypatch, tmp_path):
     assert lifecycle.use_environment_extensions_dir() == str(tmp_path / "mine")  # the user's setting wins
 
 
-def test_first_build_of_the_shm_op_is_announced(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+class _StandInBuilder:
+    """DeepSpeed's op builder as `lifecycle.announce_shm_op_build` uses it; `load` builds as torch does: it takes
+    the folder's lock, runs a stand-in compiler in the folder, writes the library and drops the lock."""
+
+    name = NAME = "deepspeed_shm_comm"
+
+    def __init__(self, folder: Path, build_s: float) -> None:
+        self.folder, self.build_s, self.loads = folder, build_s, 0
+
+    def load(self, verbose: bool = False) -> None:
+        self.loads += 1
+        self.folder.mkdir(exist_ok=True)
+        (self.folder / "lock").write_bytes(b"")
+        subprocess.run([sys.executable, "-c", f"import time; time.sleep({self.build_s})"], cwd=self.folder, check=True)
+        (self.folder / f"{self.name}.so").write_bytes(b"")
+        (self.folder / "lock").unlink()
+
+
+def test_the_op_build_is_announced_with_the_time_so_far_and_only_when_needed(monkeypatch, tmp_path, capsys):
+    folder = tmp_path / "deepspeed_shm_comm"
+    builder = _StandInBuilder(folder, build_s=1.2)
+    monkeypatch.setattr(lifecycle, "_shm_op_to_build", lambda: (builder, str(folder)))
+    monkeypatch.setattr(lifecycle, "BUILD_NOTICE_EVERY_S", 0.3)
     lifecycle.announce_shm_op_build(local_rank=0)
-    assert "compiling DeepSpeed's CPU communication op (deepspeed_shm_comm)" in capsys.readouterr().err
-    (tmp_path / "deepspeed_shm_comm").mkdir()
-    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
-    lifecycle.announce_shm_op_build(local_rank=0)  # built: nothing to say
+    err = capsys.readouterr().err
+    assert "compiling DeepSpeed's CPU communication op (deepspeed_shm_comm)" in err and builder.loads == 1
+    repeats = [line for line in err.splitlines() if line.startswith("still compiling DeepSpeed's CPU communication op")]
+    assert len(repeats) >= 2 and all(re.search(r": \d+ s so far", line) for line in repeats), err
+    lifecycle.announce_shm_op_build(local_rank=0)  # built: nothing to say, nothing built
     lifecycle.announce_shm_op_build(local_rank=1)
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and builder.loads == 1
+
+
+def test_after_a_killed_build_local_rank_0_alone_decides_and_the_others_wait_for_its_build(monkeypatch, tmp_path):
+    """The race of a restart after a killed build: a stale lock and no library. Rank 1 must not take the lock's
+    removal by local rank 0 for a finished build: it returns only once the library is there; it never loads."""
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    (folder / "lock").write_bytes(b"")
+    old = time.time() - 120
+    os.utime(folder / "lock", (old, old))
+    builder = _StandInBuilder(folder, build_s=1.0)
+    monkeypatch.setattr(lifecycle, "_shm_op_to_build", lambda: (builder, str(folder)))
+    monkeypatch.setattr(lifecycle, "BUILD_POLL_S", 0.01)
+    waiter_saw: list[bool] = []
+    waiter = threading.Thread(target=lambda: (lifecycle.announce_shm_op_build(local_rank=1),
+                                              waiter_saw.append((folder / "deepspeed_shm_comm.so").exists())))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()  # waits on the stale lock without touching it
+    lifecycle.announce_shm_op_build(local_rank=0)  # removes the stale lock, builds
+    waiter.join(timeout=30)
+    assert waiter_saw == [True] and builder.loads == 1 and not (folder / "lock").exists()
+
+
+_STOPPED_BUILD_SCRIPT = """
+import subprocess, sys, time
+from pathlib import Path
+from ntl_pretrain import lifecycle
+
+folder = Path(sys.argv[1])
+
+class Builder:
+    name = NAME = "deepspeed_shm_comm"
+    def load(self, verbose=False):
+        folder.mkdir(exist_ok=True)
+        (folder / "lock").write_bytes(b"")
+        compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], cwd=folder)
+        (folder / "compiler.pid").write_text(str(compiler.pid))
+        compiler.wait()
+
+lifecycle._shm_op_to_build = lambda: (Builder(), str(folder))
+lifecycle.announce_shm_op_build(local_rank=0)
+print("the build returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_during_the_op_build_stops_at_once_saying_nothing_is_saved(tmp_path, signum):
+    import psutil
+
+    folder = tmp_path / "deepspeed_shm_comm"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_BUILD_SCRIPT, str(folder)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not (folder / "compiler.pid").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    compiler = int((folder / "compiler.pid").read_text())
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signum, err
+    assert f"{signal.Signals(signum).name} while compiling DeepSpeed's CPU communication op, before step 1" in err
+    assert "nothing is saved" in err and "the build returned" not in out
+    assert not (folder / "lock").exists()  # the next start neither waits on it nor races its removal
+    assert not psutil.pid_exists(compiler) or psutil.Process(compiler).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_supervisor_ends_the_job_at_once_on_a_stop_before_any_rank_started(tmp_path):
+    """Ctrl-C to `bash launch/pretrain.sh` while DeepSpeed's op compiles (no rank registered yet): no promise of
+    a checkpoint at a step boundary; the job (here a stand-in runner) ends within seconds."""
+    import psutil
+
+    script = ("import sys, tempfile\nfrom ntl_pretrain.supervisor import Supervisor\n"
+              "sys.exit(Supervisor([sys.executable, '-c', 'import time; time.sleep(120)'], tempfile.mkdtemp()).run())")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, text=True, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    runner = []
+    while not runner and time.time() < deadline:
+        runner = psutil.Process(proc.pid).children()
+        time.sleep(0.1)
+    time.sleep(0.5)  # the supervisor's handlers are installed before it starts the runner
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - started < 20, err
+    assert "before any rank started training" in err and "nothing is saved" in err
+    assert "next step boundary" not in err
+    assert not runner[0].is_running() or runner[0].status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
@@ -207,7 +319,7 @@ def test_a_rank_that_never_joins_fails_the_start_within_the_limit(tmp_path):
      "data.sources.0.path='missing.jsonl': no such file or folder", "working directory"),
 ])
 def test_an_error_of_every_rank_is_printed_once_before_the_communication_start_up(tmp_path, overrides, message, hint):
-    procs = _ranks(2, [0, 1], overrides, tmp_path)
+    procs = _ranks(2, [0, 1], [*overrides, "--verbose"], tmp_path)  # --verbose: DeepSpeed's op line unfiltered
     outputs = _outputs(procs, timeout=240)
     assert [p.returncode for p in procs] == [2, 2], outputs
     joined = "".join(outputs)

@@ -13,6 +13,7 @@ from ntl_pretrain.loss import (NTLoss, NTLossDotProduct, NTLSettings, NumberLeve
                                ce_ntl_loss, ce_ntl_sums, number_token_loss, vocab_shard_of)
 from ntl_pretrain.numbers import NumberVocab
 
+pytestmark = pytest.mark.fast
 RTOL = 1e-6
 
 

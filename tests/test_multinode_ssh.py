@@ -31,7 +31,7 @@ from ntl_pretrain.checkpoint import verify_checkpoint  # noqa: E402
 
 TIMEOUT = 420  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
 DIST_TIMEOUT_MINUTES = 1
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(6 * TIMEOUT)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(6 * TIMEOUT)]
 TAGS = ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/number_mae")
 
 

@@ -19,7 +19,7 @@ from helpers.distributed import run_workers
 from helpers.launch import DEMO, demo_overrides, deepspeed_command, run
 
 TIMEOUT = 400
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT)]
 
 
 def overrides(assets: Path, out: Path, *extra: str) -> list[str]:

@@ -9,6 +9,8 @@ import torch
 
 from ntl_pretrain.numbers import NumberVocab
 
+pytestmark = pytest.mark.fast
+
 
 class _Tokenizer:
     """A tokenizer-like object with just `get_vocab` and `len`."""

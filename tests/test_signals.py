@@ -27,7 +27,7 @@ from helpers.distributed import free_port
 from helpers.launch import REPO, demo_args, launch_env
 
 TIMEOUT = 420  # a hang fails the test instead of blocking the suite
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT)]
 MAX_STEPS = 5000  # never reached: the signal comes at step 2 (or after the second run, about a minute)
 
 

@@ -25,7 +25,7 @@ from helpers.tensorboard import scalars as _scalars
 from test_checkpoint_resume import _fp32_partitions
 
 TIMEOUT = 420  # per job (a requeued one: both runs); a hang fails the test instead of blocking the suite
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(4 * TIMEOUT)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(4 * TIMEOUT)]
 STEPS = 8
 
 

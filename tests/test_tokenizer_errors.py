@@ -15,7 +15,7 @@ from ntl_pretrain.tokenizer.corpus import read_corpus
 
 from test_tokenizer_families import build_gpt2_style
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -29,7 +29,7 @@ from ntl_pretrain.tokenizer import (SpmTrainConfig, inspect_tokenizer, is_digit_
                                     train_spm)
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 REPO = Path(__file__).resolve().parents[1]
 LLAMA3_STYLE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -15,7 +15,7 @@ from ntl_pretrain.tokenizer.split_digits import plan_digit_split, save_split_tok
 
 from test_tokenizer_families import build_gpt2_style, number_corpus
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(180)]
 # A long text first: more than 128 tokens, with digits after the 128th.
 LONG_TEXT = " ".join(f"Ann sold {n} apples on day {n + 1} and walked {n * 3} miles." for n in range(40))
 TRUNCATION = {"direction": "Right", "max_length": 128, "strategy": "LongestFirst", "stride": 0}

@@ -18,7 +18,7 @@ from ntl_pretrain.tokenizer import load_tokenizer, resize_model_embeddings, spli
 
 from test_tokenizer_families import build_spm
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 REPO = Path(__file__).resolve().parents[1]
 DIGIT_FREE_TEXT = "Ann walked the miles and bought apples, then the books."
 

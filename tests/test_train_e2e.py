@@ -22,7 +22,7 @@ from helpers.tensorboard import scalars as read_scalars, tensor_tags
 from ntl_pretrain.monitor import STEP_TAGS, VAL_TAGS
 
 TIMEOUT = 420  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * TIMEOUT)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT)]
 
 
 def _bash_env() -> dict:

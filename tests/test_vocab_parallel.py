@@ -6,7 +6,7 @@ import pytest
 
 from helpers.distributed import run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.fast, pytest.mark.multiprocess]
 
 
 @pytest.mark.parametrize("world_size,tp_size", [(2, 2), (4, 4), (4, 2)])

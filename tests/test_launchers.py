@@ -1,0 +1,121 @@
+"""How the trainer is started: torchrun and `python launch/pretrain.sh` alone (a world of one) log the losses
+of DeepSpeed's launcher; `accelerate launch` and a rendezvous port another process holds are refused in one
+line before any rank starts; the installed library versions are checked against the supported ranges."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import tomllib
+
+import pytest
+
+from conftest import REPO_ROOT
+from helpers.distributed import free_port
+from helpers.launch import demo_args, deepspeed_command, launch_env, run, run_ok
+from helpers.tensorboard import scalars as read_scalars
+
+TIMEOUT = 420
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _no_launcher_env(**extra: str) -> dict[str, str]:
+    env = launch_env(**extra)
+    for name in LAUNCHER_VARIABLES:
+        env.pop(name, None)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(4 * TIMEOUT)
+def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tmp_path):
+    """The demo for 2 steps three ways: `deepspeed --num_gpus 2` (T=2 by tp_size=auto, one DP rank of 8
+    sequences), `torchrun --nproc_per_node 2` (the same layout) and `python launch/pretrain.sh` with no launcher
+    (one process, T=1, the same 8 sequences): the same losses and gradient norms."""
+    extra = ("train.max_steps=2", "checkpoint.save_final=false")
+    runs = {name: tmp_path / name for name in ("deepspeed", "torchrun", "alone")}
+    run_ok(deepspeed_command(2, *demo_args(assets, runs["deepspeed"], *extra)), timeout=TIMEOUT)
+    torchrun = ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                "launch/pretrain.sh", *demo_args(assets, runs["torchrun"], *extra)]
+    assert "dp=1 tp=2 zero=3" in run_ok(torchrun, timeout=TIMEOUT).stdout
+    alone = run_ok([sys.executable, "launch/pretrain.sh", *demo_args(assets, runs["alone"], *extra)],
+                   env=_no_launcher_env(), timeout=TIMEOUT)
+    assert "dp=1 tp=1 zero=3" in alone.stdout and "mpi4py" not in alone.stderr
+    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/log_filter.py
+        assert noise not in alone.stdout + alone.stderr, noise
+    reference = read_scalars(runs["deepspeed"] / "tensorboard")
+    for name in ("torchrun", "alone"):
+        logged = read_scalars(runs[name] / "tensorboard")
+        for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm"):
+            assert [s for s, _ in logged[tag]] == [1, 2], (name, tag)
+            assert [v for _, v in logged[tag]] == pytest.approx([v for _, v in reference[tag]], rel=2e-4, abs=1e-6), \
+                (name, tag)
+
+
+def test_accelerate_launch_is_refused_in_one_line(tmp_path):
+    env = _no_launcher_env(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_DYNAMO_BACKEND="NO")
+    started = time.monotonic()
+    result = run([sys.executable, "launch/pretrain.sh", "--config", "configs/demo.yaml",
+                  f"train.output_dir={tmp_path / 'run'}"], env=env, timeout=TIMEOUT)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "`accelerate launch` is not supported" in errors[0] and "torchrun" in errors[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow  # the bash form runs the supervisor (it starts DeepSpeed's launcher when the port is free)
+@pytest.mark.parametrize("form", ["bash", "rank"])
+def test_a_busy_explicit_master_port_is_refused_before_any_rank_starts(assets, tmp_path, form):
+    """`bash launch/pretrain.sh` with NTL_DEEPSPEED_ARGS="--master_port P" (the supervisor checks before it starts
+    DeepSpeed's runner) and a rank 0 given MASTER_PORT=P by any launcher: one line naming P and how to choose
+    another, exit 2, within seconds (not a rendezvous traceback after its retries)."""
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        args = demo_args(assets, tmp_path / "run", "train.max_steps=1")
+        if form == "bash":
+            command = ["bash", "launch/pretrain.sh", *args]
+            env = launch_env(NTL_DEEPSPEED_ARGS=f"--master_port {busy}")
+        else:
+            command = [sys.executable, "launch/pretrain.sh", *args]
+            env = launch_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(busy))
+        started = time.monotonic()
+        result = run(command, env=env, timeout=TIMEOUT)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"port {busy} is in use" in errors[0] and "--master_port N" in errors[0], errors
+    assert "Traceback" not in result.stderr and "EADDRINUSE" not in result.stderr
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_supported_ranges_are_pyprojects(monkeypatch):
+    from ntl_pretrain import versions
+
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for name, spec in versions.SUPPORTED.items():
+        assert f"{name}{spec}" in declared, (name, spec, declared)
+    assert any(d.startswith("huggingface_hub") for d in declared)  # imported by model_loading and the export
+    versions.check_versions()  # this environment is a supported one
+
+
+@pytest.mark.parametrize("name,fake", [("deepspeed", "0.20.1"), ("transformers", "4.56.2"), ("transformers", None)])
+def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monkeypatch, capsys, name, fake):
+    from ntl_pretrain import cli, versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda dist: fake if dist == name else real(dist))
+    monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
+    for variable in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert cli.main(["--config", "configs/demo.yaml", "--dry-run"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"{name} {fake or '(not installed)'} installed" in lines[0]
+    assert all(f"{dist}{spec}" in lines[0] for dist, spec in versions.SUPPORTED.items())
+    assert "RANK" not in os.environ  # refused before a world of one is set up

@@ -1,0 +1,122 @@
+"""ntl_pretrain/log_filter.py: the libraries' known-harmless output is dropped where it is raised (the real torch
+deprecation, DeepSpeed's scheduler warning and op message, huggingface_hub's save line), other warnings of the same
+modules still show, and `verbose` keeps everything."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.distributed import free_port
+from ntl_pretrain import log_filter
+from ntl_pretrain.checkpoint.format import STAGING_SUFFIX
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture
+def filtered(monkeypatch):
+    """install(), undone after the test (warning filters, logger filters, stdout, the conversion's tqdm)."""
+    import deepspeed.checkpoint.ds_to_universal as conversion
+
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    monkeypatch.setattr(conversion, "tqdm", conversion.tqdm)
+    loggers = [logging.getLogger(known.logger) for known in log_filter.KNOWN_RECORDS]
+    before = {id(logger): list(logger.filters) for logger in loggers}
+    with warnings.catch_warnings():
+        yield log_filter.install
+    for logger in loggers:
+        logger.filters[:] = before[id(logger)]
+
+
+def _one_process_group():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _torch_deprecation_warnings() -> list[str]:
+    _one_process_group()
+    with warnings.catch_warnings(record=True) as caught:  # the filters as they are (FutureWarning: shown)
+        dist.all_gather_into_tensor(torch.zeros(2), torch.ones(2))
+        warnings.warn("a real warning of the caller", FutureWarning, stacklevel=1)
+    return [str(w.message) for w in caught]
+
+
+def _records(name: str, emit) -> list[str]:
+    """The messages that `emit()` logs on logger `name` and that pass its filters."""
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        emit()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return seen
+
+
+def _library_records() -> list[str]:
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    def deepspeed() -> None:
+        scheduler = WarmupLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), warmup_num_steps=2)
+        scheduler.last_batch_iteration = -1
+        scheduler.get_lr()  # DeepSpeed's own warning: its schedulers start at iteration -1
+        logging.getLogger("DeepSpeed").warning("a real DeepSpeed warning")
+
+    def hub() -> None:  # the line huggingface_hub's save_torch_state_dict logs (into the export's staging folder)
+        log = logging.getLogger("huggingface_hub.serialization._torch")
+        log.info(f"Model weights successfully saved to /run/hf_export{STAGING_SUFFIX}!")
+        log.info("Model weights successfully saved to /run/hf_export!")
+
+    return _records("DeepSpeed", deepspeed) + _records("huggingface_hub.serialization._torch", hub)
+
+
+def test_known_harmless_output_is_dropped_and_real_warnings_kept(filtered, capsys):
+    filtered(verbose=False)
+    assert _torch_deprecation_warnings() == ["a real warning of the caller"]
+    assert _library_records() == ["a real DeepSpeed warning", "Model weights successfully saved to /run/hf_export!"]
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().create_op_builder("ShareMemCommBuilder").absolute_name()
+    print(f"DeepSpeed {name} built successfully")  # DeepSpeed's own line (deepspeed/comm/torch.py)
+    print("step 1: loss=1.0")
+    assert capsys.readouterr().out == "step 1: loss=1.0\n"
+    import deepspeed.checkpoint.ds_to_universal as conversion
+
+    stream = io.StringIO()
+    list(conversion.tqdm.tqdm(range(3), file=stream))
+    assert stream.getvalue() == ""
+
+
+def test_verbose_keeps_everything(filtered, monkeypatch):
+    hidden_before = _torch_deprecation_warnings()
+    filtered(verbose=True)
+    assert _torch_deprecation_warnings() == hidden_before and len(hidden_before) == 2
+    shown = _library_records()
+    assert "Attempting to get learning rate from scheduler before it has started" in shown
+    assert f"Model weights successfully saved to /run/hf_export{STAGING_SUFFIX}!" in shown
+
+
+def test_the_launcher_runs_quietly_unless_verbose():
+    from ntl_pretrain.supervisor import with_quiet_launcher
+
+    args = ["--num_gpus", "2", "launch/pretrain.sh", "--config", "c.yaml"]
+    assert with_quiet_launcher(args) == ["--log_level", "warning", *args]
+    for own in (["--log_level", "info", *args], [*args, "--verbose"], ["-q", *args]):
+        assert with_quiet_launcher(own) == own
+
+
+def teardown_module():
+    if dist.is_initialized():
+        dist.destroy_process_group()
