@@ -6,7 +6,16 @@ Two modes, as in the reference implementation (`ntloss`):
 - digit-level (the paper's default): exactly the ten tokens spelled "0".."9". A digit with a
   tokenizer's space marker ("Ġ7" in byte-level BPE, "▁7" in SentencePiece) is *not* a bare digit:
   its value is ambiguous at a number boundary, so it never counts.
-- multi-digit: every token whose raw spelling parses as a finite number ("12", "3.5").
+- multi-digit: every token spelled as an ASCII decimal number: digits, optionally one "." and more
+  digits ("12", "007", "3.5"). No sign ("+5", "-5": in text the sign is an operator as often as
+  not), no exponent ("1e5"), no "_" ("1_000"), no bare point (".5", "5."), no space marker ("Ġ12"),
+  no other script's digits ("٣", "３"), although Python's `float()` (and so `ntloss`) reads all of
+  these as numbers.
+
+Added tokens are matched before a tokenizer's pre-tokenizer splits digits, so an added token such
+as "07" turns "2007" into "20" "07" and hides those digits from digit-level NTL;
+`digit_hiding_added_tokens` finds them (the trainer refuses them at start-up, see
+`preflight.number_vocab_for`).
 
 Ids are kept in increasing order (the reference's order), so index k of the number vocabulary is
 the same everywhere: on every tensor-parallel rank, in saved JSON, in the loss.
@@ -17,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -26,13 +36,22 @@ DIGITS = tuple(str(d) for d in range(10))
 NUMBER_VOCAB_FILENAME = "number_vocab.json"
 
 
+_NUMBER_SPELLING = re.compile(r"[0-9]+(?:\.[0-9]+)?")  # ASCII only: [0-9], not \d
+
+
 def _parse_number(token: str) -> float | None:
-    """The token's value if its raw spelling is a finite number, else None."""
-    try:
-        value = float(token)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
+    """The token's value if it is spelled as an ASCII decimal number (see the module doc), else None."""
+    return float(token) if _NUMBER_SPELLING.fullmatch(token) else None
+
+
+def digit_hiding_added_tokens(tokenizer: Any) -> list[str]:
+    """The tokenizer's non-special added tokens that begin or end with an ASCII digit (other than the bare
+    digits themselves): matched before the digits are split, they can take digits out of a number in the
+    text ("07" in "2007"). Special tokens ("<extra_id_12>") and markup around digits cannot."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return sorted(token.content for token in added.values()
+                  if not token.special and token.content not in DIGITS and token.content
+                  and (token.content[0] in DIGITS or token.content[-1] in DIGITS))
 
 
 def _is_bare_digit(token: str) -> bool:

@@ -92,6 +92,14 @@ def extract_answer(text: str, mode: str = "strict", variant: str = "gsm8k") -> s
     return None if found is None else normalize(found.strip())
 
 
+_FINAL_ANSWER = re.compile(r"#### \S")  # what normalize() strips up to; without it the gold is the whole solution
+
+
+def has_final_answer(solution: str) -> bool:
+    """Whether a GSM8K solution ends in the "#### N" line its gold answer is read from."""
+    return _FINAL_ANSWER.search(solution) is not None
+
+
 def gold_answer(solution: str) -> str:
     """The normalised final answer of a GSM8K solution (the text after "#### ")."""
     return normalize(solution)
@@ -126,6 +134,9 @@ def _read_jsonl(data_file: str) -> list[dict[str, Any]]:
                 if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
                     raise ValueError(f"GSM8K file {data_file} line {number} is not an object with string 'question' "
                                      f"and 'answer' fields: fix or remove that line")
+                if not has_final_answer(row["answer"]):
+                    raise ValueError(f"GSM8K file {data_file} line {number}: the answer has no final '#### N' line, so "
+                                     f"its gold answer could never be matched: fix or remove that line")
                 rows.append(row)
     except UnicodeDecodeError as error:
         raise ValueError(f"GSM8K file {data_file} is not UTF-8 text (byte {error.start}): convert it to UTF-8") from None
@@ -163,7 +174,12 @@ def _load_split(path: str, split: str, dataset_config: str) -> tuple[dict[str, s
     if missing:
         raise ValueError(f"GSM8K data at {path!r} ({split}) lacks columns {sorted(missing)}; each row needs "
                          f"'question' and 'answer'")
-    return tuple({"question": row["question"], "answer": row["answer"]} for row in dataset)
+    rows = tuple({"question": row["question"], "answer": row["answer"]} for row in dataset)
+    for index, row in enumerate(rows):
+        if not (isinstance(row["question"], str) and isinstance(row["answer"], str) and has_final_answer(row["answer"])):
+            raise ValueError(f"GSM8K data at {path!r} ({split}) row {index}: not a string question and an answer ending "
+                             f"in a '#### N' line, so it could never be scored; fix or filter that row")
+    return rows
 
 
 def load_gsm8k(path: str, split: str = "test", dataset_config: str = "main") -> list[dict[str, str]]:
