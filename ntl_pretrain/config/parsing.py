@@ -58,7 +58,7 @@ def _line(node: yaml.Node) -> int:
 
 def _where(node: yaml.Node) -> str:
     name = node.start_mark.name
-    return name if name.startswith("override ") else f"config file {name!r}"
+    return name if name.startswith("override ") else f"file {name!r}"
 
 
 def _check_expanded_size(root: yaml.Node) -> None:

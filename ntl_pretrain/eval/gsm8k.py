@@ -217,11 +217,14 @@ def load_cot_exemplars(source: str = "lm_eval") -> tuple[tuple[str, str], ...]:
         raise ValueError(f"eval.gsm8k_cot_exemplars={source!r} is neither 'lm_eval', 'project' nor an existing file")
     import yaml
 
+    from ..config.parsing import load_yaml  # duplicate keys and alias bombs refused as in a run's config
+
     try:
         with open(path, encoding="utf-8") as handle:
-            document = yaml.safe_load(handle)
+            document = load_yaml(handle.read(), path)
     except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ValueError(f"chain-of-thought exemplars file {path} is not valid YAML/JSON: {error}") from None
+        raise ValueError(f"chain-of-thought exemplars file {path} is not valid YAML/JSON: "
+                         f"{' '.join(str(error).split())}") from None
     samples = document.get("fewshot_config", {}).get("samples") if isinstance(document, dict) else document
     if (not isinstance(samples, list) or not samples
             or not all(isinstance(s, dict) and isinstance(s.get("question"), str) and isinstance(s.get("target"), str)
