@@ -13,6 +13,7 @@ overrides), `validation` (cross-key and range checks); loading and saving are he
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import yaml
@@ -54,6 +55,8 @@ from .validation import (  # noqa: F401 (the package's API)
 )
 from .parsing import _build, _set_dotted, _validate_override_key, load_yaml
 
+logger = logging.getLogger("ntl_pretrain")
+
 
 # ---------------------------------------------------------------------------------------------- load/save
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -64,9 +67,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     seen: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
-        if key in seen:  # as Hydra does: two values for one key is a mistake, not "the last wins"
-            raise ConfigError(f"override key {key} is given twice on the command line ({seen[key]!r} and {text!r}); "
-                              f"keep one")
+        if key in seen:  # wrappers put defaults first (the Slurm script's train.resume=auto): the last wins, said
+            logger.warning("override %s is given twice on the command line (%r, then %r): the last wins",
+                           key, seen[key], text)
         seen[key] = text
         _validate_override_key(key)
         _set_dotted(tree, key, value)
