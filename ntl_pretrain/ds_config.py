@@ -98,6 +98,8 @@ def _refuse_duplicate_keys(path: str):
 def _read_user_json(path: str) -> dict:
     if os.path.isdir(path):
         raise ConfigError(f"deepspeed.config={path!r} is a folder; give the path of a DeepSpeed JSON file")
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/zero, a FIFO: json.load would never return
+        raise ConfigError(f"deepspeed.config={path!r} is not a regular file; give the path of a DeepSpeed JSON file")
     try:
         with open(path, encoding="utf-8") as handle:
             user = json.load(handle, object_pairs_hook=_refuse_duplicate_keys(path))

@@ -176,12 +176,16 @@ class NumberVocab:
             raise FileNotFoundError(f"no number vocabulary at {path!r}; write one with NumberVocab.save") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"{path!r} is not valid number-vocabulary JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path!r} holds a JSON {type(data).__name__}, not a number vocabulary object")
         try:
             return cls(token_ids=tuple(data["token_ids"]), values=tuple(data["values"]),
                        vocab_size=int(data["vocab_size"]), digit_level=bool(data.get("digit_level", True)),
                        tokens=tuple(data.get("tokens", ())), decimal_point_id=data.get("decimal_point_id"))
         except KeyError as error:
             raise ValueError(f"{path!r} lacks the key {error.args[0]!r} of a number vocabulary") from None
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path!r} is not a valid number vocabulary: {error}") from None
 
     # ------------------------------------------------------------------ tensors
     def __len__(self) -> int:

@@ -82,8 +82,10 @@ def _read_config_file(path: str) -> dict:
     """The section mapping of a config file; every way a file can be unreadable is one line naming it."""
     if os.path.isdir(path):
         raise ConfigError(f"config file {path!r} is a folder, not a file (pass --config configs/NAME.yaml)")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist (pass --config configs/NAME.yaml)")
+    if not os.path.isfile(path):  # /dev/zero, a FIFO: reading may never end
+        raise ConfigError(f"config file {path!r} is not a regular file (pass --config configs/NAME.yaml)")
     try:
         with open(path, "rb") as handle:
             raw = handle.read()
@@ -96,9 +98,12 @@ def _read_config_file(path: str) -> dict:
         raise ConfigError(f"config file {path!r} is not UTF-8 text (byte 0x{raw[error.start]:02x} on line {line}, "
                           f"e.g. latin-1): convert it, e.g. iconv -f latin1 -t utf-8") from None
     try:
-        tree = load_yaml(text, path) or {}
+        tree = load_yaml(text, path)
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path!r} is not valid YAML: {' '.join(str(error).split())}") from None
+    if tree is None:  # empty, or comments only: running on the defaults was not what was meant
+        raise ConfigError(f"config file {path!r} holds no settings (it is empty or all comments); start from "
+                          f"configs/demo.yaml, or leave out --config to use the defaults and overrides only")
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(tree).__name__}")
     return tree

@@ -95,6 +95,10 @@ def load_yaml(text: str, name: str) -> Any:
     loader.name = name  # the marks (line numbers) of every node and error carry it
     try:
         return loader.get_single_data()
+    except RecursionError:  # PyYAML composes nested collections recursively
+        where = name if name.startswith("override ") else f"file {name!r}"
+        raise ConfigError(f"{where}: collections nested too deeply to read; a configuration is a few levels "
+                          f"deep") from None
     finally:
         loader.dispose()
 
@@ -317,6 +321,9 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     hints = _type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
+        if not isinstance(key, str):  # `yes:`, `on:`, `1:` are a bool and an int to YAML 1.1
+            raise ConfigError(f"config key {key!r} in [{prefix.rstrip('.') or 'top level'}] is not a name: YAML reads "
+                              f"unquoted yes/no/on/off/true/false and numbers as values; quote it or fix the key")
         if key not in names:
             raise _unknown_key_error(f"{prefix}{key}", names, f"not a key of [{prefix.rstrip('.') or 'top level'}]")
     kwargs = {name: _coerce(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
