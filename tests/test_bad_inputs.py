@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers.distributed import free_port, rank_env  # noqa: E402
 from helpers.launch import dry_run  # noqa: E402
@@ -105,6 +106,28 @@ def test_unreadable_config_files_are_named(tmp_path):
     (tmp_path / "folder.yaml").mkdir()
     with pytest.raises(ConfigError, match=r"folder.yaml' is a folder, not a file"):
         load_config(tmp_path / "folder.yaml", MINIMAL)
+    with pytest.raises(ConfigError, match=r"config file '/dev/zero' is not a regular file"):  # was: "does not exist"
+        load_config("/dev/zero", MINIMAL)
+    (tmp_path / "comments.yaml").write_text("# nothing set yet\n")
+    with pytest.raises(ConfigError, match=r"comments.yaml' holds no settings"):  # was: a run on the defaults
+        load_config(tmp_path / "comments.yaml", MINIMAL)
+    (tmp_path / "deep.yaml").write_text("model:\n  architecture:\n    x: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(RecursionError):
+        yaml.safe_load((tmp_path / "deep.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"deep.yaml': collections nested too deeply"):
+        load_config(tmp_path / "deep.yaml", MINIMAL)
+    (tmp_path / "bool.yaml").write_text("train:\n  yes: 3\n")  # YAML 1.1 reads `yes` as True
+    with pytest.raises(ConfigError, match=r"config key True in \[train\] is not a name"):
+        load_config(tmp_path / "bool.yaml", MINIMAL)
+
+
+def test_deepspeed_json_that_is_no_regular_file_is_refused_not_read_forever(tmp_path):
+    from ntl_pretrain.ds_config import deepspeed_config
+
+    for path, problem in (("/dev/zero", "is not a regular file"), (str(tmp_path), "is a folder")):
+        cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}"])
+        with pytest.raises(ConfigError, match=f"deepspeed.config={path!r} {problem}"):
+            deepspeed_config(cfg, on_cpu=True)
 
 
 def test_good_values_at_the_edges_still_load():

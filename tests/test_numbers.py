@@ -81,6 +81,12 @@ def test_errors_name_the_problem(tmp_path):
         NumberVocab(token_ids=(3, 2), values=(0.0, 1.0), vocab_size=10)
     with pytest.raises(FileNotFoundError, match="no number vocabulary"):
         NumberVocab.load(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not a number vocabulary object"):
+        NumberVocab.load(tmp_path / "list.json")
+    (tmp_path / "nan.json").write_text(json.dumps({"token_ids": [1, 2], "values": ["nan", 1], "vocab_size": 5}))
+    with pytest.raises(ValueError, match=r"nan.json' is not a valid number vocabulary: .*finite"):
+        NumberVocab.load(tmp_path / "nan.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid number-vocabulary JSON"):
         NumberVocab.load(tmp_path / "bad.json")

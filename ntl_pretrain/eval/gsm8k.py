@@ -152,6 +152,9 @@ def local_split_file(path: str, split: str) -> str | None:
         return os.path.join(path, f"{split}.jsonl")
     if os.path.isfile(path):
         return path if split == "test" else os.path.join(os.path.dirname(path), f"{split}.jsonl")
+    if os.path.exists(path):  # /dev/null, a FIFO: nothing to read rows from
+        raise ValueError(f"eval.gsm8k_path={path!r} is neither a folder nor a regular file; give a folder with "
+                         f"test.jsonl and train.jsonl, a test .jsonl file, or a datasets hub id such as openai/gsm8k")
     if os.path.isabs(path) or path.startswith((".", "~")) or path.endswith((".jsonl", ".json")):
         raise ValueError(f"eval.gsm8k_path={path!r} does not exist; give a folder with test.jsonl and train.jsonl, "
                          f"a test .jsonl file, or a datasets hub id such as openai/gsm8k")
