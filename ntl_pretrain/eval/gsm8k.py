@@ -21,7 +21,8 @@ Answers are extracted with lm-evaluation-harness's filters: "strict-match" (firs
 `#### (-?[0-9.,]+)`; "The answer is (...)." for gsm8k_cot) and "flexible-extract" (last
 `(-?[$0-9.,]{2,})|(-?[0-9]+)`), then normalised as its exact_match does: commas, "$", everything
 up to "#### " and one trailing period removed, lower-cased. The gold answer is the solution
-normalised the same way.
+normalised the same way, so every row (test and train) must hold a "#### N" line: a row without
+one could never be scored right, and is refused with its file and line (hub rows with their index).
 """
 
 from __future__ import annotations
