@@ -146,7 +146,7 @@ def check_with_deepspeed(ds: dict, path: str | None) -> None:
     """Parse `ds` with DeepSpeed's own `DeepSpeedConfig` (its pydantic sections refuse unknown keys and
     out-of-range values, e.g. zero_optimization.stage=7), so the dry run and the trainer's start refuse
     what `deepspeed.initialize` would refuse after the model is built. One line naming the key."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     from pydantic import ValidationError
 
     probe = copy.deepcopy(ds)
@@ -162,7 +162,7 @@ def check_with_deepspeed(ds: dict, path: str | None) -> None:
         value = f"={problem['input']!r}" if problem["type"] != "missing" else ""
         why = "not a key DeepSpeed knows there (misspelt?)" if problem["type"] == "extra_forbidden" else problem["msg"]
         raise ConfigError(f"{source}: DeepSpeed refuses {key}{value}: {why} ({error.title})") from None
-    except (ValueError, AssertionError, TypeError, KeyError) as error:
+    except (DeepSpeedConfigError, ValueError, AssertionError, TypeError, KeyError) as error:
         raise ConfigError(f"{source}: DeepSpeed refuses it: {' '.join(str(error).split()) or type(error).__name__}") from None
 
 

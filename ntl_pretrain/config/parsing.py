@@ -57,7 +57,11 @@ def _line(node: yaml.Node) -> int:
 
 
 def _where(node: yaml.Node) -> str:
-    name = node.start_mark.name
+    return _described(node.start_mark.name)
+
+
+def _described(name: str) -> str:
+    """What an error calls the text `load_yaml` read: "file 'run.yaml'" or "override 'key=value'"."""
     return name if name.startswith("override ") else f"file {name!r}"
 
 
@@ -77,8 +81,8 @@ def _check_expanded_size(root: yaml.Node) -> None:
             on_path.discard(id(node))
             sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
             if sizes[id(node)] > MAX_YAML_NODES:
-                raise ConfigError(f"{_where(root)}: its aliases (*name) expand it to more than {MAX_YAML_NODES} values "
-                                  f"(from line {_line(node)}); a configuration this large is refused, write it out")
+                raise ConfigError(f"{_where(root)}: holds more than {MAX_YAML_NODES} values counting what its aliases "
+                                  f"(*name) expand to (from line {_line(node)}); a configuration this large is refused")
             continue
         if id(node) in on_path:
             raise ConfigError(f"{_where(root)}: line {_line(node)} holds an alias inside its own anchor (a "
@@ -96,8 +100,7 @@ def load_yaml(text: str, name: str) -> Any:
     try:
         return loader.get_single_data()
     except RecursionError:  # PyYAML composes nested collections recursively
-        where = name if name.startswith("override ") else f"file {name!r}"
-        raise ConfigError(f"{where}: collections nested too deeply to read; a configuration is a few levels "
+        raise ConfigError(f"{_described(name)}: collections nested too deeply to read; a configuration is a few levels "
                           f"deep") from None
     finally:
         loader.dispose()
