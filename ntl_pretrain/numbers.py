@@ -6,10 +6,11 @@ Two modes, as in the reference implementation (`ntloss`):
 - digit-level (the paper's default): exactly the ten tokens spelled "0".."9". A digit with a
   tokenizer's space marker ("Ġ7" in byte-level BPE, "▁7" in SentencePiece) is *not* a bare digit:
   its value is ambiguous at a number boundary, so it never counts.
-- multi-digit: every token spelled as an ASCII decimal number: an optional "-", digits, optionally
-  one "." and more digits ("12", "007", "3.5", "-7"). No "+" ("+5"), no exponent ("1e5"), no "_"
-  ("1_000"), no bare point (".5", "5."), no space marker ("Ġ12", " 12"), no other script's digits
-  ("٣", "１"), although Python's `float()` (and so `ntloss`) reads all of these as numbers.
+- multi-digit: every token spelled as an ASCII decimal number: an optional "-", then ASCII digits
+  with at most one "." among or around them ("12", "007", "3.5", "-7", ".5", "5."), which is what
+  Python's `float()` (and so `ntloss`) reads less the spellings that are no number in text: no "+"
+  ("+5"), no exponent ("1e5"), no "_" ("1_000"), no whitespace (" 12") or space marker ("Ġ12"), no
+  other script's digits ("٣", "１"), no nan/inf.
 
 Added tokens are matched before a tokenizer's pre-tokenizer splits digits, so an added token such
 as "07" turns "2007" into "20" "07" and hides those digits from digit-level NTL;
@@ -35,7 +36,7 @@ DIGITS = tuple(str(d) for d in range(10))
 NUMBER_VOCAB_FILENAME = "number_vocab.json"
 
 
-_NUMBER_SPELLING = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # ASCII only: [0-9], not \d
+_NUMBER_SPELLING = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)")  # ASCII only: [0-9], not \d
 
 
 def _parse_number(token: str) -> float | None:

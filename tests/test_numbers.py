@@ -93,11 +93,11 @@ def test_errors_name_the_problem(tmp_path):
 
 
 def test_multi_digit_number_tokens_are_ascii_decimals_not_whatever_float_reads():
-    """float() (and so ntloss) reads '1_000', '1e5', '+5', ' 12', '.5', '5.', Arabic-Indic and full-width digits as
-    numbers; a number token is an optional '-', ASCII digits, optionally '.' and more digits (docs/tokenizer.md)."""
-    numbers = ["12", "3.5", "-7", "007"]
-    lookalikes = ["1_000", "1e5", "+5", " 12", ".5", "5.", "٣", "３", "１", "1.2.3", "--1", "nan", "Ġ12", "½"]
-    assert all(_float_reads(token) for token in lookalikes if token not in ("½", "Ġ12", "1.2.3", "--1"))
+    """float() (and so ntloss) reads '1_000', '1e5', '+5', ' 12', Arabic-Indic and full-width digits as numbers; a
+    number token is an optional '-' and ASCII digits with at most one '.' (docs/tokenizer.md)."""
+    numbers = ["12", "3.5", "-7", "007", ".5", "5."]
+    lookalikes = ["1_000", "1e5", "+5", " 12", "٣", "３", "１", "1.2.3", "--1", "nan", "-inf", "Ġ12", "½", ".", "-"]
+    assert all(_float_reads(token) for token in lookalikes if token not in ("½", "Ġ12", "1.2.3", "--1", ".", "-"))
     vocab = NumberVocab.from_tokenizer(_Tokenizer(["a"] + numbers + lookalikes), digit_level=False)
     assert dict(zip(vocab.tokens, vocab.values)) == {token: float(token) for token in numbers}
 
