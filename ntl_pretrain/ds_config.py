@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,10 +83,26 @@ def _merge(base: dict, user: dict) -> dict:
     return merged
 
 
+def _refuse_duplicate_keys(path: str):
+    """A json `object_pairs_hook`: a key given twice in one object is an error (json keeps the last)."""
+    def build(pairs: list[tuple[str, Any]]) -> dict:
+        built: dict = {}
+        for key, value in pairs:
+            if key in built:
+                raise ConfigError(f"deepspeed.config={path!r}: key {key!r} is given twice in one object; keep one")
+            built[key] = value
+        return built
+    return build
+
+
 def _read_user_json(path: str) -> dict:
+    if os.path.isdir(path):
+        raise ConfigError(f"deepspeed.config={path!r} is a folder; give the path of a DeepSpeed JSON file")
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/zero, a FIFO: json.load would never return
+        raise ConfigError(f"deepspeed.config={path!r} is not a regular file; give the path of a DeepSpeed JSON file")
     try:
         with open(path, encoding="utf-8") as handle:
-            user = json.load(handle)
+            user = json.load(handle, object_pairs_hook=_refuse_duplicate_keys(path))
     except FileNotFoundError:
         raise ConfigError(f"deepspeed.config={path!r} does not exist") from None
     except json.JSONDecodeError as error:
@@ -121,9 +138,47 @@ def deepspeed_config(cfg: Config, on_cpu: bool, world_size: int | None = None) -
     _resolve_batch_sizes(ds, user, cfg.deepspeed.config, world_size)
     if _tp_size(ds) > 1:
         ds["tensor_parallel"]["vocab_parallel_lm_head"] = True  # the loss needs the vocabulary-sharded head
+    check_with_deepspeed(ds, cfg.deepspeed.config)
     return ds
 
 
+def check_with_deepspeed(ds: dict, path: str | None) -> None:
+    """Parse `ds` with DeepSpeed's own `DeepSpeedConfig` (its pydantic sections refuse unknown keys and
+    out-of-range values, e.g. zero_optimization.stage=7), so the dry run and the trainer's start refuse
+    what `deepspeed.initialize` would refuse after the model is built. One line naming the key."""
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from pydantic import ValidationError
+
+    probe = copy.deepcopy(ds)
+    # the batch sizes were checked against the real world size above; DeepSpeedConfig would check them
+    # against the process group it finds (none before the start-up, all ranks rather than data-parallel after)
+    probe.pop("train_batch_size", None)
+    source = f"deepspeed.config={path!r}" if path else "the generated DeepSpeed config"
+    try:
+        DeepSpeedConfig(probe)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        key = _section_of(ds, problem) + ".".join(str(part) for part in problem["loc"])
+        value = f"={problem['input']!r}" if problem["type"] != "missing" else ""
+        why = "not a key DeepSpeed knows there (misspelt?)" if problem["type"] == "extra_forbidden" else problem["msg"]
+        raise ConfigError(f"{source}: DeepSpeed refuses {key}{value}: {why} ({error.title})") from None
+    except (DeepSpeedConfigError, ValueError, AssertionError, TypeError, KeyError) as error:
+        raise ConfigError(f"{source}: DeepSpeed refuses it: {' '.join(str(error).split()) or type(error).__name__}") from None
+
+
+def _section_of(ds: dict, problem: dict) -> str:
+    """The top-level section ("zero_optimization.") whose value at a pydantic error's location is the
+    refused input (pydantic names the location inside its own section model); "" when not one."""
+    sections = []
+    for name, node in ds.items():
+        for part in problem["loc"]:
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT and (problem["type"] == "missing" or node == problem.get("input")):
+            sections.append(name)
+    return f"{sections[0]}." if len(sections) == 1 else ""
+
+
+_ABSENT = object()
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 

@@ -6,7 +6,16 @@ Two modes, as in the reference implementation (`ntloss`):
 - digit-level (the paper's default): exactly the ten tokens spelled "0".."9". A digit with a
   tokenizer's space marker ("Ġ7" in byte-level BPE, "▁7" in SentencePiece) is *not* a bare digit:
   its value is ambiguous at a number boundary, so it never counts.
-- multi-digit: every token whose raw spelling parses as a finite number ("12", "3.5").
+- multi-digit: every token spelled as an ASCII decimal number: an optional "-", then ASCII digits
+  with at most one "." among or around them ("12", "007", "3.5", "-7", ".5", "5."), which is what
+  Python's `float()` (and so `ntloss`) reads less the spellings that are no number in text: no "+"
+  ("+5"), no exponent ("1e5"), no "_" ("1_000"), no whitespace (" 12") or space marker ("Ġ12"), no
+  other script's digits ("٣", "１"), no nan/inf.
+
+Added tokens are matched before a tokenizer's pre-tokenizer splits digits, so an added token such
+as "07" turns "2007" into "20" "07" and hides those digits from digit-level NTL;
+`digit_hiding_added_tokens` finds them (the trainer refuses them at start-up, see
+`preflight.number_vocab_for`).
 
 Ids are kept in increasing order (the reference's order), so index k of the number vocabulary is
 the same everywhere: on every tensor-parallel rank, in saved JSON, in the loss.
@@ -17,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -26,13 +36,22 @@ DIGITS = tuple(str(d) for d in range(10))
 NUMBER_VOCAB_FILENAME = "number_vocab.json"
 
 
+_NUMBER_SPELLING = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)")  # ASCII only: [0-9], not \d
+
+
 def _parse_number(token: str) -> float | None:
-    """The token's value if its raw spelling is a finite number, else None."""
-    try:
-        value = float(token)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
+    """The token's value if it is spelled as an ASCII decimal number (see the module doc), else None."""
+    return float(token) if _NUMBER_SPELLING.fullmatch(token) else None
+
+
+def digit_hiding_added_tokens(tokenizer: Any) -> list[str]:
+    """The tokenizer's non-special added tokens that begin or end with an ASCII digit (other than the bare
+    digits themselves): matched before the digits are split, they can take digits out of a number in the
+    text ("07" in "2007"). Special tokens ("<extra_id_12>") and markup around digits cannot."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return sorted(token.content for token in added.values()
+                  if not token.special and token.content not in DIGITS and token.content
+                  and (token.content[0] in DIGITS or token.content[-1] in DIGITS))
 
 
 def _is_bare_digit(token: str) -> bool:
@@ -158,12 +177,16 @@ class NumberVocab:
             raise FileNotFoundError(f"no number vocabulary at {path!r}; write one with NumberVocab.save") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"{path!r} is not valid number-vocabulary JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path!r} holds a JSON {type(data).__name__}, not a number vocabulary object")
         try:
             return cls(token_ids=tuple(data["token_ids"]), values=tuple(data["values"]),
                        vocab_size=int(data["vocab_size"]), digit_level=bool(data.get("digit_level", True)),
                        tokens=tuple(data.get("tokens", ())), decimal_point_id=data.get("decimal_point_id"))
         except KeyError as error:
             raise ValueError(f"{path!r} lacks the key {error.args[0]!r} of a number vocabulary") from None
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path!r} is not a valid number vocabulary: {error}") from None
 
     # ------------------------------------------------------------------ tensors
     def __len__(self) -> int:

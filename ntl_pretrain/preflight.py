@@ -21,7 +21,7 @@ from .fs import writable_problem
 from .model_families import check_family
 from .model_loading import partitioned_load_applies
 from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
-from .numbers import NumberVocab
+from .numbers import NumberVocab, digit_hiding_added_tokens
 from .training_objective import Objective
 
 logger = logging.getLogger("ntl_pretrain")
@@ -113,7 +113,18 @@ def check_data_files(cfg: Config) -> None:
 
 
 def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> NumberVocab:
-    """The number tokens NTL acts on (with NTL off they still feed the number-token figures)."""
+    """The number tokens NTL acts on (with NTL off they still feed the number-token figures). Digit-level
+    NTL refuses added tokens that hide digits (`numbers.digit_hiding_added_tokens`) unless
+    tokenizer.allow_non_digit_level=true, which logs them."""
+    hiding = digit_hiding_added_tokens(tokenizer) if cfg.tokenizer.digit_level and objective.ntl_on else []
+    if hiding:
+        problem = (f"tokenizer {tokenizer_source(cfg.tokenizer, cfg.model)!r} has {len(hiding)} added token(s) that begin "
+                   f"or end with a digit ({', '.join(repr(t) for t in hiding[:5])}{', ...' if len(hiding) > 5 else ''}): "
+                   f"added tokens are matched before digits are split, so they hide digits from digit-level NTL")
+        if not cfg.tokenizer.allow_non_digit_level:
+            raise ValueError(f"{problem}; remove them from tokenizer.json's added_tokens, or set "
+                             f"tokenizer.digit_level=false, or tokenizer.allow_non_digit_level=true to train anyway")
+        logger.warning("%s (tokenizer.allow_non_digit_level=true: training anyway)", problem)
     try:
         return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level)
     except ValueError as error:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers.distributed import free_port, rank_env  # noqa: E402
 from helpers.launch import dry_run  # noqa: E402
@@ -49,6 +50,14 @@ MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", 
     ("loss.variant=number_level|loss.smoothing_sigma=0.5", "smoothing_sigma needs variant 'was'"),
     ("loss.variant=mse|loss.squash_factor=3", "squash_factor applies to variant 'was' only"),
     ("loss.float_level=true", "float_level applies to variant 'number_level' only"),
+    # what the checkpoint code read only when it loaded or exported a checkpoint (after the build, after the run)
+    ("train.resume=../x", "train.resume='../x' is not none, auto or a checkpoint tag inside train.output_dir"),
+    ("train.resume=global_step-1", "train.resume='global_step-1' is not none, auto or a checkpoint tag"),
+    ("train.resume=/abs/global_step3", "train.resume='/abs/global_step3' is not none, auto or a checkpoint tag"),
+    ("train.output_dir=", "train.output_dir is empty"),
+    ("checkpoint.export_max_shard_size=abc", "checkpoint.export_max_shard_size='abc' is not a size"),
+    ("checkpoint.export_max_shard_size=0MB", "checkpoint.export_max_shard_size='0MB' is not a size"),
+    ("checkpoint.export_max_shard_size=nanGB", "checkpoint.export_max_shard_size='nanGB' is not a size"),
 ])
 def test_bad_values_are_refused_at_load(override, message):
     with pytest.raises(ConfigError) as info:
@@ -70,6 +79,55 @@ def test_did_you_mean_points_at_the_key_meant(override, nearest):
     with pytest.raises(ConfigError, match="unknown config key") as info:
         load_config(None, MINIMAL + [override])
     assert f"did you mean {nearest!r}?" in str(info.value)
+
+
+def test_shard_sizes_are_read_as_the_export_reads_them():
+    from huggingface_hub.serialization._base import parse_size_to_int  # what save_torch_state_dict parses with
+
+    for size in ("abc", "0MB", "nanGB", "5 GiB"):
+        with pytest.raises((ValueError, OverflowError)):
+            if parse_size_to_int(size) < 1:
+                raise ValueError(size)
+        with pytest.raises(ConfigError, match="is not a size"):
+            load_config(None, MINIMAL + [f"checkpoint.export_max_shard_size={size}"])
+    for size in ("500MB", "5GB", "1.5 GB"):
+        assert parse_size_to_int(size) > 0
+        assert load_config(None, MINIMAL + [f"checkpoint.export_max_shard_size={size}"])
+
+
+def test_unreadable_config_files_are_named(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("train:\n  output_dir: runs/caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(UnicodeDecodeError):
+        latin.read_text(encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(latin, MINIMAL)
+    assert f"config file {str(latin)!r} is not UTF-8 text (byte 0xe9 on line 2" in str(info.value)
+    (tmp_path / "folder.yaml").mkdir()
+    with pytest.raises(ConfigError, match=r"folder.yaml' is a folder, not a file"):
+        load_config(tmp_path / "folder.yaml", MINIMAL)
+    with pytest.raises(ConfigError, match=r"config file '/dev/zero' is not a regular file"):  # was: "does not exist"
+        load_config("/dev/zero", MINIMAL)
+    (tmp_path / "comments.yaml").write_text("# nothing set yet\n")
+    with pytest.raises(ConfigError, match=r"comments.yaml' holds no settings"):  # was: a run on the defaults
+        load_config(tmp_path / "comments.yaml", MINIMAL)
+    (tmp_path / "deep.yaml").write_text("model:\n  architecture:\n    x: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(RecursionError):
+        yaml.safe_load((tmp_path / "deep.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"deep.yaml': collections nested too deeply"):
+        load_config(tmp_path / "deep.yaml", MINIMAL)
+    (tmp_path / "bool.yaml").write_text("train:\n  yes: 3\n")  # YAML 1.1 reads `yes` as True
+    with pytest.raises(ConfigError, match=r"config key True in \[train\] is not a name"):
+        load_config(tmp_path / "bool.yaml", MINIMAL)
+
+
+def test_deepspeed_json_that_is_no_regular_file_is_refused_not_read_forever(tmp_path):
+    from ntl_pretrain.ds_config import deepspeed_config
+
+    for path, problem in (("/dev/zero", "is not a regular file"), (str(tmp_path), "is a folder")):
+        cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}"])
+        with pytest.raises(ConfigError, match=f"deepspeed.config={path!r} {problem}"):
+            deepspeed_config(cfg, on_cpu=True)
 
 
 def test_good_values_at_the_edges_still_load():
@@ -155,10 +213,11 @@ def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
-                                  "seq_len", "model_path", "train_batch_size"])
+                                  "seq_len", "model_path", "train_batch_size", "zero_stage", "resume"])
 def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
                                                   "gradient_accumulation_steps": 1}))
+    (tmp_path / "zero.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
     overrides, message = {
         "squash_factor": (["loss.squash_factor=1"], "squash_factor must be > 1"),
         "number_level_smoothing": (["loss.variant=number_level", "loss.smoothing_sigma=0.5"],
@@ -170,6 +229,8 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
         "model_path": (["model.name_or_path=./no/such/model"], "model.name_or_path='./no/such/model' does not exist"),
         "train_batch_size": ([f"deepspeed.config={tmp_path / 'ds.json'}"],
                              "train_batch_size=64 must equal train_micro_batch_size_per_gpu x"),
+        "zero_stage": ([f"deepspeed.config={tmp_path / 'zero.json'}"], "DeepSpeed refuses zero_optimization.stage=7"),
+        "resume": (["train.resume=../x"], "train.resume='../x' is not none, auto or a checkpoint tag"),
     }[case]
     result = _dry_run(tmp_path, *overrides)
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-3000:])

@@ -14,7 +14,7 @@ import yaml
 
 from helpers.launch import dry_run
 from ntl_pretrain.config import Config, ConfigError, help_text, iter_keys, load_config, to_dict, write_resolved
-from ntl_pretrain.ds_config import deepspeed_config, resolve_run
+from ntl_pretrain.ds_config import deepspeed_config, generated_deepspeed_config, resolve_run
 from ntl_pretrain.cli import main, parse_args
 from ntl_pretrain.training_objective import Objective
 
@@ -266,3 +266,101 @@ def test_preflight_resolves_a_copy_once():
     assert "tp_size=2 for world size 4" in checked.run.tp_note
     assert checked.objective == Objective.from_config(resolved.loss) and checked.objective.ntl_on
     assert checked.model_config.max_position_embeddings == resolved.model.architecture["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("text, key", [
+    ("train:\n  output_dir: runs/mine\noptim:\n  lr: 1.0e-3\ntrain:\n  max_steps: 3\n", "train"),
+    ("optim:\n  lr: 1.0e-3\n  warmup_steps: 5\n  lr: 2.0e-3\n", "lr"),
+    ("model:\n  architecture:\n    model_type: llama\n    hidden_size: 64\n    hidden_size: 32\n", "hidden_size"),
+    ("data:\n  sources:\n    - path: a.jsonl\n      generate_options: {seed: 1, text_share: 0.5}\n"
+     "      generate_options: {seed: 2}\n", "generate_options"),
+    ("data:\n  sources:\n    - path: a.jsonl\n      generate_arithmetic: 10\n      generate_options:\n"
+     "        seed: 1\n        seed: 2\n", "seed"),
+])
+def test_a_yaml_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path, text, key):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    lines = [number for number, line in enumerate(text.splitlines(), start=1) if line.strip().startswith(f"{key}:")]
+    assert len(lines) == 2 and yaml.safe_load(text) is not None  # PyYAML alone keeps the last silently
+    with pytest.raises(ConfigError) as info:
+        load_config(path, MINIMAL)
+    message = str(info.value)
+    assert f"key {key!r} is given twice (lines {lines[0]} and {lines[1]})" in message, message
+    assert str(path) in message and "\n" not in message
+
+
+def test_duplicates_in_flow_mappings_are_refused_and_on_the_command_line_the_last_wins_said(tmp_path, caplog):
+    value = "{hidden_size: 8, hidden_size: 16}"
+    columns = value.index("hidden_size") + 1, value.rindex("hidden_size") + 1
+    with pytest.raises(ConfigError, match=rf"key 'hidden_size' is given twice \(line 1, columns {columns[0]} and "
+                                          rf"{columns[1]}\)"):
+        load_config(None, MINIMAL + [f"model.architecture={value}"])
+    # a wrapper's defaults come first (launch/slurm_pretrain.sbatch: train.resume=auto "$@"), so the last wins
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        assert load_config(None, MINIMAL + ["optim.lr=1e-3", "train.max_steps=3", "optim.lr=2e-3"]).optim.lr == 2e-3
+    assert "override optim.lr is given twice on the command line ('optim.lr=1e-3', then 'optim.lr=2e-3')" in caplog.text
+    # a YAML merge key is no duplicate: the explicit key beside it overrides the merged one, as YAML means
+    path = tmp_path / "merge.yaml"
+    path.write_text("optim: &base {lr: 1.0e-3, warmup_steps: 5}\ntrain:\n  max_steps: 3\n"
+                    "checkpoint:\n  every_n_steps: 2\n")
+    assert load_config(path, MINIMAL).optim.lr == 1e-3
+    path.write_text("model:\n  architecture:\n    common: &c {hidden_size: 64, num_hidden_layers: 2}\n"
+                    "    model_type: llama\n    <<: *c\n    hidden_size: 32\n")
+    architecture = load_config(path, MINIMAL[1:]).model.architecture
+    assert architecture["hidden_size"] == 32 and architecture["num_hidden_layers"] == 2
+
+
+def _laughs(levels: int) -> str:
+    """A billion-laughs document: each anchor a list of nine aliases of the previous one (9**levels leaves)."""
+    rows = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    rows += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join("    " + row for row in rows)
+
+
+def test_alias_bombs_and_recursive_aliases_are_refused_at_once(tmp_path):
+    import time
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"model:\n  architecture:\n    model_type: llama\n{_laughs(9)}\n")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        load_config(path, MINIMAL[1:])
+    assert time.perf_counter() - start < 5
+    assert f"file {str(path)!r}: holds more than 100000 values counting what its aliases (*name) expand to" \
+        in str(info.value)
+    path.write_text("model:\n  architecture: &self\n    model_type: llama\n    inner: *self\n")
+    with pytest.raises(ConfigError, match=r"line 2 holds an alias inside its own anchor"):
+        load_config(path, MINIMAL[1:])
+    with pytest.raises(ConfigError, match=r"holds more than 100000 values counting what its aliases \(\*name\) expand to"):
+        load_config(None, MINIMAL + ["model.architecture.x=[&a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], &b [*a, *a, *a, *a, *a, "
+                                     "*a, *a, *a, *a, *a], &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], "
+                                     "&d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c], &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]]"])
+    path.write_text(f"model:\n  architecture:\n    model_type: llama\n{_laughs(4)}\n")  # 9**4 leaves: a big config, loads
+    assert len(load_config(path, MINIMAL[1:]).model.architecture["l3"]) == 9
+
+
+def test_deepspeed_json_is_checked_with_deepspeeds_own_config_classes(tmp_path):
+    """What deepspeed.initialize would refuse after the model is built is refused while resolving the run."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cases = [({"zero_optimization": {"stage": 7}}, "DeepSpeed refuses zero_optimization.stage=7"),
+             ({"zero_optimization": {"stage3_gather_16bit_weights_on_modl_save": True}},
+              "DeepSpeed refuses zero_optimization.stage3_gather_16bit_weights_on_modl_save=True: not a key"),
+             ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+              "DeepSpeed refuses zero_optimization.offload_optimizer.device='gpu'"),
+             ({"bf16": {"enabled": "maybe"}}, "DeepSpeed refuses bf16.enabled='maybe'")]
+    for user, message in cases:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(user))
+        cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}"])
+        generated = generated_deepspeed_config(cfg, on_cpu=True)
+        ((section, keys),) = user.items()
+        with pytest.raises(ValueError):  # the reference: DeepSpeed's own config refuses the merged dict
+            DeepSpeedConfig({**generated, section: {**generated[section], **keys}})
+        with pytest.raises(ConfigError) as info:
+            resolve_run(cfg, on_cpu=True, world_size=2)
+        assert f"deepspeed.config={str(path)!r}: {message}" in str(info.value) and "\n" not in str(info.value)
+    path.write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
+    cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}"])
+    with pytest.raises(ConfigError, match="key 'stage' is given twice in one object"):
+        resolve_run(cfg, on_cpu=True, world_size=2)

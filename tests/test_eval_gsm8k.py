@@ -110,3 +110,16 @@ def test_real_gsm8k_gold_solutions_score_one_under_both_filters():
     train = load_gsm8k(str(SHARED_GSM8K), "train")
     items = build_prompts(rows, train, num_fewshot=5, limit=3)
     assert all(item.prompt.count("Question: ") == 6 for item in items)
+
+
+def test_rows_without_a_final_answer_line_are_refused_naming_file_and_line(tmp_path: Path):
+    good = {"question": "1+1?", "answer": "1+1=2\n#### 2"}
+    for answer in ("1+1=2, so the answer is 2", "1+1=2\n####2", "1+1=2\n#### "):
+        bad = {"question": "2+2?", "answer": answer}
+        assert score([answer], [gold_answer(answer)])[0] == {"strict-match": 0.0, "flexible-extract": 0.0}
+        (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(row) for row in (good, good, bad)) + "\n")
+        with pytest.raises(ValueError) as info:
+            load_gsm8k(str(tmp_path / "test.jsonl"), "test")
+        assert f"GSM8K file {tmp_path / 'test.jsonl'} line 3: the answer has no final '#### N' line" in str(info.value)
+    (tmp_path / "test.jsonl").write_text(json.dumps(good) + "\n")
+    assert load_gsm8k(str(tmp_path / "test.jsonl"), "test") == [good]

@@ -83,6 +83,64 @@ def test_errors_name_the_problem(tmp_path):
         NumberVocab(token_ids=(3, 2), values=(0.0, 1.0), vocab_size=10)
     with pytest.raises(FileNotFoundError, match="no number vocabulary"):
         NumberVocab.load(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not a number vocabulary object"):
+        NumberVocab.load(tmp_path / "list.json")
+    (tmp_path / "nan.json").write_text(json.dumps({"token_ids": [1, 2], "values": ["nan", 1], "vocab_size": 5}))
+    with pytest.raises(ValueError, match=r"nan.json' is not a valid number vocabulary: .*finite"):
+        NumberVocab.load(tmp_path / "nan.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid number-vocabulary JSON"):
         NumberVocab.load(tmp_path / "bad.json")
+
+
+def test_multi_digit_number_tokens_are_ascii_decimals_not_whatever_float_reads():
+    """float() (and so ntloss) reads '1_000', '1e5', '+5', ' 12', Arabic-Indic and full-width digits as numbers; a
+    number token is an optional '-' and ASCII digits with at most one '.' (docs/tokenizer.md)."""
+    numbers = ["12", "3.5", "-7", "007", ".5", "5."]
+    lookalikes = ["1_000", "1e5", "+5", " 12", "٣", "３", "１", "1.2.3", "--1", "nan", "-inf", "Ġ12", "½", ".", "-"]
+    assert all(_float_reads(token) for token in lookalikes if token not in ("½", "Ġ12", "1.2.3", "--1", ".", "-"))
+    vocab = NumberVocab.from_tokenizer(_Tokenizer(["a"] + numbers + lookalikes), digit_level=False)
+    assert dict(zip(vocab.tokens, vocab.values)) == {token: float(token) for token in numbers}
+
+
+def _float_reads(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def test_added_tokens_that_hide_digits_are_refused_at_start_up(tmp_path, caplog):
+    from transformers import AddedToken, AutoTokenizer
+
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.model import train_digit_bpe
+    from ntl_pretrain.preflight import number_vocab_for
+    from ntl_pretrain.training_objective import Objective
+
+    train_digit_bpe([f"in {1990 + i} we sold {i * 7} apples" for i in range(40)], vocab_size=300,
+                    out_dir=str(tmp_path / "tok"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    clean = tokenizer("in 2007").input_ids
+    tokenizer.add_tokens(["07", "v2x"])
+    tokenizer.add_tokens([AddedToken("<extra_id_12>", special=True)], special_tokens=True)
+    hidden = tokenizer("in 2007").input_ids  # the added token wins over the digit split: '0' '7' are gone
+    assert tokenizer.convert_tokens_to_ids("07") in hidden and hidden != clean
+
+    def vocab_for(*overrides: str):
+        cfg = load_config(None, ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok",
+                                 "data.sources.0.path=c.jsonl", *overrides])
+        return number_vocab_for(cfg, Objective.from_config(cfg.loss), tokenizer)
+
+    with pytest.raises(ValueError) as info:
+        vocab_for()
+    message = str(info.value)
+    assert "1 added token(s) that begin or end with a digit ('07')" in message and "\n" not in message
+    assert "tokenizer.digit_level=false" in message and "tokenizer.allow_non_digit_level=true" in message
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        assert vocab_for("tokenizer.allow_non_digit_level=true").tokens == tuple("0123456789")
+    assert "'07'" in caplog.text
+    assert vocab_for("loss.enabled=false").tokens  # CE only: nothing to hide from
+    assert "07" in vocab_for("tokenizer.digit_level=false").tokens  # multi-digit NTL: a number token itself

@@ -16,6 +16,96 @@ import yaml
 from .schema import Config, ConfigError
 
 
+# ---------------------------------------------------------------------------------------------- YAML
+# A run's YAML is a few hundred nodes; this bounds what aliases can expand it to (a "billion laughs" file
+# loads in microseconds as shared objects, but every later walk of it, asdict, the dump, the checks, is
+# exponential).
+MAX_YAML_NODES = 100_000
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (at any depth, flow or block)
+    and a document that aliases would expand beyond MAX_YAML_NODES nodes (or into a cycle)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: explicit keys beside it override the merged ones, as YAML means
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:
+                continue  # an unhashable key: SafeLoader's own error names it
+            if first is not key_node:
+                places = (f"lines {_line(first)} and {_line(key_node)}" if _line(first) != _line(key_node) else
+                          f"line {_line(key_node)}, columns {first.start_mark.column + 1} and "
+                          f"{key_node.start_mark.column + 1}")
+                raise ConfigError(f"{_where(key_node)}: key {key!r} is given twice ({places}); the second would "
+                                  f"silently replace the first, keep one")
+        return super().construct_mapping(node, deep=deep)
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _check_expanded_size(node)
+        return node
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _where(node: yaml.Node) -> str:
+    return _described(node.start_mark.name)
+
+
+def _described(name: str) -> str:
+    """What an error calls the text `load_yaml` read: "file 'run.yaml'" or "override 'key=value'"."""
+    return name if name.startswith("override ") else f"file {name!r}"
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """The number of nodes `root` stands for with every alias expanded, counted once per distinct node
+    (linear in the file, whatever the aliases multiply to); a cycle or a size over MAX_YAML_NODES is refused."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        if children_done:
+            on_path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise ConfigError(f"{_where(root)}: holds more than {MAX_YAML_NODES} values counting what its aliases "
+                                  f"(*name) expand to (from line {_line(node)}); a configuration this large is refused")
+            continue
+        if id(node) in on_path:
+            raise ConfigError(f"{_where(root)}: line {_line(node)} holds an alias inside its own anchor (a "
+                              f"recursive structure), which a configuration cannot be")
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
+
+
+def load_yaml(text: str, name: str) -> Any:
+    """A YAML document as Python values, refusing duplicate keys and alias bombs (see _StrictLoader);
+    `name` (a file's path, or "override 'key=value'") is what errors and line marks name."""
+    loader = _StrictLoader(text)
+    loader.name = name  # the marks (line numbers) of every node and error carry it
+    try:
+        return loader.get_single_data()
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{_described(name)}: collections nested too deeply to read; a configuration is a few levels "
+                          f"deep") from None
+    finally:
+        loader.dispose()
+
+
 # ---------------------------------------------------------------------------------------------- keys
 def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -234,6 +324,9 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     hints = _type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
+        if not isinstance(key, str):  # `yes:`, `on:`, `1:` are a bool and an int to YAML 1.1
+            raise ConfigError(f"config key {key!r} in [{prefix.rstrip('.') or 'top level'}] is not a name: YAML reads "
+                              f"unquoted yes/no/on/off/true/false and numbers as values; quote it or fix the key")
         if key not in names:
             raise _unknown_key_error(f"{prefix}{key}", names, f"not a key of [{prefix.rstrip('.') or 'top level'}]")
     kwargs = {name: _coerce(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
@@ -282,7 +375,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override {text!r} has no key before '='")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw, f"override {text!r}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value

@@ -87,9 +87,33 @@ def validate(config: Config) -> None:
         if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(f"checkpoint.preempt_signals: {name!r} is not a catchable signal name "
                               f"(e.g. SIGTERM, SIGUSR1, SIGUSR2)")
+    _check_run_folder(config)
     if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
         raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
     ntl_settings(config.loss)  # the loss's own checks (squash_factor, smoothing with number_level, ...) now, not after the build
+
+
+def _check_run_folder(config: Config) -> None:
+    """train.output_dir, train.resume and checkpoint.export_max_shard_size: what the checkpoint code would
+    refuse only when it reads or exports a checkpoint (after the build, or after the whole run)."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # what save_torch_state_dict parses it with
+
+    from ..checkpoint.format import step_of_tag
+
+    if not config.train.output_dir.strip():
+        raise ConfigError("train.output_dir is empty; name the run folder, e.g. train.output_dir=runs/my_run")
+    resume = config.train.resume
+    if resume not in ("none", "auto") and step_of_tag(resume) is None:
+        raise ConfigError(f"train.resume={resume!r} is not none, auto or a checkpoint tag inside train.output_dir "
+                          f"(global_stepN, e.g. global_step300); to resume another run, point train.output_dir at it")
+    size = config.checkpoint.export_max_shard_size
+    try:
+        size_bytes = parse_size_to_int(size)
+    except (ValueError, OverflowError):
+        size_bytes = 0
+    if size_bytes < 1:
+        raise ConfigError(f"checkpoint.export_max_shard_size={size!r} is not a size: give a positive number and one of "
+                          f"the units KB, MB, GB, TB (e.g. 5GB, 500MB)")
 
 
 # (key, low, high or None, low allowed, high allowed, what it means): the range of every float key

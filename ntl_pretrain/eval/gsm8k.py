@@ -21,7 +21,8 @@ Answers are extracted with lm-evaluation-harness's filters: "strict-match" (firs
 `#### (-?[0-9.,]+)`; "The answer is (...)." for gsm8k_cot) and "flexible-extract" (last
 `(-?[$0-9.,]{2,})|(-?[0-9]+)`), then normalised as its exact_match does: commas, "$", everything
 up to "#### " and one trailing period removed, lower-cased. The gold answer is the solution
-normalised the same way.
+normalised the same way, so every row (test and train) must hold a "#### N" line: a row without
+one could never be scored right, and is refused with its file and line (hub rows with their index).
 """
 
 from __future__ import annotations
@@ -92,6 +93,14 @@ def extract_answer(text: str, mode: str = "strict", variant: str = "gsm8k") -> s
     return None if found is None else normalize(found.strip())
 
 
+_FINAL_ANSWER = re.compile(r"#### \S")  # what normalize() strips up to; without it the gold is the whole solution
+
+
+def has_final_answer(solution: str) -> bool:
+    """Whether a GSM8K solution ends in the "#### N" line its gold answer is read from."""
+    return _FINAL_ANSWER.search(solution) is not None
+
+
 def gold_answer(solution: str) -> str:
     """The normalised final answer of a GSM8K solution (the text after "#### ")."""
     return normalize(solution)
@@ -126,6 +135,9 @@ def _read_jsonl(data_file: str) -> list[dict[str, Any]]:
                 if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
                     raise ValueError(f"GSM8K file {data_file} line {number} is not an object with string 'question' "
                                      f"and 'answer' fields: fix or remove that line")
+                if not has_final_answer(row["answer"]):
+                    raise ValueError(f"GSM8K file {data_file} line {number}: the answer has no final '#### N' line, so "
+                                     f"its gold answer could never be matched: fix or remove that line")
                 rows.append(row)
     except UnicodeDecodeError as error:
         raise ValueError(f"GSM8K file {data_file} is not UTF-8 text (byte {error.start}): convert it to UTF-8") from None
@@ -141,6 +153,9 @@ def local_split_file(path: str, split: str) -> str | None:
         return os.path.join(path, f"{split}.jsonl")
     if os.path.isfile(path):
         return path if split == "test" else os.path.join(os.path.dirname(path), f"{split}.jsonl")
+    if os.path.exists(path):  # /dev/null, a FIFO: nothing to read rows from
+        raise ValueError(f"eval.gsm8k_path={path!r} is neither a folder nor a regular file; give a folder with "
+                         f"test.jsonl and train.jsonl, a test .jsonl file, or a datasets hub id such as openai/gsm8k")
     if os.path.isabs(path) or path.startswith((".", "~")) or path.endswith((".jsonl", ".json")):
         raise ValueError(f"eval.gsm8k_path={path!r} does not exist; give a folder with test.jsonl and train.jsonl, "
                          f"a test .jsonl file, or a datasets hub id such as openai/gsm8k")
@@ -163,7 +178,12 @@ def _load_split(path: str, split: str, dataset_config: str) -> tuple[dict[str, s
     if missing:
         raise ValueError(f"GSM8K data at {path!r} ({split}) lacks columns {sorted(missing)}; each row needs "
                          f"'question' and 'answer'")
-    return tuple({"question": row["question"], "answer": row["answer"]} for row in dataset)
+    rows = tuple({"question": row["question"], "answer": row["answer"]} for row in dataset)
+    for index, row in enumerate(rows):
+        if not (isinstance(row["question"], str) and isinstance(row["answer"], str) and has_final_answer(row["answer"])):
+            raise ValueError(f"GSM8K data at {path!r} ({split}) row {index}: not a string question and an answer ending "
+                             f"in a '#### N' line, so it could never be scored; fix or filter that row")
+    return rows
 
 
 def load_gsm8k(path: str, split: str = "test", dataset_config: str = "main") -> list[dict[str, str]]:
@@ -201,11 +221,14 @@ def load_cot_exemplars(source: str = "lm_eval") -> tuple[tuple[str, str], ...]:
         raise ValueError(f"eval.gsm8k_cot_exemplars={source!r} is neither 'lm_eval', 'project' nor an existing file")
     import yaml
 
+    from ..config.parsing import load_yaml  # duplicate keys and alias bombs refused as in a run's config
+
     try:
         with open(path, encoding="utf-8") as handle:
-            document = yaml.safe_load(handle)
+            document = load_yaml(handle.read(), path)
     except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ValueError(f"chain-of-thought exemplars file {path} is not valid YAML/JSON: {error}") from None
+        raise ValueError(f"chain-of-thought exemplars file {path} is not valid YAML/JSON: "
+                         f"{' '.join(str(error).split())}") from None
     samples = document.get("fewshot_config", {}).get("samples") if isinstance(document, dict) else document
     if (not isinstance(samples, list) or not samples
             or not all(isinstance(s, dict) and isinstance(s.get("question"), str) and isinstance(s.get("target"), str)
