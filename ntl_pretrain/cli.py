@@ -16,6 +16,7 @@ from typing import Sequence
 from . import distributed, launcher, lifecycle, log_filter
 from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
+from .monitor import MonitorError
 from .nonfinite import TrainingDiverged
 from .preflight import dry_run
 from .train import Trainer
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         try:
             trainer.fit()
-        except (CheckpointError, TrainingDiverged) as error:
+        except (CheckpointError, TrainingDiverged, MonitorError) as error:
             _report_error(error)
             return 2
         lifecycle.report_to_supervisor("done", how="stopped" if trainer.stopped_by else "finished", step=trainer.step)

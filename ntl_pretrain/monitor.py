@@ -9,6 +9,7 @@ import logging
 import os
 import resource
 import sys
+import threading
 import time
 from typing import Any, Mapping
 
@@ -25,6 +26,27 @@ STEP_TAGS = {
     "train/memory_gib": "mem_gib",
 }
 VAL_TAGS = ("val/loss", "val/ce", "val/ntl")
+
+
+class MonitorError(ValueError):
+    """TensorBoard's event file could not be written (the run folder removed, its disk full): one line, exit 2."""
+
+
+def _silence_writer_thread_errors() -> None:
+    """TensorBoard writes from a thread of its own; when the folder goes away that thread dies printing a raw
+    traceback, and the next write of the training thread raises the same error, which `Monitor` reports in one
+    line. Keep only the latter: the hook is silent for exactly that thread class and OSError, else unchanged."""
+    previous = threading.excepthook
+    if getattr(previous, "_ntl_tensorboard_quiet", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook._ntl_tensorboard_quiet = True
+    threading.excepthook = hook
 
 
 def memory_gib(device: torch.device) -> float:
@@ -68,6 +90,8 @@ class Monitor:
             return
         from torch.utils.tensorboard import SummaryWriter
 
+        _silence_writer_thread_errors()
+        self.tensorboard_dir = tensorboard_dir
         self.writer = SummaryWriter(log_dir=tensorboard_dir)
         use_bar = progress_bar == "always" or (progress_bar == "auto" and sys.stdout.isatty())
         if use_bar:
@@ -79,7 +103,20 @@ class Monitor:
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Write text (e.g. the resolved config) to TensorBoard."""
         if self.writer is not None:
-            self.writer.add_text(tag, text, step)
+            self._write(self.writer.add_text, tag, text, step)
+
+    def _write(self, write: Any, *args: Any) -> None:
+        """One call of the writer; its failure (raised here, or by its thread and re-raised at the next call)
+        becomes one line naming the folder."""
+        try:
+            write(*args)
+        except Exception as error:  # the writer re-raises its thread's error as it was (OSError, mostly)
+            reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+            gone = "" if os.path.isdir(self.tensorboard_dir) else " (the folder no longer exists: was the run folder " \
+                                                                  "removed?)"
+            raise MonitorError(f"TensorBoard could not write to {self.tensorboard_dir!r}: {reason}{gone}; keep "
+                               f"train.output_dir in place and on a disk with free space while a run trains, then "
+                               f"rerun with train.resume=auto") from error
 
     def log_step(self, step: int, scalars: Mapping[str, float] | None) -> None:
         """Record one optimizer step (numbering from 1); `scalars` on a logging step (the trainer decides which
@@ -91,7 +128,7 @@ class Monitor:
         if scalars is None:
             return
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+            self._write(self.writer.add_scalar, tag, value, step)
         summary = {STEP_TAGS.get(tag, tag): value for tag, value in scalars.items()
                    if tag in ("train/loss", "train/ce", "train/ntl", "train/tokens_per_s",
                               "train/tokens_per_s_per_device", "train/tflops_per_device", "train/mfu", "train/lr",
@@ -106,7 +143,7 @@ class Monitor:
         if not self.active:
             return
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+            self._write(self.writer.add_scalar, tag, value, step)
         line = " ".join(f"{tag}={_short(v)}" for tag, v in scalars.items())
         self.message(f"step {step}: {line}")
 
@@ -116,7 +153,7 @@ class Monitor:
             return
         for tag, value in scalars.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(tag, float(value), step)
+                self._write(self.writer.add_scalar, tag, float(value), step)
 
     def message(self, text: str) -> None:
         if not self.active:
@@ -130,8 +167,9 @@ class Monitor:
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+            writer, self.writer = self.writer, None  # closed once, even when closing fails
+            self._write(writer.flush)
+            self._write(writer.close)
 
 
 def _short(value: float) -> str:
