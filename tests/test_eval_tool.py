@@ -96,6 +96,9 @@ def test_tool_rejects_unknown_settings(tmp_path: Path):
         tool.eval_config(tool.EvalConfig(), ["arithmetic_count=5"])
     with pytest.raises(ValueError, match="key=value"):
         tool.eval_config(tool.EvalConfig(), ["arithmetic_n"])
+    # read as the trainer reads an override: a key given twice in a YAML value is refused, naming it
+    with pytest.raises(ValueError, match="'a'.*twice|twice.*'a'"):
+        tool.eval_config(tool.EvalConfig(), ["generate_options={a: 1, a: 2}"])
     assert tool.main(["--run", str(tmp_path)]) == 2  # not a run folder: an error message, exit code 2
 
 

@@ -34,8 +34,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-import yaml  # noqa: E402
-
+from ntl_pretrain.config.parsing import parse_override  # noqa: E402
 from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, eval_config_from_dict,  # noqa: E402
                                       load_eval_settings, validate_eval_inputs)
 
@@ -65,11 +64,10 @@ def eval_config(base: EvalConfig, overrides: Sequence[str]) -> EvalConfig:
     """`base` with `key=value` overrides (YAML values); unknown keys are named with the nearest valid one."""
     values = dataclasses.asdict(base)
     for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip().removeprefix("eval.")
-        if not sep or not key:
+        if "=" not in item or not item.partition("=")[0].strip():
             raise ValueError(f"override {item!r} must look like key=value (e.g. arithmetic_n=500)")
-        values[key] = yaml.safe_load(text) if text.strip() else ""
+        key, value = parse_override(item)  # the trainer's reading: duplicate keys and alias bombs refused
+        values[key.removeprefix("eval.")] = value
     return eval_config_from_dict(values, where="the command line")
 
 
