@@ -26,7 +26,8 @@ import psutil
 import torch
 
 from . import distributed, lifecycle
-from .checkpoint import data_description, export_hf, lr_schedule_description, run_on_main, write_hf_assets
+from .checkpoint import (AgreedCheckpointError, CheckpointError, data_description, export_hf, lr_schedule_description,
+                         run_on_main, write_hf_assets)
 from .config import Config, to_yaml, write_resolved
 from .data import PretrainingData, document_texts, load_documents, prepare_generated_corpus
 from .engine import build_engine
@@ -145,7 +146,9 @@ class Trainer:
 
     def _build(self, cfg: Config) -> None:
         """Data, tokenizer, model, engine, resume and the run folder's files (after the lock is held)."""
-        self.resume_tag = check_output_dir(cfg)
+        # every rank reads the folder; a refusal (another run's checkpoints, a bad resume) is printed once
+        self.resume_tag = distributed.run_agreed(lambda: check_output_dir(cfg), True, AgreedCheckpointError,
+                                                 plain=(CheckpointError,))
         torch.manual_seed(cfg.train.seed)
         main_first = self.layout.is_main
         with self.watchdog.waiting("global rank 0 to prepare the generated corpus and the tokenizer"):

@@ -491,3 +491,16 @@ def test_ranks_that_lose_a_peer_exit_with_one_line(case, stalled):
         else:
             assert re.search(rf"a collective timed out \(.*\): global rank {stalled}( \(.*\))? stalled \(", lines[0]), err
         assert lines[0].startswith("error: [rank ") and lines[0].endswith("; rerun with train.resume=auto"), err
+
+
+@pytest.mark.multiprocess
+def test_a_folder_with_another_runs_checkpoints_is_refused_once_by_two_ranks(tmp_path):
+    """The refusal every rank finds when it reads the run folder (after the communication start-up) is printed
+    by global rank 0 alone, as docs/training.md says; each rank exits 2."""
+    (tmp_path / "run" / "global_step5").mkdir(parents=True)
+    (tmp_path / "run" / "latest").write_text("global_step5")
+    procs = _ranks(2, [0, 1], [], tmp_path)
+    outputs = _outputs(procs, timeout=240)
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    joined = "".join(outputs)
+    assert joined.count("already holds checkpoints of another run") == 1, joined[-3000:]
