@@ -1,11 +1,13 @@
 """Pre-emption: a stop signal (checkpoint.preempt_signals: SIGTERM, SIGINT, SIGUSR1 by default) or the end of
-the DeepSpeed launcher above a rank makes every rank save at the next step boundary and exit 0, within a bounded grace time."""
+the DeepSpeed launcher above a rank makes every rank save at the next step boundary and exit 0, within a bounded grace time.
+Before step 1 (start-up: loading, resuming) there is nothing to save: a stop signal ends the process at once."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -44,6 +46,7 @@ class PreemptionHandler:
             self.signals.append(number)
         self.grace_s = grace_s
         self.received: int = 0  # the signal number this process got (0: none)
+        self.training = False  # before step 1 there is nothing to save: a stop signal ends the process at once
         self._watchdog: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
         self._launchers: list[tuple[Any, str]] = []  # (psutil.Process, its command) of the launchers above
@@ -95,7 +98,17 @@ class PreemptionHandler:
             self._watchdog.cancel()
             self._watchdog.join(timeout=5)
 
+    def training_starts(self) -> None:
+        """From here on a stop signal saves at the next step boundary (before: the process ends at once)."""
+        self.training = True
+
     def _on_signal(self, number: int, frame: Any) -> None:
+        if not self.training:
+            # start-up (loading the model, resuming): no step has run, so nothing to save and nothing to wait for
+            rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+            print(f"error: [rank {rank}] {signal.Signals(number).name} received before step 1 (during start-up): "
+                  f"stopped at once, nothing is saved (no step has run)", file=sys.stderr, flush=True)
+            os._exit(128 + int(number))
         if not self.received:
             self.received = int(number)
             self._watchdog = threading.Timer(self.grace_s, self._grace_exceeded)

@@ -126,10 +126,9 @@ class Trainer:
         if checked.run.tp_note:
             logger.info(checked.run.tp_note)
         logger.info(self.objective.describe())
-        # installed first: a pre-emption signal during start-up is then honoured at the first step boundary
+        # installed first: a stop signal during start-up ends the process at once (no step to save), later it saves
         self.preemption = PreemptionHandler(cfg.checkpoint.preempt_signals, cfg.checkpoint.preempt_grace_s)
         self.preemption.install()
-        lifecycle.report_to_supervisor("started")
         # the first collective: one run per output folder (global rank 0 holds the lock; all ranks agree)
         self.lock = lifecycle.RunLock(cfg.train.output_dir)
         try:
@@ -395,6 +394,10 @@ class Trainer:
                              f"tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
                              f"{cfg.data.micro_batch_size} grad_accum={cfg.train.grad_accum_steps} seq_len={cfg.data.seq_len}")
         saved_at = None
+        # from here a stop signal saves at the next step boundary (the supervisor forwards it to the started
+        # ranks); before, during start-up, it ends the job at once: nothing has been trained to save
+        self.preemption.training_starts()
+        lifecycle.report_to_supervisor("started")
         self.window.restart()
         while self.step < cfg.train.max_steps:
             scalars = self.train_step()

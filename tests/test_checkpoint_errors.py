@@ -129,6 +129,7 @@ def test_checkpoint_config_errors():
 def test_preemption_handler_records_the_signal_and_bounds_the_exit():
     handler = PreemptionHandler(["SIGUSR1"], grace_s=60)
     handler.install()
+    handler.training_starts()  # before it a signal ends the process at once (test_lifecycle)
     try:
         assert handler.requested() is None
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -149,7 +150,7 @@ def test_preemption_grace_time_exceeded_ends_the_process():
     """A process that does not reach a step boundary in time exits (non-zero) when the grace time is over."""
     script = ("import os, signal, time\n"
               "from ntl_pretrain.preemption import PreemptionHandler\n"
-              "h = PreemptionHandler(['SIGTERM'], grace_s=0.5); h.install()\n"
+              "h = PreemptionHandler(['SIGTERM'], grace_s=0.5); h.install(); h.training_starts()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "time.sleep(30)\n")
     started = time.monotonic()

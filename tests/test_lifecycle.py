@@ -504,3 +504,23 @@ def test_a_folder_with_another_runs_checkpoints_is_refused_once_by_two_ranks(tmp
     assert [p.returncode for p in procs] == [2, 2], outputs
     joined = "".join(outputs)
     assert joined.count("already holds checkpoints of another run") == 1, joined[-3000:]
+
+
+def test_a_stop_signal_before_step_1_ends_the_process_at_once_and_later_one_waits_for_the_step_boundary():
+    """No step has run during start-up, so a stop signal there ends the rank at once saying nothing is saved;
+    once training starts the same signal is recorded for the next step boundary."""
+    script = ("import os, signal, time\nfrom ntl_pretrain.preemption import PreemptionHandler\n"
+              "handler = PreemptionHandler(['SIGTERM'], 60.0)\nhandler.install()\n"
+              "if os.environ.get('TRAINING'):\n    handler.training_starts()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\n"
+              "print('at the step boundary:', handler.requested(), flush=True)\nhandler.uninstall()\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), RANK="1")
+    before = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert before.returncode == 128 + signal.SIGTERM, before.stderr
+    assert ("error: [rank 1] SIGTERM received before step 1 (during start-up): stopped at once, nothing is saved"
+            in before.stderr)
+    assert "at the step boundary" not in before.stdout
+    during = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env=dict(env, TRAINING="1"))
+    assert during.returncode == 0, during.stderr
+    assert "at the step boundary: SIGTERM" in during.stdout
