@@ -132,8 +132,12 @@ def test_resume_with_another_data_parallel_size_is_refused(tokenizer, corpus, tm
         _trained(data, 3)
     state = combine_rank_states(ranks[0], [d.rank_state() for d in ranks])
     other = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=4)
-    with pytest.raises(DataError, match="read per rank by 2 data-parallel ranks, this run has 4"):
+    with pytest.raises(DataError, match=r"read per rank by 2 data-parallel ranks \(each its own shard files\), "
+                                        r"this run reads it per rank by 4"):
         other.load_state_dict(state)
+    shared = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=8)  # 4 files: read in full by every rank
+    with pytest.raises(DataError, match="this run reads it in full by every rank"):
+        shared.load_state_dict(state)
 
 
 def test_fewer_files_than_ranks_is_said_at_start_up(tokenizer, corpus, tmp_path, caplog):

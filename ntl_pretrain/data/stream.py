@@ -310,18 +310,21 @@ class PretrainingData:
             raise DataError(f"the checkpoint's data stream (seed {state.get('seed')}, seq_len {state.get('seq_len')}) "
                             f"differs from data.seed={self.cfg.seed}, data.seq_len={self.cfg.seq_len}; a resume "
                             f"would repeat or skip samples")
-        streams = state.get("streams")  # absent in checkpoints of older versions: the streams are re-read
-        if streams is not None and any(getattr(s, "per_rank", False) for s in self.sources) \
-                and state.get("dp_size") != self.dp_size:
-            raise DataError(f"the checkpoint's streamed sources were read per rank by {state.get('dp_size')} "
-                            f"data-parallel ranks, this run has {self.dp_size}: each rank's place in its own shard "
-                            f"files cannot be carried over; resume with {state.get('dp_size')} data-parallel ranks, "
-                            f"or train from a corpus made by tools/prepare_data.py (it resumes at any size)")
+        streams = state.get("streams") or {}  # absent in checkpoints of older versions: the streams are re-read
+        for source in self.sources:
+            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            if saved is not None and (saved["per_rank"] or source.per_rank) and \
+                    (saved["per_rank"], len(saved["ranks"])) != (source.per_rank, self.dp_size):
+                raise DataError(f"the checkpoint's {source.key} was read "
+                                f"{_reading(saved['per_rank'], len(saved['ranks']))}, this run reads it "
+                                f"{_reading(source.per_rank, self.dp_size)}: a rank's place in its shard files "
+                                f"cannot be carried over; resume with the same data-parallel size, or train from a "
+                                f"corpus made by tools/prepare_data.py (it resumes at any size)")
         self.position = int(state["position"])
         for source in self.sources:
-            if isinstance(source, _StreamSource) and streams is not None:
-                saved = streams.get(source.key, [])
-                source.load_state_dict(saved[self.dp_rank if source.per_rank else 0] if saved else None)
+            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            if saved is not None:
+                source.load_state_dict(saved["ranks"][self.dp_rank if source.per_rank else 0])
 
     # ------------------------------------------------------------------ validation
     def validation_micro_batches(self, max_batches: int) -> list[MicroBatch]:
@@ -341,6 +344,10 @@ class PretrainingData:
                             f"raise data.validation_documents or set train.val_every_n_steps=-1")
 
 
+def _reading(per_rank: bool, ranks: int) -> str:
+    return f"per rank by {ranks} data-parallel ranks (each its own shard files)" if per_rank else "in full by every rank"
+
+
 def _gather_objects(value: Any) -> list[Any]:
     """`value` of every rank (in rank order), or [value] when the run is not distributed."""
     import torch.distributed as dist
@@ -354,12 +361,12 @@ def _gather_objects(value: Any) -> list[Any]:
 
 def combine_rank_states(data: PretrainingData, rank_states: list[dict]) -> dict:
     """The checkpoint's data state from every rank's `rank_state()` (tensor-parallel peers hold the same):
-    key -> [state of data-parallel rank 0, 1, ...] for sources read per rank, [the one state] for the others."""
+    key -> {per_rank, ranks: [state of data-parallel rank 0, 1, ...] when read per rank, else [the one state]}."""
     by_rank = {state["dp_rank"]: state["streams"] for state in rank_states}
     streams = {}
     for source in data.sources:
         if isinstance(source, _StreamSource):
             ranks = range(data.dp_size) if source.per_rank else range(1)
-            streams[source.key] = [by_rank[r][source.key] for r in ranks]
+            streams[source.key] = {"per_rank": source.per_rank, "ranks": [by_rank[r][source.key] for r in ranks]}
     return {"position": data.position, "seed": data.cfg.seed, "seq_len": data.cfg.seq_len, "dp_size": data.dp_size,
             "streams": streams}
