@@ -87,6 +87,11 @@ class DataSourceConfig:
         "tokens (and the EOS after it) are targets: the prompt's labels are ignored (null: every token is trained)",
         default=None)
     completion_field: str | None = _doc("column of the completion (set together with prompt_field)", default=None)
+    prompt_template: str | None = _doc(
+        "completion-only sources (required there): the text before the completion, a format string over the row's "
+        "columns where {prompt} is prompt_field's value (\"Question: {question}\\nAnswer: \"; \"{prompt}\" joins "
+        "prompt and completion as they are), or 'chat': the tokenizer's chat template (a user turn, then the "
+        "assistant's completion, as TRL does)", default=None)
     weight: float = _doc("sampling weight in the mixture (normalised over sources)", default=1.0)
     streaming: bool = _doc("stream instead of downloading/tokenizing everything first (large corpora)",
                            default=False)
@@ -97,6 +102,36 @@ class DataSourceConfig:
         "settings of the generated corpus (seed, text_share, ops, train_digits, extrapolation_digits); with "
         "generate_arithmetic they are its whole identity (recorded beside it; a file generated otherwise is refused)",
         default_factory=dict)
+
+
+CHAT_TEMPLATE = "chat"  # prompt_template: the tokenizer's chat template
+
+
+def check_prompt_template(source: DataSourceConfig, key: str) -> None:
+    """A completion-only source names how its prompt and completion are joined (never glued silently), with
+    a template that formats: `{prompt}` or column names, no positional or attribute fields."""
+    import string
+
+    if source.prompt_field is None or source.completion_field is None:
+        if source.prompt_template is not None:
+            raise ConfigError(f"{key}.prompt_template is set but prompt_field/completion_field are not: set both "
+                              f"fields (loss on the completion only) or drop prompt_template")
+        return
+    if source.prompt_template is None:
+        raise ConfigError(f"{key}.prompt_template is not set: say what goes between the prompt and the completion, "
+                          f"e.g. prompt_template: \"Question: {{{source.prompt_field}}}\\nAnswer: \", \"{{prompt}}\\n\", "
+                          f"\"{{prompt}}\" (joined as they are, as the arithmetic corpus's \"12+3=\" and \"15\") or chat")
+    if source.prompt_template == CHAT_TEMPLATE:
+        return
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(source.prompt_template) if field is not None]
+    except ValueError as error:
+        raise ConfigError(f"{key}.prompt_template={source.prompt_template!r} is not a format string ({error}); "
+                          f"write {{column}} for a column's text and {{{{ }}}} for a literal brace") from None
+    bad = [field for field in fields if not field.isidentifier()]
+    if bad:
+        raise ConfigError(f"{key}.prompt_template={source.prompt_template!r} has the field(s) {bad}: use {{prompt}} or "
+                          f"{{column_name}} only")
 
 
 @dataclass

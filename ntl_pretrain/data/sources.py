@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import DataSourceConfig
+from ..config.schema import CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +126,59 @@ def completion_only(source: DataSourceConfig) -> bool:
 def text_columns(source: DataSourceConfig) -> dict[str, str]:
     """The config key (under the source) of each column the source reads -> the column name."""
     if completion_only(source):
-        return {"prompt_field": source.prompt_field, "completion_field": source.completion_field}
+        columns = {"prompt_field": source.prompt_field, "completion_field": source.completion_field}
+        if source.prompt_template != CHAT_TEMPLATE:
+            import string
+
+            for _, field, _, _ in string.Formatter().parse(source.prompt_template or ""):
+                if field and field != "prompt":
+                    columns.setdefault(f"prompt_template:{field}", field)
+        return columns
     return {"text_field": source.text_field}
 
 
-def document_texts(documents: Any, source: DataSourceConfig) -> Iterator[str]:
-    """Each document's whole text (prompt + completion for a completion-only source), e.g. to train a tokenizer."""
+def check_chat_template(tokenizer: Any, key: str) -> None:
+    """prompt_template=chat needs a tokenizer that has one (a DataError otherwise)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{key}.prompt_template=chat needs a tokenizer with a chat template, and "
+                        f"{getattr(tokenizer, 'name_or_path', None) or 'this tokenizer'!r} has none; write the "
+                        f"template as a string instead, e.g. \"Question: {{prompt}}\\nAnswer: \"")
+
+
+def prompts_and_completions(batch: dict, source: DataSourceConfig, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """The prompt and completion texts of a batch of rows of a completion-only source, joined by its
+    `prompt_template`. Spaces that end a rendered prompt begin its completion instead: "Answer: " + "48"
+    tokenizes as "Answer:" then " 48", the tokens a model prompted with "Answer:" generates."""
+    prompts, completions = batch[source.prompt_field], batch[source.completion_field]
+    if source.prompt_template == CHAT_TEMPLATE:
+        check_chat_template(tokenizer, "the source")
+        heads, tails = [], []
+        for prompt, completion in zip(prompts, completions):
+            turn = [{"role": "user", "content": prompt}]
+            head = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+            whole = tokenizer.apply_chat_template(turn + [{"role": "assistant", "content": completion}],
+                                                  tokenize=False)
+            if not whole.startswith(head):
+                raise DataError(f"the tokenizer's chat template renders a conversation that does not begin with its "
+                                f"generation prompt ({head[-40:]!r}), so the completion cannot be cut from it; use "
+                                f"a prompt_template string instead of chat")
+            heads.append(head)
+            tails.append(whole[len(head):])
+        return heads, tails
+    columns = list(batch)
+    rendered = [source.prompt_template.format_map({**dict(zip(columns, values)), "prompt": prompt})
+                for values, prompt in zip(zip(*batch.values()), prompts)]
+    heads = [text.rstrip(" ") for text in rendered]
+    return heads, [text[len(head):] + completion for text, head, completion in zip(rendered, heads, completions)]
+
+
+def document_texts(documents: Any, source: DataSourceConfig, tokenizer: Any = None) -> Iterator[str]:
+    """Each document's whole text (rendered prompt + completion for a completion-only source), e.g. to train
+    a tokenizer (a chat template needs the tokenizer)."""
     for row in documents:
         if completion_only(source):
-            yield row[source.prompt_field] + row[source.completion_field]
+            heads, tails = prompts_and_completions({k: [v] for k, v in row.items()}, source, tokenizer)
+            yield heads[0] + tails[0]
         else:
             yield row[source.text_field]
 
@@ -142,6 +187,10 @@ def _check_columns(documents: Any, columns: list[str], source: DataSourceConfig,
     """Every column the source reads exists and (when declared) holds strings."""
     features = getattr(documents, "features", None) or {}
     for setting, column in text_columns(source).items():
+        if column not in columns and setting.startswith("prompt_template"):
+            raise DataError(f"{key}.prompt_template={source.prompt_template!r} uses {{{column}}} but the dataset "
+                            f"{source.path!r} has no column {column!r} (columns: {columns}); use one of them or "
+                            f"{{prompt}}")
         if column not in columns:
             raise DataError(f"{key}: the dataset {source.path!r} has no column {column!r} (columns: {columns}); "
                             f"set {key}.{setting} to one of them")
@@ -244,7 +293,9 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
     eos = tokenizer.eos_token_id
     # the closures hold the column names only: `datasets` fingerprints them for its cache (a source's weight
     # or path does not change how it is packed)
-    text_field, prompt_field, completion_field = source.text_field, source.prompt_field, source.completion_field
+    text_field = source.text_field
+    source = DataSourceConfig(prompt_field=source.prompt_field, completion_field=source.completion_field,
+                              prompt_template=source.prompt_template)  # what packs it, fingerprinted alone
 
     def windows(flat: list) -> list[list]:
         return [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range((len(flat) - 1) // seq_len)]
@@ -258,8 +309,9 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
         return {TOKENS: windows(flat)}
 
     def pack_completions(batch: dict) -> dict:
-        prompts = tokenizer(batch[prompt_field], add_special_tokens=False)["input_ids"]
-        completions = tokenizer(batch[completion_field], add_special_tokens=False)["input_ids"]
+        prompt_texts, completion_texts = prompts_and_completions(batch, source, tokenizer)
+        prompts = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        completions = tokenizer(completion_texts, add_special_tokens=False)["input_ids"]
         flat: list[int] = []
         targets: list[bool] = []
         for prompt, completion in zip(prompts, completions):

@@ -12,8 +12,9 @@ import torch
 
 from ..config import DataConfig
 
-from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, load_documents,
-                      pack_documents)
+from ..config.schema import CHAT_TEMPLATE
+from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, check_chat_template,
+                      completion_only, load_documents, pack_documents)
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,8 @@ class PretrainingData:
         validation: list[Sample] = []
         for i, source in enumerate(cfg.sources):
             key = f"data.sources.{i}"
+            if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
+                check_chat_template(tokenizer, key)
             documents = load_documents(source, key, cfg.cache_dir)
             n_val = cfg.validation_documents
             if source.streaming:
