@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -117,3 +120,79 @@ def test_chat_template_as_trl_prompt_is_the_generation_prompt(shared_data, tmp_p
     tokenizer.chat_template = None
     with pytest.raises(DataError, match="prompt_template=chat needs a tokenizer with a chat template"):
         PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+
+
+# ---------------------------------------------------------------------------------------------- bad rows
+def _bad_corpus(path: Path, limit: int) -> list[str]:
+    """A corpus with one row of each unusable kind among good ones; returns the good texts in file order."""
+    good = [f"row {i} says {i * 37} and more words follow here" for i in range(40)]
+    bad = [{"text": None}, {"other": "no text field"}, {"text": 357}, {"text": {"nested": "object"}},
+           {"text": "x" * (limit + 1)}]
+    rows = [{"text": t} for t in good]
+    for offset, row in enumerate(bad):
+        rows.insert(2 + offset * 7, row)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return good
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_bad_rows_are_skipped_counted_and_named(shared_data, tmp_path, caplog, streaming):
+    import datasets
+
+    tokenizer = _gpt2(shared_data)
+    good = _bad_corpus(tmp_path / "c.jsonl", limit=100)
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(tmp_path / "c.jsonl"), streaming=streaming)], seq_len=8,
+                     micro_batch_size=1, validation_documents=0, max_document_chars=100,
+                     cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING):
+        data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+        source = data.sources[0]  # in packing order (not the training permutation of an in-memory source)
+        samples = [(source.get(j)[0] if streaming else source.samples[j]["tokens"])[:-1].tolist() for j in range(30)]
+    # the reference: the good rows alone (in the seeded order of a shuffled in-memory source)
+    order = good if streaming else datasets.Dataset.from_dict({"text": good}).shuffle(seed=cfg.seed)["text"]
+    stream = [t for text in order for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [50256]]
+    assert [t for s in samples for t in s] == stream[:len(samples) * 8]
+    if streaming:  # counted as the stream reads them
+        assert "skipped a streamed row whose column 'text' holds no text (null or missing) (1 row(s) skipped so far)" \
+            in caplog.text
+        assert "holds a number, not text" in caplog.text and "holds a dict, not text" in caplog.text
+        assert "holds 101 characters, over data.max_document_chars=100 (4 row(s) skipped so far)" not in caplog.text
+    else:  # counted up front, the first ones named by file and line
+        assert re.search(r"skipped 5 of 45 rows that are not usable text, e.g. '.*c.jsonl' line 3: column 'text' "
+                         r"holds no text \(null or missing\); '.*c.jsonl' line 10: column 'text' holds no text "
+                         r"\(null or missing\); '.*c.jsonl' line 17: column 'text' holds a number, not text",
+                         caplog.text)
+
+
+# ---------------------------------------------------------------------------------------------- odd folders
+def test_folder_with_a_symlink_loop_is_refused_and_linked_files_read_once(tmp_path):
+    from ntl_pretrain.data import resolve_files
+
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text('{"text": "a"}\n')
+    (folder / "sub" / "b.jsonl").write_text('{"text": "b"}\n')
+    (folder / "again.jsonl").symlink_to(folder / "a.jsonl")  # one file under two names: read once
+    (folder / "sub2").symlink_to(folder / "sub")  # one folder under two names: its files read once
+    builder, files = resolve_files(DataSourceConfig(path=str(folder)), "data.sources.0")
+    assert builder == "json" and sorted(os.path.realpath(f) for f in files) == sorted(
+        [str((folder / "a.jsonl").resolve()), str((folder / "sub" / "b.jsonl").resolve())])
+    (folder / "sub" / "up").symlink_to(folder)  # a loop: sub/up/sub/up/... would list a.jsonl again and again
+    with pytest.raises(DataError, match=r"data.sources.0.path='.*corpus': '.*sub2?/up' links to '.*corpus', a folder "
+                                        r"it is inside \(a symlink loop"):
+        resolve_files(DataSourceConfig(path=str(folder)), "data.sources.0")
+
+
+def test_fifo_is_named_as_such(tmp_path):
+    from ntl_pretrain.data import resolve_files
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"data.sources.0.path='.*pipe.jsonl' is a FIFO \(named pipe\), not a file"):
+        resolve_files(DataSourceConfig(path=str(fifo)), "data.sources.0")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "a"}\n')
+    os.mkfifo(folder / "b.jsonl")
+    with pytest.raises(DataError, match=r"'.*corpus/b.jsonl' is a FIFO \(named pipe\), not a file; remove it"):
+        resolve_files(DataSourceConfig(path=str(folder)), "data.sources.0")

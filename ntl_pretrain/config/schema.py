@@ -147,6 +147,9 @@ class DataConfig:
         "no loss on the first token of a document (predicted from the previous document's EOS)", default=True)
     seed: int = _doc("seed of the document split, shuffling and mixture", default=1234)
     num_proc: int = _doc("processes for tokenization (datasets.map num_proc)", default=1)
+    max_document_chars: int = _doc(
+        "longest text field trained on, in characters; a longer document is skipped (counted and named in the log): "
+        "one 50 MB line made the Rust tokenizer abort the process", default=4_000_000)
     cache_dir: str | None = _doc("datasets cache folder; null uses the Hugging Face default", default=None)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import stat
 from typing import Any, Iterator
 
 import numpy as np
@@ -42,12 +43,55 @@ def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or _builder_for(path) is not None or any(ch in path for ch in "*?[")
 
 
+_SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _special_kind(path: str) -> str | None:
+    """What a path that exists but is neither a file nor a folder is (a FIFO, a device, a socket), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return next((kind for test, kind in _SPECIAL_FILES if test(mode)), None)
+
+
+def _folder_files(folder: str, key: str, given: str) -> list[str]:
+    """The data files under a folder, each once (by real path: a file linked twice is read once), following
+    links to folders but refusing a link back to a folder above it (a loop) and naming special files."""
+    files: dict[str, str] = {}  # real path -> the path found
+    chain: dict[str, set[str]] = {folder: {os.path.realpath(folder)}}  # folder walked -> real paths of it and above
+    walked: set[str] = set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        walked.add(os.path.realpath(top))
+        for name in list(dirs):
+            child = os.path.join(top, name)
+            real = os.path.realpath(child)
+            if real in chain[top]:
+                raise DataError(f"{key}.path={given!r}: {child!r} links to {real!r}, a folder it is inside (a symlink "
+                                f"loop: its files would be read again and again); remove the link")
+            if real in walked:  # reached twice through links: its files are listed once
+                dirs.remove(name)
+                continue
+            chain[child] = chain[top] | {real}
+        for name in names:
+            found = os.path.join(top, name)
+            if not _builder_for(found):
+                continue
+            kind = _special_kind(found)
+            if kind is not None:
+                raise DataError(f"{key}.path={given!r}: {found!r} is {kind}, not a file; remove it from the folder "
+                                f"or copy its data into a file")
+            if os.path.isfile(found):
+                files.setdefault(os.path.realpath(found), found)
+    return sorted(files.values())
+
+
 def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] | None:
     """(datasets builder, files) of a local source, None for a hub dataset id; raises if a local path is missing."""
     path = os.path.expanduser(source.path)
     if os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                       if os.path.isfile(f) and _builder_for(f))
+        files = _folder_files(path, key, source.path)
         if not files:
             raise DataError(f"{key}.path={source.path!r} is a folder without .jsonl/.json/.parquet/.txt/.csv files")
     elif os.path.isfile(path):
@@ -56,6 +100,9 @@ def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] |
         files = sorted(glob.glob(path, recursive=True))
         if not files:
             raise DataError(f"{key}.path={source.path!r} matches no file")
+    elif _special_kind(path) is not None:
+        raise DataError(f"{key}.path={source.path!r} is {_special_kind(path)}, not a file: the data must be read twice "
+                        f"or more (checks, then training); write it to a file and point {key}.path there")
     elif _looks_local(source.path):
         raise DataError(f"{key}.path={source.path!r}: no such file or folder (working directory {os.getcwd()}); "
                         f"fix the path, or use a hub dataset id")
@@ -126,14 +173,15 @@ def completion_only(source: DataSourceConfig) -> bool:
 def text_columns(source: DataSourceConfig) -> dict[str, str]:
     """The config key (under the source) of each column the source reads -> the column name."""
     if completion_only(source):
-        columns = {"prompt_field": source.prompt_field, "completion_field": source.completion_field}
+        columns = {}
         if source.prompt_template != CHAT_TEMPLATE:
             import string
 
             for _, field, _, _ in string.Formatter().parse(source.prompt_template or ""):
                 if field and field != "prompt":
                     columns.setdefault(f"prompt_template:{field}", field)
-        return columns
+        # the completion last: what the loss trains on (checked for text)
+        return {**columns, "prompt_field": source.prompt_field, "completion_field": source.completion_field}
     return {"text_field": source.text_field}
 
 
@@ -289,8 +337,48 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
     return documents
 
 
-def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
+def unusable(value: Any, limit: int) -> str | None:
+    """Why a row's text field cannot be trained on (None: it can)."""
+    if value is None:
+        return "no text (null or missing)"
+    if not isinstance(value, str):
+        return f"a {'number' if isinstance(value, (int, float)) else type(value).__name__}, not text"
+    if len(value) > limit:
+        return f"{len(value)} characters, over data.max_document_chars={limit}"
+    return None
+
+
+class SkippedRows:
+    """Counts the rows of a stream left out as they are read; logs the first ones and then every doubling."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.count = key, 0
+
+    def __call__(self, column: str, why: str) -> None:
+        self.count += 1
+        if self.count <= 3 or self.count & (self.count - 1) == 0:
+            logger.warning("%s: skipped a streamed row whose column %r holds %s (%d row(s) skipped so far)", self.key,
+                           column, why, self.count)
+
+
+def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int, skipped: SkippedRows | None):
     eos = tokenizer.eos_token_id
+    read = list(dict.fromkeys(text_columns(source).values()))
+
+    def usable(batch: dict) -> dict:
+        """The batch without rows that are not usable text (left out before the tokenizer sees them)."""
+        keep = []
+        for i in range(len(batch[read[0]])):
+            why = next(((column, reason) for column in read
+                        if (reason := unusable(batch[column][i], limit)) is not None), None)
+            if why is None:
+                keep.append(i)
+            elif skipped is not None:
+                skipped(*why)
+        if len(keep) == len(batch[read[0]]):
+            return batch
+        return {column: [values[i] for i in keep] for column, values in batch.items()}
+
     # the closures hold the column names only: `datasets` fingerprints them for its cache (a source's weight
     # or path does not change how it is packed)
     text_field = source.text_field
@@ -301,7 +389,7 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
         return [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range((len(flat) - 1) // seq_len)]
 
     def pack(batch: dict) -> dict:
-        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(usable(batch)[text_field], add_special_tokens=False)["input_ids"]
         flat: list[int] = []
         for doc in ids:
             flat.extend(doc)
@@ -309,7 +397,7 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
         return {TOKENS: windows(flat)}
 
     def pack_completions(batch: dict) -> dict:
-        prompt_texts, completion_texts = prompts_and_completions(batch, source, tokenizer)
+        prompt_texts, completion_texts = prompts_and_completions(usable(batch), source, tokenizer)
         prompts = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
         completions = tokenizer(completion_texts, add_special_tokens=False)["input_ids"]
         flat: list[int] = []
@@ -325,15 +413,74 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
 
 
 def pack_documents(documents: Any, tokenizer: Any, source: DataSourceConfig, seq_len: int, num_proc: int,
-                   description: str) -> Any:
+                   description: str, max_document_chars: int, key: str) -> Any:
     """Tokenize and pack documents into samples of seq_len + 1 tokens (batches of 1000 documents); a
-    completion-only source's samples also get their `targets` mask."""
+    completion-only source's samples also get their `targets` mask. Rows that are not usable text are left
+    out (a stream counts them in the log as it reads; see `drop_unusable_rows` for the others)."""
     import datasets
 
     kwargs: dict[str, Any] = dict(batched=True, batch_size=1000, remove_columns=documents.column_names)
-    if isinstance(documents, datasets.Dataset):
+    in_memory = isinstance(documents, datasets.Dataset)
+    if in_memory:  # datasets shows a progress bar with this description
         kwargs.update(num_proc=num_proc if num_proc > 1 else None, desc=description)
-    return documents.map(_packer(tokenizer, source, seq_len), **kwargs)
+        logger.info("%s: %d documents (%d process(es))", description, len(documents), max(num_proc, 1))
+    skipped = None if in_memory else SkippedRows(key)
+    return documents.map(_packer(tokenizer, source, seq_len, max_document_chars, skipped), **kwargs)
+
+
+def _row_places(files: list[str], builder: str, rows: list[int]) -> dict[int, str]:
+    """'FILE line N' of the given rows (in the order `datasets` reads them) of local JSON-lines files; rows
+    of other formats are named by their index. Read only on the warning path."""
+    places = {row: f"row {row}" for row in rows}
+    if builder != "json" or not rows:
+        return places
+    wanted, row = sorted(rows), 0
+    for name in files:
+        if name.lower().endswith(".gz"):
+            return places
+        with open(name, "rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith(b"[") and row == 0 and number == 1:
+                    return places  # a JSON array, not lines
+                if row == wanted[0]:
+                    places[row] = f"{name!r} line {number}"
+                    wanted.pop(0)
+                    if not wanted:
+                        return places
+                row += 1
+    return places
+
+
+def drop_unusable_rows(documents: Any, source: DataSourceConfig, key: str, limit: int) -> Any:
+    """The documents without rows whose text fields are null, missing, not strings (a number, an object) or
+    longer than `limit` characters; a warning counts them and names the first ones' file and line."""
+    import pyarrow.compute as pc
+
+    reasons: dict[int, str] = {}
+    for column in dict.fromkeys(text_columns(source).values()):
+        if getattr(documents.features.get(column), "dtype", None) in ("string", "large_string"):
+            values = documents.data.column(column)  # vectorised: nulls and long texts only go through Python
+            flagged = pc.or_kleene(pc.is_null(values), pc.greater(pc.utf8_length(values), limit))
+            rows = np.flatnonzero(flagged.to_numpy(zero_copy_only=False))
+            checked = ((int(r), documents[int(r)][column]) for r in rows)
+        else:  # a column of mixed kinds (datasets' Json feature): every value checked
+            checked = enumerate(v for batch in documents.select_columns([column]).iter(batch_size=10000)
+                                for v in batch[column])
+        for row, value in checked:
+            why = unusable(value, limit)
+            if why is not None and row not in reasons:
+                reasons[row] = f"column {column!r} holds {why}"
+    if not reasons:
+        return documents
+    resolved = resolve_files(source, key)
+    first = sorted(reasons)[:3]
+    places = _row_places(resolved[1], resolved[0], first) if resolved else {row: f"row {row}" for row in first}
+    logger.warning("%s.path=%r: skipped %d of %d rows that are not usable text, e.g. %s", key, source.path,
+                   len(reasons), len(documents), "; ".join(f"{places[row]}: {reasons[row]}" for row in first))
+    keep = np.setdiff1d(np.arange(len(documents)), np.fromiter(reasons, dtype=np.int64))
+    return documents.select(keep)
 
 
 Sample = tuple[np.ndarray, "np.ndarray | None"]  # (seq_len + 1 tokens, their targets mask or None: all targets)

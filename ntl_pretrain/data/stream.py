@@ -14,7 +14,7 @@ from ..config import DataConfig
 
 from ..config.schema import CHAT_TEMPLATE
 from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, check_chat_template,
-                      completion_only, load_documents, pack_documents)
+                      completion_only, drop_unusable_rows, load_documents, pack_documents)
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +245,7 @@ class PretrainingData:
             if source.streaming:
                 held_out, training, per_rank = _split_stream(documents, n_val, dp_rank, dp_size, key)
             else:
+                documents = drop_unusable_rows(documents, source, key, cfg.max_document_chars)
                 if len(documents) <= n_val:
                     raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
                                     f"data.validation_documents={n_val}; lower data.validation_documents")
@@ -252,7 +253,7 @@ class PretrainingData:
                 held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
             try:
                 packed = pack_documents(training, tokenizer, source, cfg.seq_len, cfg.num_proc,
-                                        f"packing {key}")
+                                        f"packing {key}", cfg.max_document_chars, key)
             except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
                 raise _encoding_error(source, key, error) from None
             if source.streaming:
@@ -264,7 +265,7 @@ class PretrainingData:
                 sources.append(_MapSource(packed, cfg.seed, i))
             if n_val:
                 held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, cfg.num_proc,
-                                             f"packing {key} (validation)")
+                                             f"packing {key} (validation)", cfg.max_document_chars, key)
                 validation.extend(_sample_of(s) for s in held_packed)
         return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size, eos_id=tokenizer.eos_token_id)
 
