@@ -19,6 +19,7 @@ ZeroStage = Literal[0, 1, 2, 3]
 LRScheduleName = Literal["cosine", "linear", "constant"]
 ProgressBar = Literal["auto", "always", "never"]
 ResumeLRSchedule = Literal["error", "keep", "replan"]
+SourceFormat = Literal["text", "prepared", "tokenized"]  # ntl_pretrain.data: how a source's rows are read
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -78,6 +79,11 @@ class DataSourceConfig:
 
     path: str = _doc("local .jsonl/.json/.parquet/.txt file or glob, a folder of them, or a hub dataset id",
                      default="")
+    format: SourceFormat = _doc(
+        "text (documents tokenized by the run) | prepared (a folder written by tools/prepare_data.py: tokenized and "
+        "packed once, memory-mapped, checked against the run's tokenizer and settings) | tokenized (the user's own "
+        "token ids: an input_ids column of one document each, optionally a loss_mask column, 1 = trained)",
+        default="text")
     name: str | None = _doc("hub dataset configuration name", default=None)
     split: str = _doc("dataset split to read", default="train")
     text_field: str = _doc("column that holds the document text (unused when prompt_field and completion_field "
@@ -105,6 +111,8 @@ class DataSourceConfig:
 
 
 CHAT_TEMPLATE = "chat"  # prompt_template: the tokenizer's chat template
+PREPARED = "prepared"  # format of a corpus written by tools/prepare_data.py
+TOKENIZED = "tokenized"  # format of a user's token-id dataset
 
 
 def check_prompt_template(source: DataSourceConfig, key: str) -> None:

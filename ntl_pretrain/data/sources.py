@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import DataSourceConfig
-from ..config.schema import CHAT_TEMPLATE
+from ..config.schema import CHAT_TEMPLATE, TOKENIZED
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 TOKENS = "tokens"  # column of packed samples
 TARGETS = "targets"  # column of prompt/completion samples: True where the token is a loss target
 IGNORE_INDEX = -100  # label of positions without a target
+INPUT_IDS, LOSS_MASK = "input_ids", "loss_mask"  # columns of a `format: tokenized` source (one document a row)
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
              ".jsonl.gz": "json", ".json.gz": "json"}
 
@@ -327,6 +328,12 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
         columns = list(first) if first is not None else []
         if first is None:
             raise DataError(f"{key}.path={source.path!r} holds no documents")
+    if source.format == TOKENIZED:
+        if INPUT_IDS not in columns:
+            raise DataError(f"{key}.path={source.path!r} has no column {INPUT_IDS!r} (columns: {columns}), which "
+                            f"format: tokenized reads (one document's token ids a row, optionally {LOSS_MASK!r}); "
+                            f"rename the column, or set {key}.format=text")
+        return documents
     _check_columns(documents, columns, source, key)
     if not source.streaming and len(documents) == 0:
         raise DataError(f"{key}.path={source.path!r} holds no documents (empty dataset)")
@@ -363,7 +370,7 @@ class SkippedRows:
 
 def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int, skipped: SkippedRows | None):
     eos = tokenizer.eos_token_id
-    read = list(dict.fromkeys(text_columns(source).values()))
+    read = list(dict.fromkeys(text_columns(source).values())) if source.format != TOKENIZED else []
 
     def usable(batch: dict) -> dict:
         """The batch without rows that are not usable text (left out before the tokenizer sees them)."""
@@ -381,7 +388,7 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int, 
 
     # the closures hold the column names only: `datasets` fingerprints them for its cache (a source's weight
     # or path does not change how it is packed)
-    text_field = source.text_field
+    text_field, source_format = source.text_field, source.format
     source = DataSourceConfig(prompt_field=source.prompt_field, completion_field=source.completion_field,
                               prompt_template=source.prompt_template)  # what packs it, fingerprinted alone
 
@@ -409,6 +416,23 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int, 
             targets.extend([False] * len(prompt) + [True] * (len(completion) + 1))
         return {TOKENS: windows(flat), TARGETS: windows(targets)}
 
+    def pack_token_ids(batch: dict) -> dict:
+        masks = batch.get(LOSS_MASK) or [None] * len(batch[INPUT_IDS])
+        flat: list[int] = []
+        targets: list[bool] = []
+        for ids, mask in zip(batch[INPUT_IDS], masks):
+            if not isinstance(ids, list) or (mask is not None and len(mask) != len(ids)):
+                if skipped is not None:
+                    skipped(INPUT_IDS, "no token ids" if not isinstance(ids, list) else "a loss_mask of another length")
+                continue
+            flat.extend(ids)
+            flat.append(eos)
+            targets.extend([True] * len(ids) if mask is None else [bool(m) for m in mask])
+            targets.append(True)
+        return {TOKENS: windows(flat), TARGETS: windows(targets)} if LOSS_MASK in batch else {TOKENS: windows(flat)}
+
+    if source_format == TOKENIZED:
+        return pack_token_ids
     return pack_completions if completion_only(source) else pack
 
 
@@ -458,6 +482,8 @@ def drop_unusable_rows(documents: Any, source: DataSourceConfig, key: str, limit
     longer than `limit` characters; a warning counts them and names the first ones' file and line."""
     import pyarrow.compute as pc
 
+    if source.format == TOKENIZED:  # token ids: the packer leaves out rows without them
+        return documents
     reasons: dict[int, str] = {}
     for column in dict.fromkeys(text_columns(source).values()):
         if getattr(documents.features.get(column), "dtype", None) in ("string", "large_string"):

@@ -12,9 +12,11 @@ import torch
 
 from ..config import DataConfig
 
-from ..config.schema import CHAT_TEMPLATE
+from ..config.schema import CHAT_TEMPLATE, PREPARED
 from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, check_chat_template,
                       completion_only, drop_unusable_rows, load_documents, pack_documents)
+
+from .prepared import load_prepared
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,31 @@ class _StreamSource:
         self._origin, self._iterator = state, None
 
 
+def pack_in_memory(cfg: DataConfig, source: Any, key: str, tokenizer: Any, num_proc: int) -> tuple[Any, Any]:
+    """(training samples, validation samples) of a source read whole: its usable rows, seeded-shuffled, the
+    first `validation_documents` held out, each part tokenized and packed (`num_proc` processes)."""
+    if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
+        check_chat_template(tokenizer, key)
+    documents = drop_unusable_rows(load_documents(source, key, cfg.cache_dir), source, key, cfg.max_document_chars)
+    n_val = cfg.validation_documents
+    if len(documents) <= n_val:
+        raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
+                        f"data.validation_documents={n_val}; lower data.validation_documents")
+    documents = documents.shuffle(seed=cfg.seed)
+    held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
+    try:
+        packed = pack_documents(training, tokenizer, source, cfg.seq_len, num_proc, f"packing {key}",
+                                cfg.max_document_chars, key)
+        held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, num_proc,
+                                     f"packing {key} (validation)", cfg.max_document_chars, key)
+    except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
+        raise _encoding_error(source, key, error) from None
+    if len(packed) == 0:
+        raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
+                        f"tokens after tokenization; add data or lower data.seq_len")
+    return packed, held_packed
+
+
 def _split_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key: str) -> tuple[Any, Any, bool]:
     """(held-out documents, this rank's training documents, whether they are its own share) of a stream.
 
@@ -238,32 +265,24 @@ class PretrainingData:
         validation: list[Sample] = []
         for i, source in enumerate(cfg.sources):
             key = f"data.sources.{i}"
+            if source.format == PREPARED:  # tokenized and packed by tools/prepare_data.py: memory-mapped as it is
+                packed, held_packed = load_prepared(source, key, cfg, tokenizer)
+                sources.append(_MapSource(packed, cfg.seed, i))
+                validation.extend(_sample_of(s) for s in held_packed)
+                continue
+            if not source.streaming:
+                packed, held_packed = pack_in_memory(cfg, source, key, tokenizer, cfg.num_proc)
+                sources.append(_MapSource(packed, cfg.seed, i))
+                validation.extend(_sample_of(s) for s in held_packed)
+                continue
             if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
                 check_chat_template(tokenizer, key)
             documents = load_documents(source, key, cfg.cache_dir)
-            n_val = cfg.validation_documents
-            if source.streaming:
-                held_out, training, per_rank = _split_stream(documents, n_val, dp_rank, dp_size, key)
-            else:
-                documents = drop_unusable_rows(documents, source, key, cfg.max_document_chars)
-                if len(documents) <= n_val:
-                    raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
-                                    f"data.validation_documents={n_val}; lower data.validation_documents")
-                documents = documents.shuffle(seed=cfg.seed)
-                held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
-            try:
-                packed = pack_documents(training, tokenizer, source, cfg.seq_len, cfg.num_proc,
-                                        f"packing {key}", cfg.max_document_chars, key)
-            except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
-                raise _encoding_error(source, key, error) from None
-            if source.streaming:
-                sources.append(_StreamSource(packed, key, per_rank))
-            else:
-                if len(packed) == 0:
-                    raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
-                                    f"tokens after tokenization; add data or lower data.seq_len")
-                sources.append(_MapSource(packed, cfg.seed, i))
-            if n_val:
+            held_out, training, per_rank = _split_stream(documents, cfg.validation_documents, dp_rank, dp_size, key)
+            packed = pack_documents(training, tokenizer, source, cfg.seq_len, cfg.num_proc, f"packing {key}",
+                                    cfg.max_document_chars, key)
+            sources.append(_StreamSource(packed, key, per_rank))
+            if cfg.validation_documents:
                 held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, cfg.num_proc,
                                              f"packing {key} (validation)", cfg.max_document_chars, key)
                 validation.extend(_sample_of(s) for s in held_packed)
