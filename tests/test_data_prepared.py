@@ -108,7 +108,8 @@ def test_prepared_corpus_made_otherwise_is_refused_naming_every_key(tokenizer_di
                                     eos_token="<|endoftext|>")
     with pytest.raises(DataError, match=r"data.sources.0.path='.*source-0' was prepared with other settings than this "
                                         r"run's: tokenizer \(prepared '[0-9a-f]{64}', this run '[0-9a-f]{64}'\); "
-                                        r"eos_token_id \(prepared 0, this run 50256\); seq_len \(prepared 16, this run 32\); prepare it again"):
+                                        r"eos_token_id \(prepared 0, this run 50256\); "
+                                        r"seq_len \(prepared 16, this run 32\); prepare it again"):
         PretrainingData.build(_cfg(folder, tmp_path, seq_len=32, source={"format": "prepared"}), other,
                               dp_rank=0, dp_size=1)
     with pytest.raises(DataError, match=r"has no manifest.json: not a corpus written by tools/prepare_data.py"):
