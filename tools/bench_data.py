@@ -40,7 +40,7 @@ WORDS = ("the", "total", "of", "sold", "price", "is", "and", "each", "year", "ab
          "from", "in", "units", "between", "measured", "average", "km")
 
 
-def write_corpus(folder: str, shard_bytes: int, seed: int = 0) -> int:
+def write_corpus(folder: str, shard_bytes: int, doc_words: tuple[int, int] = (40, 400), seed: int = 0) -> int:
     """16 jsonl shards of about `shard_bytes` each of generated number-rich documents; returns the bytes."""
     import numpy as np
 
@@ -50,7 +50,7 @@ def write_corpus(folder: str, shard_bytes: int, seed: int = 0) -> int:
     for shard in range(SHARDS):
         lines, size = [], 0
         while size < shard_bytes:
-            n = int(rng.integers(40, 400))
+            n = int(rng.integers(*doc_words))
             words = rng.choice(WORDS, size=n)
             numbers = rng.integers(0, 100000, size=n)
             text = " ".join(f"{w} {x}" if x % 3 == 0 else w for w, x in zip(words, numbers))
@@ -124,19 +124,23 @@ def _run(args: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bench_size(work: str, shard_mb: float, steps: int, seq_len: int, micro_batch: int) -> dict:
+def bench_size(work: str, shard_mb: float, steps: int, seq_len: int, micro_batch: int, words: tuple[int, int],
+               parts: str) -> dict:
     folder = os.path.join(work, f"corpus-{shard_mb}mb")
-    corpus_bytes = write_corpus(folder, int(shard_mb * 2**20))
+    corpus_bytes = write_corpus(folder, int(shard_mb * 2**20), words)
     base = {"seq_len": seq_len, "micro_batch": micro_batch, "cache": os.path.join(work, f"cache-{shard_mb}"),
             "source": {"path": folder, "streaming": True}}
     result: dict = {"corpus_bytes": corpus_bytes, "steps": steps, "per_rank": {}}
-    for dp in (1, 2, 4):  # (a)
+    for dp in (1, 2, 4) if "a" in parts else ():  # (a)
         ranks = [_run({**base, "dp": dp, "rank": r, "steps": steps}) for r in range(dp)]
         result["per_rank"][dp] = {"read": [r["read"] for r in ranks], "build_read": [r["build_read"] for r in ranks],
                                   "tokens": [r["tokens"] for r in ranks],
                                   "steps_s": [r["steps_s"] for r in ranks]}
-    one = result["per_rank"][1]
-    result["tokens_per_s_per_rank"] = one["tokens"][0] / one["steps_s"][0]
+    if "a" in parts:
+        one = result["per_rank"][1]
+        result["tokens_per_s_per_rank"] = one["tokens"][0] / one["steps_s"][0]
+    if "b" not in parts:
+        return result
     state = os.path.join(work, f"state-{shard_mb}.json")  # (b)
     half = _run({**base, "dp": 1, "rank": 0, "steps": steps // 2, "save_state": state})
     resumed = _run({**base, "dp": 1, "rank": 0, "steps": 1, "state": state})
@@ -150,6 +154,8 @@ def bench_size(work: str, shard_mb: float, steps: int, seq_len: int, micro_batch
                         "resumed_first_step_read": resumed["first_step_read"] - resumed["build_read"],
                         "position_only_first_step_read": reread["first_step_read"] - reread["build_read"],
                         "resumed_first_step_s": resumed["first_step_s"], "position_only_first_step_s": reread["first_step_s"]}
+    if "c" not in parts:
+        return result
     # (c) raw text tokenized at start-up (fresh cache) vs prepared once
     raw = {**base, "cache": os.path.join(work, f"cache-raw-{shard_mb}"), "source": {"path": folder}}
     raw_ranks = [_run({**raw, "dp": 2, "rank": r, "steps": 1}) for r in range(2)]
@@ -176,37 +182,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps of (a) (default: half of one pass at dp 1)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--doc-words", type=int, nargs=2, default=[40, 400], help="words per document (range)")
+    parser.add_argument("--parts", default="abc", help="which measurements: a (per rank), b (resume), c (first step)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # each size's figures as soon as they are measured
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_data_") as work:
         for shard_mb in args.shard_mb:
             # ~0.3 GPT-2 tokens a byte of this text: half of the corpus in steps of 4 x micro_batch x seq_len
             steps = args.steps or max(2, int(SHARDS * shard_mb * 2**20 * 0.3 / 2 / (4 * args.micro_batch * args.seq_len)))
-            results[shard_mb] = result = bench_size(work, shard_mb, steps, args.seq_len, args.micro_batch)
+            results[shard_mb] = result = bench_size(work, shard_mb, steps, args.seq_len, args.micro_batch,
+                                                    tuple(args.doc_words), args.parts)
             mb = result["corpus_bytes"] / 2**20
             print(f"corpus {mb:.0f} MB in {SHARDS} shards, {steps} steps of {4 * args.micro_batch} x {args.seq_len} tokens")
-            one = result["per_rank"][1]
-            one_steps = one["read"][0] - one["build_read"][0]
+            one = result["per_rank"].get(1)
             for dp, figures in result["per_rank"].items():
+                one_steps = one["read"][0] - one["build_read"][0]
                 steps_read = [r - b for r, b in zip(figures["read"], figures["build_read"])]
                 print(f"  dp {dp}: MB read per rank {[round(r / 2**20, 2) for r in figures['read']]} (start-up "
                       f"{[round(r / 2**20, 2) for r in figures['build_read']]}, steps "
                       f"{[round(r / 2**20, 2) for r in steps_read]}); max/dp1 {max(figures['read']) / one['read'][0]:.3f}, "
                       f"steps only {max(steps_read) / one_steps:.3f} (1/dp = {1 / dp:.3f})")
-            print(f"  data path on one rank: {result['tokens_per_s_per_rank']:.0f} tokens/s")
-            resume = result["resume"]
-            print(f"  resume at half (past the start-up reads): first half read {resume['first_half_read'] / 2**20:.2f} "
-                  f"MB; the first resumed step {resume['resumed_first_step_read'] / 2**20:.2f} MB "
-                  f"({resume['resumed_first_step_read'] / resume['first_half_read']:.1%}); position only "
-                  f"(previous version) {resume['position_only_first_step_read'] / 2**20:.2f} MB")
-            first = result["first_step"]
-            print(f"  first step at 2 ranks: raw {sum(first['raw_s']):.1f} s (rank 0 {first['raw_s'][0]:.1f} s, then "
-                  f"rank 1 {first['raw_s'][1]:.1f} s), prepared {max(first['prepared_s']):.1f} s (made once in "
-                  f"{first['prepare_s']:.1f} s)")
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=1)
+            if one:
+                print(f"  data path on one rank: {result['tokens_per_s_per_rank']:.0f} tokens/s")
+            resume = result.get("resume")
+            if resume:
+                print(f"  resume at half (past the start-up reads): first half read {resume['first_half_read'] / 2**20:.2f} "
+                      f"MB; the first resumed step {resume['resumed_first_step_read'] / 2**20:.2f} MB "
+                      f"({resume['resumed_first_step_read'] / resume['first_half_read']:.1%}); position only "
+                      f"(previous version) {resume['position_only_first_step_read'] / 2**20:.2f} MB")
+            first = result.get("first_step")
+            if first:
+                print(f"  first step at 2 ranks: raw {sum(first['raw_s']):.1f} s (rank 0 {first['raw_s'][0]:.1f} s, then "
+                      f"rank 1 {first['raw_s'][1]:.1f} s), prepared {max(first['prepared_s']):.1f} s (made once in "
+                      f"{first['prepare_s']:.1f} s)")
+            if args.out:
+                with open(args.out, "w") as handle:
+                    json.dump(results, handle, indent=1)
     return 0
 
 
