@@ -5,6 +5,8 @@ a corpus made otherwise refused with every differing key named."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 from pathlib import Path
 
@@ -116,7 +118,7 @@ def test_prepared_corpus_made_otherwise_is_refused_naming_every_key(tokenizer_di
         PretrainingData.build(_cfg(tmp_path, tmp_path, source={"format": "prepared"}), tokenizer, dp_rank=0, dp_size=1)
 
 
-def test_users_own_token_ids_with_a_loss_mask(tokenizer, tmp_path):
+def test_users_own_token_ids_with_a_loss_mask(tokenizer, tmp_path, caplog):
     rng = np.random.default_rng(0)
     rows = []
     for _ in range(40):
@@ -124,6 +126,15 @@ def test_users_own_token_ids_with_a_loss_mask(tokenizer, tmp_path):
         rows.append({"input_ids": ids, "loss_mask": [int(i % 3 != 0) for i in range(len(ids))]})
     path = tmp_path / "ids.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with_gap = tmp_path / "gap.jsonl"  # a row without token ids: named, left out (in-memory source)
+    with_gap.write_text(path.read_text() + '{"other": 1}\n' + path.read_text())
+    with caplog.at_level(logging.WARNING):
+        gap = PretrainingData.build(_cfg(with_gap, tmp_path, validation_documents=0, source={"format": "tokenized"}),
+                                    _NoTokenizing(tokenizer), dp_rank=0, dp_size=1)
+    assert re.search(r"skipped 1 of 81 rows that are not usable text, e\.g\. '.*gap.jsonl' line 41: column "
+                     r"'input_ids' holds no token ids", caplog.text)
+    tokens = sum(len(r["input_ids"]) + 1 for r in rows)
+    assert gap.sources[0].size == (2 * tokens - 1) // SEQ  # every other row packed (one batch of 80 documents)
     cfg = _cfg(path, tmp_path, validation_documents=0, source={"format": "tokenized", "streaming": True})
     data = PretrainingData.build(cfg, _NoTokenizing(tokenizer), dp_rank=0, dp_size=1)
     eos = tokenizer.eos_token_id

@@ -482,10 +482,11 @@ def drop_unusable_rows(documents: Any, source: DataSourceConfig, key: str, limit
     longer than `limit` characters; a warning counts them and names the first ones' file and line."""
     import pyarrow.compute as pc
 
-    if source.format == TOKENIZED:  # token ids: the packer leaves out rows without them
-        return documents
     reasons: dict[int, str] = {}
-    for column in dict.fromkeys(text_columns(source).values()):
+    if source.format == TOKENIZED:  # token ids: rows without them (null or missing) are left out
+        rows = np.flatnonzero(pc.is_null(documents.data.column(INPUT_IDS)).to_numpy(zero_copy_only=False))
+        reasons = {int(row): f"column {INPUT_IDS!r} holds no token ids (null or missing)" for row in rows}
+    for column in dict.fromkeys(text_columns(source).values()) if source.format != TOKENIZED else ():
         if getattr(documents.features.get(column), "dtype", None) in ("string", "large_string"):
             values = documents.data.column(column)  # vectorised: nulls and long texts only go through Python
             flagged = pc.or_kleene(pc.is_null(values), pc.greater(pc.utf8_length(values), limit))
