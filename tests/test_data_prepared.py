@@ -79,6 +79,10 @@ def test_prepared_corpus_trains_the_raw_samples_without_tokenizing(tokenizer_dir
     assert [Path(f).name for f in folders] == ["source-0"]
     manifest = json.loads((Path(folders[0]) / "manifest.json").read_text())
     assert manifest["source"]["files"] == [{"path": str(corpus), "bytes": corpus.stat().st_size}]
+    from ntl_pretrain.data import resolve_files  # what the start-up checks and the checkpoint fingerprint list
+
+    kind, files = resolve_files(DataSourceConfig(path=folders[0], format="prepared"), "data.sources.0")
+    assert kind == "prepared" and files[-1].endswith("manifest.json") and any(f.endswith(".arrow") for f in files)
     raw = PretrainingData.build(_cfg(corpus, tmp_path), tokenizer, dp_rank=0, dp_size=1)
     prepared = PretrainingData.build(_cfg(folders[0], tmp_path, source={"format": "prepared"}),
                                      _NoTokenizing(tokenizer), dp_rank=0, dp_size=1)

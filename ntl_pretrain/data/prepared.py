@@ -12,11 +12,11 @@ from typing import Any
 
 from ..config import DataConfig, DataSourceConfig
 from ..config.schema import PREPARED
-from .sources import DataError, resolve_files
+from .sources import PREPARED_MANIFEST, DataError, prepare_generated_corpus, resolve_files
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
+MANIFEST = PREPARED_MANIFEST
 TRAIN, VALIDATION = "train", "validation"  # the sample folders (datasets save_to_disk), fixed names
 MANIFEST_VERSION = 1
 
@@ -58,6 +58,7 @@ def prepare_corpus(cfg: DataConfig, tokenizer: Any, out_dir: str, num_proc: int)
         key = f"data.sources.{i}"
         if source.format == PREPARED:
             raise DataError(f"{key}.path={source.path!r} is already prepared (format: prepared); list the raw source")
+        prepare_generated_corpus(source, key)  # a generated corpus the config asks for, as a run writes it
         whole = dataclasses.replace(source, streaming=False)  # prepared once, read whole
         packed, held_packed = pack_in_memory(cfg, whole, key, tokenizer, num_proc)
         target = os.path.join(out_dir, f"source-{i}")
@@ -83,9 +84,7 @@ def load_prepared(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer
 
     folder = os.path.expanduser(source.path)
     manifest_path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise DataError(f"{key}.path={source.path!r} has no {MANIFEST}: not a corpus written by tools/prepare_data.py "
-                        f"(format: prepared); prepare it, or set {key}.format to text or tokenized")
+    resolve_files(source, key)  # a folder with a manifest
     for part in (TRAIN, VALIDATION):
         if os.path.islink(os.path.join(folder, part)) or not os.path.isdir(os.path.join(folder, part)):
             raise DataError(f"{key}.path={source.path!r}: {part}/ is missing or a link; prepare the corpus again")

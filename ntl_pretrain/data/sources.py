@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import DataSourceConfig
-from ..config.schema import CHAT_TEMPLATE, TOKENIZED
+from ..config.schema import CHAT_TEMPLATE, PREPARED, TOKENIZED
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ TOKENS = "tokens"  # column of packed samples
 TARGETS = "targets"  # column of prompt/completion samples: True where the token is a loss target
 IGNORE_INDEX = -100  # label of positions without a target
 INPUT_IDS, LOSS_MASK = "input_ids", "loss_mask"  # columns of a `format: tokenized` source (one document a row)
+PREPARED_MANIFEST = "manifest.json"  # what tools/prepare_data.py writes beside a prepared corpus's samples
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
              ".jsonl.gz": "json", ".json.gz": "json"}
 
@@ -89,8 +90,15 @@ def _folder_files(folder: str, key: str, given: str) -> list[str]:
 
 
 def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] | None:
-    """(datasets builder, files) of a local source, None for a hub dataset id; raises if a local path is missing."""
+    """(datasets builder, files) of a local source, None for a hub dataset id; raises if a local path is missing.
+    A prepared corpus gives ("prepared", its Arrow files and manifest)."""
     path = os.path.expanduser(source.path)
+    if source.format == PREPARED:
+        if not os.path.isfile(os.path.join(path, PREPARED_MANIFEST)):
+            raise DataError(f"{key}.path={source.path!r} has no {PREPARED_MANIFEST}: not a corpus written by "
+                            f"tools/prepare_data.py (format: prepared); prepare it, or set {key}.format to text or "
+                            f"tokenized")
+        return PREPARED, sorted(glob.glob(os.path.join(path, "*", "*.arrow"))) + [os.path.join(path, PREPARED_MANIFEST)]
     if os.path.isdir(path):
         files = _folder_files(path, key, source.path)
         if not files:
