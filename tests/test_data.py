@@ -240,7 +240,8 @@ def _reference_stream(tokenizer, rows: list[dict]) -> tuple[list[int], list[bool
 
 
 def _completion_source(path: Path) -> DataSourceConfig:
-    return DataSourceConfig(path=str(path), prompt_field="prompt", completion_field="completion")
+    return DataSourceConfig(path=str(path), prompt_field="prompt", completion_field="completion",
+                            prompt_template="{prompt}")
 
 
 @pytest.mark.parametrize("seq_len", [5, 8])
@@ -373,7 +374,8 @@ def test_completion_only_needs_both_fields():
         load_config(None, base + ["data.sources.0.prompt_field=prompt"])
     with pytest.raises(ConfigError, match="both 'x'"):
         load_config(None, base + ["data.sources.0.prompt_field=x", "data.sources.0.completion_field=x"])
-    cfg = load_config(None, base + ["data.sources.0.prompt_field=p", "data.sources.0.completion_field=c"])
+    cfg = load_config(None, base + ["data.sources.0.prompt_field=p", "data.sources.0.completion_field=c",
+                                    "data.sources.0.prompt_template='{prompt}'"])
     assert (cfg.data.sources[0].prompt_field, cfg.data.sources[0].completion_field) == ("p", "c")
 
 

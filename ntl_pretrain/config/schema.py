@@ -19,6 +19,7 @@ ZeroStage = Literal[0, 1, 2, 3]
 LRScheduleName = Literal["cosine", "linear", "constant"]
 ProgressBar = Literal["auto", "always", "never"]
 ResumeLRSchedule = Literal["error", "keep", "replan"]
+SourceFormat = Literal["text", "prepared", "tokenized"]  # ntl_pretrain.data: how a source's rows are read
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -78,6 +79,11 @@ class DataSourceConfig:
 
     path: str = _doc("local .jsonl/.json/.parquet/.txt file or glob, a folder of them, or a hub dataset id",
                      default="")
+    format: SourceFormat = _doc(
+        "text (documents tokenized by the run) | prepared (a folder written by tools/prepare_data.py: tokenized and "
+        "packed once, memory-mapped, checked against the run's tokenizer and settings) | tokenized (the user's own "
+        "token ids: an input_ids column of one document each, optionally a loss_mask column, 1 = trained)",
+        default="text")
     name: str | None = _doc("hub dataset configuration name", default=None)
     split: str = _doc("dataset split to read", default="train")
     text_field: str = _doc("column that holds the document text (unused when prompt_field and completion_field "
@@ -87,6 +93,11 @@ class DataSourceConfig:
         "tokens (and the EOS after it) are targets: the prompt's labels are ignored (null: every token is trained)",
         default=None)
     completion_field: str | None = _doc("column of the completion (set together with prompt_field)", default=None)
+    prompt_template: str | None = _doc(
+        "completion-only sources (required there): the text before the completion, a format string over the row's "
+        "columns where {prompt} is prompt_field's value (\"Question: {question}\\nAnswer: \"; \"{prompt}\" joins "
+        "prompt and completion as they are), or 'chat': the tokenizer's chat template (a user turn, then the "
+        "assistant's completion, as TRL does)", default=None)
     weight: float = _doc("sampling weight in the mixture (normalised over sources)", default=1.0)
     streaming: bool = _doc("stream instead of downloading/tokenizing everything first (large corpora)",
                            default=False)
@@ -97,6 +108,38 @@ class DataSourceConfig:
         "settings of the generated corpus (seed, text_share, ops, train_digits, extrapolation_digits); with "
         "generate_arithmetic they are its whole identity (recorded beside it; a file generated otherwise is refused)",
         default_factory=dict)
+
+
+CHAT_TEMPLATE = "chat"  # prompt_template: the tokenizer's chat template
+PREPARED = "prepared"  # format of a corpus written by tools/prepare_data.py
+TOKENIZED = "tokenized"  # format of a user's token-id dataset
+
+
+def check_prompt_template(source: DataSourceConfig, key: str) -> None:
+    """A completion-only source names how its prompt and completion are joined (never glued silently), with
+    a template that formats: `{prompt}` or column names, no positional or attribute fields."""
+    import string
+
+    if source.prompt_field is None or source.completion_field is None:
+        if source.prompt_template is not None:
+            raise ConfigError(f"{key}.prompt_template is set but prompt_field/completion_field are not: set both "
+                              f"fields (loss on the completion only) or drop prompt_template")
+        return
+    if source.prompt_template is None:
+        raise ConfigError(f"{key}.prompt_template is not set: say what goes between the prompt and the completion, "
+                          f"e.g. prompt_template: \"Question: {{{source.prompt_field}}}\\nAnswer: \", \"{{prompt}}\\n\", "
+                          f"\"{{prompt}}\" (joined as they are, as the arithmetic corpus's \"12+3=\" and \"15\") or chat")
+    if source.prompt_template == CHAT_TEMPLATE:
+        return
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(source.prompt_template) if field is not None]
+    except ValueError as error:
+        raise ConfigError(f"{key}.prompt_template={source.prompt_template!r} is not a format string ({error}); "
+                          f"write {{column}} for a column's text and {{{{ }}}} for a literal brace") from None
+    bad = [field for field in fields if not field.isidentifier()]
+    if bad:
+        raise ConfigError(f"{key}.prompt_template={source.prompt_template!r} has the field(s) {bad}: use {{prompt}} or "
+                          f"{{column_name}} only")
 
 
 @dataclass
@@ -112,6 +155,9 @@ class DataConfig:
         "no loss on the first token of a document (predicted from the previous document's EOS)", default=True)
     seed: int = _doc("seed of the document split, shuffling and mixture", default=1234)
     num_proc: int = _doc("processes for tokenization (datasets.map num_proc)", default=1)
+    max_document_chars: int = _doc(
+        "longest text field trained on, in characters; a longer document is skipped (counted and named in the log): "
+        "one 50 MB line made the Rust tokenizer abort the process", default=4_000_000)
     cache_dir: str | None = _doc("datasets cache folder; null uses the Hugging Face default", default=None)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from ..eval.arithmetic import check_corpus_options
 from ..eval.config import check_corpus_digits
 from .parsing import get_key
-from .schema import Config, ConfigError, LossConfig
+from .schema import Config, ConfigError, LossConfig, check_prompt_template
 
 
 def validate(config: Config) -> None:
@@ -51,6 +51,7 @@ def validate(config: Config) -> None:
         if source.prompt_field is not None and source.prompt_field == source.completion_field:
             raise ConfigError(f"data.sources.{i}.prompt_field and completion_field are both {source.prompt_field!r}; "
                               f"name two different columns")
+        check_prompt_template(source, f"data.sources.{i}")
     try:  # the generated corpus's options, and the arithmetic benchmark's digits against them
         corpora = [(f"data.sources.{i}.generate_options", source.generate_options)
                    for i, source in enumerate(config.data.sources) if source.generate_arithmetic > 0]

@@ -8,8 +8,9 @@ one token, none is lost). A sample gives `input_ids = s[:-1]` and `labels = s[1:
 with the logits, so the trainer never slices the `[B, S, V]` logits; the label after each EOS (a new
 document's first token, which the previous document cannot predict) is ignored (-100).
 
-A source with `prompt_field` and `completion_field` (supervised continued pretraining: loss on the answer
-only) packs each row as its prompt's tokens, its completion's tokens and EOS, tokenized separately (the
+A source with `prompt_field`, `completion_field` and `prompt_template` (supervised continued pretraining:
+loss on the answer only) packs each row as its rendered prompt's tokens, its completion's tokens and EOS,
+tokenized separately (the
 completion's tokens are exactly what a model prompted with the prompt should generate). Beside the tokens
 each sample keeps a same-length `targets` mask, true on completion and EOS tokens: the label of a
 position is ignored when the token it predicts is not a target. The mask is cut with the same windows as
@@ -20,10 +21,14 @@ The global sample stream is a pure function of the seed: global sample g comes f
 seeded draw (by weight) assigns to it, and is that source's next sample in a per-epoch seeded
 permutation (streamed sources are read in order). A step takes the next `micro_batch * dp * grad_accum`
 global samples; data-parallel rank r takes its micro-batches from them, and every tensor-parallel rank
-of a group takes the same ones. The stream position (samples consumed) is all a checkpoint needs to
-resume without repeating or skipping a sample.
+of a group takes the same ones. A streamed source with at least as many shard files as data-parallel
+ranks is read per rank instead: rank r reads shards r, r + dp, ... and trains its own stream's next
+sample wherever the mixture puts a sample of that source in its slices. The stream position (samples
+consumed) and each streamed source's `datasets` state per rank are what a checkpoint needs to resume
+without repeating, skipping or re-reading a sample.
 
-Modules: `sources` (files, documents, packing), `stream` (mixture, order, micro-batches).
+Modules: `sources` (files, documents, bad rows, templates, packing), `stream` (mixture, order, per-rank
+streams, micro-batches, state), `prepared` (corpora tokenized once by tools/prepare_data.py).
 """
 
 from __future__ import annotations

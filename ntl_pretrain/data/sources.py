@@ -7,11 +7,13 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import stat
 from typing import Any, Iterator
 
 import numpy as np
 
 from ..config import DataSourceConfig
+from ..config.schema import CHAT_TEMPLATE, PREPARED, TOKENIZED
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +21,8 @@ logger = logging.getLogger(__name__)
 TOKENS = "tokens"  # column of packed samples
 TARGETS = "targets"  # column of prompt/completion samples: True where the token is a loss target
 IGNORE_INDEX = -100  # label of positions without a target
+INPUT_IDS, LOSS_MASK = "input_ids", "loss_mask"  # columns of a `format: tokenized` source (one document a row)
+PREPARED_MANIFEST = "manifest.json"  # what tools/prepare_data.py writes beside a prepared corpus's samples
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
              ".jsonl.gz": "json", ".json.gz": "json"}
 
@@ -41,12 +45,62 @@ def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or _builder_for(path) is not None or any(ch in path for ch in "*?[")
 
 
+_SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _special_kind(path: str) -> str | None:
+    """What a path that exists but is neither a file nor a folder is (a FIFO, a device, a socket), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return next((kind for test, kind in _SPECIAL_FILES if test(mode)), None)
+
+
+def _folder_files(folder: str, key: str, given: str) -> list[str]:
+    """The data files under a folder, each once (by real path: a file linked twice is read once), following
+    links to folders but refusing a link back to a folder above it (a loop) and naming special files."""
+    files: dict[str, str] = {}  # real path -> the path found
+    chain: dict[str, set[str]] = {folder: {os.path.realpath(folder)}}  # folder walked -> real paths of it and above
+    walked: set[str] = set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        walked.add(os.path.realpath(top))
+        for name in list(dirs):
+            child = os.path.join(top, name)
+            real = os.path.realpath(child)
+            if real in chain[top]:
+                raise DataError(f"{key}.path={given!r}: {child!r} links to {real!r}, a folder it is inside (a symlink "
+                                f"loop: its files would be read again and again); remove the link")
+            if real in walked:  # reached twice through links: its files are listed once
+                dirs.remove(name)
+                continue
+            chain[child] = chain[top] | {real}
+        for name in names:
+            found = os.path.join(top, name)
+            if not _builder_for(found):
+                continue
+            kind = _special_kind(found)
+            if kind is not None:
+                raise DataError(f"{key}.path={given!r}: {found!r} is {kind}, not a file; remove it from the folder "
+                                f"or copy its data into a file")
+            if os.path.isfile(found):
+                files.setdefault(os.path.realpath(found), found)
+    return sorted(files.values())
+
+
 def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] | None:
-    """(datasets builder, files) of a local source, None for a hub dataset id; raises if a local path is missing."""
+    """(datasets builder, files) of a local source, None for a hub dataset id; raises if a local path is missing.
+    A prepared corpus gives ("prepared", its Arrow files and manifest)."""
     path = os.path.expanduser(source.path)
+    if source.format == PREPARED:
+        if not os.path.isfile(os.path.join(path, PREPARED_MANIFEST)):
+            raise DataError(f"{key}.path={source.path!r} has no {PREPARED_MANIFEST}: not a corpus written by "
+                            f"tools/prepare_data.py (format: prepared); prepare it, or set {key}.format to text or "
+                            f"tokenized")
+        return PREPARED, sorted(glob.glob(os.path.join(path, "*", "*.arrow"))) + [os.path.join(path, PREPARED_MANIFEST)]
     if os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                       if os.path.isfile(f) and _builder_for(f))
+        files = _folder_files(path, key, source.path)
         if not files:
             raise DataError(f"{key}.path={source.path!r} is a folder without .jsonl/.json/.parquet/.txt/.csv files")
     elif os.path.isfile(path):
@@ -55,6 +109,9 @@ def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] |
         files = sorted(glob.glob(path, recursive=True))
         if not files:
             raise DataError(f"{key}.path={source.path!r} matches no file")
+    elif _special_kind(path) is not None:
+        raise DataError(f"{key}.path={source.path!r} is {_special_kind(path)}, not a file: the data must be read twice "
+                        f"or more (checks, then training); write it to a file and point {key}.path there")
     elif _looks_local(source.path):
         raise DataError(f"{key}.path={source.path!r}: no such file or folder (working directory {os.getcwd()}); "
                         f"fix the path, or use a hub dataset id")
@@ -125,15 +182,60 @@ def completion_only(source: DataSourceConfig) -> bool:
 def text_columns(source: DataSourceConfig) -> dict[str, str]:
     """The config key (under the source) of each column the source reads -> the column name."""
     if completion_only(source):
-        return {"prompt_field": source.prompt_field, "completion_field": source.completion_field}
+        columns = {}
+        if source.prompt_template != CHAT_TEMPLATE:
+            import string
+
+            for _, field, _, _ in string.Formatter().parse(source.prompt_template or ""):
+                if field and field != "prompt":
+                    columns.setdefault(f"prompt_template:{field}", field)
+        # the completion last: what the loss trains on (checked for text)
+        return {**columns, "prompt_field": source.prompt_field, "completion_field": source.completion_field}
     return {"text_field": source.text_field}
 
 
-def document_texts(documents: Any, source: DataSourceConfig) -> Iterator[str]:
-    """Each document's whole text (prompt + completion for a completion-only source), e.g. to train a tokenizer."""
+def check_chat_template(tokenizer: Any, key: str) -> None:
+    """prompt_template=chat needs a tokenizer that has one (a DataError otherwise)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{key}.prompt_template=chat needs a tokenizer with a chat template, and "
+                        f"{getattr(tokenizer, 'name_or_path', None) or 'this tokenizer'!r} has none; write the "
+                        f"template as a string instead, e.g. \"Question: {{prompt}}\\nAnswer: \"")
+
+
+def prompts_and_completions(batch: dict, source: DataSourceConfig, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """The prompt and completion texts of a batch of rows of a completion-only source, joined by its
+    `prompt_template`. Spaces that end a rendered prompt begin its completion instead: "Answer: " + "48"
+    tokenizes as "Answer:" then " 48", the tokens a model prompted with "Answer:" generates."""
+    prompts, completions = batch[source.prompt_field], batch[source.completion_field]
+    if source.prompt_template == CHAT_TEMPLATE:
+        check_chat_template(tokenizer, "the source")
+        heads, tails = [], []
+        for prompt, completion in zip(prompts, completions):
+            turn = [{"role": "user", "content": prompt}]
+            head = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+            whole = tokenizer.apply_chat_template(turn + [{"role": "assistant", "content": completion}],
+                                                  tokenize=False)
+            if not whole.startswith(head):
+                raise DataError(f"the tokenizer's chat template renders a conversation that does not begin with its "
+                                f"generation prompt ({head[-40:]!r}), so the completion cannot be cut from it; use "
+                                f"a prompt_template string instead of chat")
+            heads.append(head)
+            tails.append(whole[len(head):])
+        return heads, tails
+    columns = list(batch)
+    rendered = [source.prompt_template.format_map({**dict(zip(columns, values)), "prompt": prompt})
+                for values, prompt in zip(zip(*batch.values()), prompts)]
+    heads = [text.rstrip(" ") for text in rendered]
+    return heads, [text[len(head):] + completion for text, head, completion in zip(rendered, heads, completions)]
+
+
+def document_texts(documents: Any, source: DataSourceConfig, tokenizer: Any = None) -> Iterator[str]:
+    """Each document's whole text (rendered prompt + completion for a completion-only source), e.g. to train
+    a tokenizer (a chat template needs the tokenizer)."""
     for row in documents:
         if completion_only(source):
-            yield row[source.prompt_field] + row[source.completion_field]
+            heads, tails = prompts_and_completions({k: [v] for k, v in row.items()}, source, tokenizer)
+            yield heads[0] + tails[0]
         else:
             yield row[source.text_field]
 
@@ -142,6 +244,10 @@ def _check_columns(documents: Any, columns: list[str], source: DataSourceConfig,
     """Every column the source reads exists and (when declared) holds strings."""
     features = getattr(documents, "features", None) or {}
     for setting, column in text_columns(source).items():
+        if column not in columns and setting.startswith("prompt_template"):
+            raise DataError(f"{key}.prompt_template={source.prompt_template!r} uses {{{column}}} but the dataset "
+                            f"{source.path!r} has no column {column!r} (columns: {columns}); use one of them or "
+                            f"{{prompt}}")
         if column not in columns:
             raise DataError(f"{key}: the dataset {source.path!r} has no column {column!r} (columns: {columns}); "
                             f"set {key}.{setting} to one of them")
@@ -230,6 +336,12 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
         columns = list(first) if first is not None else []
         if first is None:
             raise DataError(f"{key}.path={source.path!r} holds no documents")
+    if source.format == TOKENIZED:
+        if INPUT_IDS not in columns:
+            raise DataError(f"{key}.path={source.path!r} has no column {INPUT_IDS!r} (columns: {columns}), which "
+                            f"format: tokenized reads (one document's token ids a row, optionally {LOSS_MASK!r}); "
+                            f"rename the column, or set {key}.format=text")
+        return documents
     _check_columns(documents, columns, source, key)
     if not source.streaming and len(documents) == 0:
         raise DataError(f"{key}.path={source.path!r} holds no documents (empty dataset)")
@@ -240,17 +352,59 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
     return documents
 
 
-def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
+def unusable(value: Any, limit: int) -> str | None:
+    """Why a row's text field cannot be trained on (None: it can)."""
+    if value is None:
+        return "no text (null or missing)"
+    if not isinstance(value, str):
+        return f"a {'number' if isinstance(value, (int, float)) else type(value).__name__}, not text"
+    if len(value) > limit:
+        return f"{len(value)} characters, over data.max_document_chars={limit}"
+    return None
+
+
+class SkippedRows:
+    """Counts the rows of a stream left out as they are read; logs the first ones and then every doubling."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.count = key, 0
+
+    def __call__(self, column: str, why: str) -> None:
+        self.count += 1
+        if self.count <= 3 or self.count & (self.count - 1) == 0:
+            logger.warning("%s: skipped a streamed row whose column %r holds %s (%d row(s) skipped so far)", self.key,
+                           column, why, self.count)
+
+
+def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int, skipped: SkippedRows | None):
     eos = tokenizer.eos_token_id
+    read = list(dict.fromkeys(text_columns(source).values())) if source.format != TOKENIZED else []
+
+    def usable(batch: dict) -> dict:
+        """The batch without rows that are not usable text (left out before the tokenizer sees them)."""
+        keep = []
+        for i in range(len(batch[read[0]])):
+            why = next(((column, reason) for column in read
+                        if (reason := unusable(batch[column][i], limit)) is not None), None)
+            if why is None:
+                keep.append(i)
+            elif skipped is not None:
+                skipped(*why)
+        if len(keep) == len(batch[read[0]]):
+            return batch
+        return {column: [values[i] for i in keep] for column, values in batch.items()}
+
     # the closures hold the column names only: `datasets` fingerprints them for its cache (a source's weight
     # or path does not change how it is packed)
-    text_field, prompt_field, completion_field = source.text_field, source.prompt_field, source.completion_field
+    text_field, source_format = source.text_field, source.format
+    source = DataSourceConfig(prompt_field=source.prompt_field, completion_field=source.completion_field,
+                              prompt_template=source.prompt_template)  # what packs it, fingerprinted alone
 
     def windows(flat: list) -> list[list]:
         return [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range((len(flat) - 1) // seq_len)]
 
     def pack(batch: dict) -> dict:
-        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(usable(batch)[text_field], add_special_tokens=False)["input_ids"]
         flat: list[int] = []
         for doc in ids:
             flat.extend(doc)
@@ -258,8 +412,9 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
         return {TOKENS: windows(flat)}
 
     def pack_completions(batch: dict) -> dict:
-        prompts = tokenizer(batch[prompt_field], add_special_tokens=False)["input_ids"]
-        completions = tokenizer(batch[completion_field], add_special_tokens=False)["input_ids"]
+        prompt_texts, completion_texts = prompts_and_completions(usable(batch), source, tokenizer)
+        prompts = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        completions = tokenizer(completion_texts, add_special_tokens=False)["input_ids"]
         flat: list[int] = []
         targets: list[bool] = []
         for prompt, completion in zip(prompts, completions):
@@ -269,19 +424,98 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int):
             targets.extend([False] * len(prompt) + [True] * (len(completion) + 1))
         return {TOKENS: windows(flat), TARGETS: windows(targets)}
 
+    def pack_token_ids(batch: dict) -> dict:
+        masks = batch.get(LOSS_MASK) or [None] * len(batch[INPUT_IDS])
+        flat: list[int] = []
+        targets: list[bool] = []
+        for ids, mask in zip(batch[INPUT_IDS], masks):
+            if not isinstance(ids, list) or (mask is not None and len(mask) != len(ids)):
+                if skipped is not None:
+                    skipped(INPUT_IDS, "no token ids" if not isinstance(ids, list) else "a loss_mask of another length")
+                continue
+            flat.extend(ids)
+            flat.append(eos)
+            targets.extend([True] * len(ids) if mask is None else [bool(m) for m in mask])
+            targets.append(True)
+        return {TOKENS: windows(flat), TARGETS: windows(targets)} if LOSS_MASK in batch else {TOKENS: windows(flat)}
+
+    if source_format == TOKENIZED:
+        return pack_token_ids
     return pack_completions if completion_only(source) else pack
 
 
 def pack_documents(documents: Any, tokenizer: Any, source: DataSourceConfig, seq_len: int, num_proc: int,
-                   description: str) -> Any:
+                   description: str, max_document_chars: int, key: str) -> Any:
     """Tokenize and pack documents into samples of seq_len + 1 tokens (batches of 1000 documents); a
-    completion-only source's samples also get their `targets` mask."""
+    completion-only source's samples also get their `targets` mask. Rows that are not usable text are left
+    out (a stream counts them in the log as it reads; see `drop_unusable_rows` for the others)."""
     import datasets
 
     kwargs: dict[str, Any] = dict(batched=True, batch_size=1000, remove_columns=documents.column_names)
-    if isinstance(documents, datasets.Dataset):
+    in_memory = isinstance(documents, datasets.Dataset)
+    if in_memory:  # datasets shows a progress bar with this description
         kwargs.update(num_proc=num_proc if num_proc > 1 else None, desc=description)
-    return documents.map(_packer(tokenizer, source, seq_len), **kwargs)
+        logger.info("%s: %d documents (%d process(es))", description, len(documents), max(num_proc, 1))
+    skipped = None if in_memory else SkippedRows(key)
+    return documents.map(_packer(tokenizer, source, seq_len, max_document_chars, skipped), **kwargs)
+
+
+def _row_places(files: list[str], builder: str, rows: list[int]) -> dict[int, str]:
+    """'FILE line N' of the given rows (in the order `datasets` reads them) of local JSON-lines files; rows
+    of other formats are named by their index. Read only on the warning path."""
+    places = {row: f"row {row}" for row in rows}
+    if builder != "json" or not rows:
+        return places
+    wanted, row = sorted(rows), 0
+    for name in files:
+        if name.lower().endswith(".gz"):
+            return places
+        with open(name, "rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith(b"[") and row == 0 and number == 1:
+                    return places  # a JSON array, not lines
+                if row == wanted[0]:
+                    places[row] = f"{name!r} line {number}"
+                    wanted.pop(0)
+                    if not wanted:
+                        return places
+                row += 1
+    return places
+
+
+def drop_unusable_rows(documents: Any, source: DataSourceConfig, key: str, limit: int) -> Any:
+    """The documents without rows whose text fields are null, missing, not strings (a number, an object) or
+    longer than `limit` characters; a warning counts them and names the first ones' file and line."""
+    import pyarrow.compute as pc
+
+    reasons: dict[int, str] = {}
+    if source.format == TOKENIZED:  # token ids: rows without them (null or missing) are left out
+        rows = np.flatnonzero(pc.is_null(documents.data.column(INPUT_IDS)).to_numpy(zero_copy_only=False))
+        reasons = {int(row): f"column {INPUT_IDS!r} holds no token ids (null or missing)" for row in rows}
+    for column in dict.fromkeys(text_columns(source).values()) if source.format != TOKENIZED else ():
+        if getattr(documents.features.get(column), "dtype", None) in ("string", "large_string"):
+            values = documents.data.column(column)  # vectorised: nulls and long texts only go through Python
+            flagged = pc.or_kleene(pc.is_null(values), pc.greater(pc.utf8_length(values), limit))
+            rows = np.flatnonzero(flagged.to_numpy(zero_copy_only=False))
+            checked = ((int(r), documents[int(r)][column]) for r in rows)
+        else:  # a column of mixed kinds (datasets' Json feature): every value checked
+            checked = enumerate(v for batch in documents.select_columns([column]).iter(batch_size=10000)
+                                for v in batch[column])
+        for row, value in checked:
+            why = unusable(value, limit)
+            if why is not None and row not in reasons:
+                reasons[row] = f"column {column!r} holds {why}"
+    if not reasons:
+        return documents
+    resolved = resolve_files(source, key)
+    first = sorted(reasons)[:3]
+    places = _row_places(resolved[1], resolved[0], first) if resolved else {row: f"row {row}" for row in first}
+    logger.warning("%s.path=%r: skipped %d of %d rows that are not usable text, e.g. %s", key, source.path,
+                   len(reasons), len(documents), "; ".join(f"{places[row]}: {reasons[row]}" for row in first))
+    keep = np.setdiff1d(np.arange(len(documents)), np.fromiter(reasons, dtype=np.int64))
+    return documents.select(keep)
 
 
 Sample = tuple[np.ndarray, "np.ndarray | None"]  # (seq_len + 1 tokens, their targets mask or None: all targets)

@@ -12,8 +12,11 @@ import torch
 
 from ..config import DataConfig
 
-from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, load_documents,
-                      pack_documents)
+from ..config.schema import CHAT_TEMPLATE, PREPARED
+from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, check_chat_template,
+                      completion_only, drop_unusable_rows, load_documents, pack_documents)
+
+from .prepared import load_prepared
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ class Mixture:
         self.seed = seed
         self._block_offsets: list[np.ndarray] = [np.zeros(len(weights), dtype=np.int64)]
         self._block_cache: dict[int, np.ndarray] = {}
+        self._rank_offsets: dict[tuple[int, int], list[np.ndarray]] = {}  # (dp, micro_batch) -> [source, rank]
 
     def _block(self, block: int) -> np.ndarray:
         choice = self._block_cache.get(block)
@@ -58,6 +62,27 @@ class Mixture:
         before = int(np.count_nonzero(choice[:within] == source))
         return source, int(self._offsets(block)[source]) + before
 
+    def _owners(self, block: int, dp: int, micro_batch: int) -> np.ndarray:
+        """The data-parallel rank that trains each global sample of a block: sample g is in micro-batch slice
+        g // micro_batch, and slices go to ranks 0..dp-1 in turn (whatever the accumulation steps)."""
+        return (np.arange(block * _MIX_BLOCK, (block + 1) * _MIX_BLOCK) // micro_batch) % dp
+
+    def locate_on_rank(self, g: int, rank: int, dp: int, micro_batch: int) -> tuple[int, int]:
+        """(source, index within what `rank` reads of the source) of global sample g that `rank` trains: the
+        number of earlier global samples of that source that `rank` trained (a source read per rank)."""
+        block, within = divmod(g, _MIX_BLOCK)
+        choice = self._block(block)
+        source = int(choice[within])
+        owners = self._owners(block, dp, micro_batch)
+        before = int(np.count_nonzero((choice[:within] == source) & (owners[:within] == rank)))
+        offsets = self._rank_offsets.setdefault((dp, micro_batch), [np.zeros((len(self.probabilities), dp), np.int64)])
+        while len(offsets) <= block:
+            b = len(offsets) - 1
+            counts = np.bincount(self._block(b) * dp + self._owners(b, dp, micro_batch),
+                                 minlength=len(self.probabilities) * dp).reshape(-1, dp)
+            offsets.append(offsets[-1] + counts)
+        return source, int(offsets[block][source, rank]) + before
+
 
 class _MapSource:
     """Samples of an in-memory (arrow) source, in a fresh seeded permutation each epoch."""
@@ -78,17 +103,30 @@ class _MapSource:
 
 
 class _StreamSource:
-    """Samples of a streamed source, read in order (re-read from the start after its end)."""
+    """Samples of a streamed source, read in order (re-read from the start after its end).
 
-    def __init__(self, samples: Any, key: str) -> None:
-        self.samples, self.key = samples, key
+    `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files), indexed
+    by how many of them the rank has trained; otherwise every rank reads the whole stream. The position is
+    the stream's own `datasets` state, so a resume continues there without re-reading what was consumed."""
+
+    def __init__(self, samples: Any, key: str, per_rank: bool) -> None:
+        self.samples, self.key, self.per_rank = samples, key, per_rank
         self._iterator: Iterator[dict] | None = None
         self._next = 0  # index of the sample the iterator yields next
         self._yielded_this_pass = 0
+        self._origin: dict | None = None  # where a resume starts: {"index", "yielded_this_pass", "stream"}
+
+    def _restart(self, j: int) -> None:
+        """A fresh iterator at the resume point when j is not before it, else at the start of the stream."""
+        origin = self._origin if self._origin is not None and j >= self._origin["index"] else None
+        self.samples.load_state_dict(origin["stream"] if origin else None)
+        self._iterator = iter(self.samples)
+        self._next = origin["index"] if origin else 0
+        self._yielded_this_pass = origin["yielded_this_pass"] if origin else 0
 
     def get(self, j: int) -> Sample:
         if self._iterator is None or j < self._next:  # (re)start: the stream is read in order only
-            self._iterator, self._next, self._yielded_this_pass = iter(self.samples), 0, 0
+            self._restart(j)
         while True:
             try:
                 sample = next(self._iterator)
@@ -99,12 +137,83 @@ class _StreamSource:
                 if self._yielded_this_pass == 0:
                     raise DataError(f"{self.key} yields no sample of seq_len + 1 tokens; add data or lower "
                                     f"data.seq_len") from None
+                self.samples.load_state_dict(None)  # the next pass starts at the beginning, not at a resume point
                 self._iterator, self._yielded_this_pass = iter(self.samples), 0
                 continue
             self._yielded_this_pass += 1
             index, self._next = self._next, self._next + 1
             if index == j:
                 return _sample_of(sample)
+
+    def state_dict(self) -> dict | None:
+        """Where the stream stands (None before its first sample): the next sample's index and the stream's
+        `datasets` state at the last sample it yielded."""
+        if self._iterator is None:
+            return self._origin
+        return {"index": self._next, "yielded_this_pass": self._yielded_this_pass,
+                "stream": self.samples.state_dict()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self._origin, self._iterator = state, None
+
+
+def pack_in_memory(cfg: DataConfig, source: Any, key: str, tokenizer: Any, num_proc: int) -> tuple[Any, Any]:
+    """(training samples, validation samples) of a source read whole: its usable rows, seeded-shuffled, the
+    first `validation_documents` held out, each part tokenized and packed (`num_proc` processes)."""
+    if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
+        check_chat_template(tokenizer, key)
+    documents = drop_unusable_rows(load_documents(source, key, cfg.cache_dir), source, key, cfg.max_document_chars)
+    n_val = cfg.validation_documents
+    if len(documents) <= n_val:
+        raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
+                        f"data.validation_documents={n_val}; lower data.validation_documents")
+    documents = documents.shuffle(seed=cfg.seed)
+    held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
+    try:
+        packed = pack_documents(training, tokenizer, source, cfg.seq_len, num_proc, f"packing {key}",
+                                cfg.max_document_chars, key)
+        held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, num_proc,
+                                     f"packing {key} (validation)", cfg.max_document_chars, key)
+    except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
+        raise _encoding_error(source, key, error) from None
+    if len(packed) == 0:
+        raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
+                        f"tokens after tokenization; add data or lower data.seq_len")
+    return packed, held_packed
+
+
+def _split_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key: str) -> tuple[Any, Any, bool]:
+    """(held-out documents, this rank's training documents, whether they are its own share) of a stream.
+
+    The held-out documents are the stream's first `n_val`, the same on every rank. With at least as many
+    shards (files) as data-parallel ranks, rank r reads shards r, r + dp, ... only, less the held-out
+    documents among them (always the first of its shards: they come first in the stream); with fewer, every
+    rank reads the whole stream."""
+    import datasets
+
+    shards = documents.num_shards
+    if dp_size == 1 or shards < dp_size:
+        if dp_size > 1:
+            logger.warning("%s has %d shard file(s) for %d data-parallel ranks: every rank reads and tokenizes the "
+                           "whole stream (%dx the reads of one share) and discards the others' samples; split it into "
+                           "%d or more files (a multiple of %d), or train from tools/prepare_data.py's corpus", key,
+                           shards, dp_size, dp_size, dp_size, dp_size)
+        return documents.take(n_val), documents.skip(n_val), False
+    if shards % dp_size:
+        logger.info("%s: %d shard files over %d data-parallel ranks: ranks read %d or %d files each (a rank that "
+                    "reaches the end of its share first starts it again)", key, shards, dp_size, shards // dp_size,
+                    shards // dp_size + 1)
+    held_out, skipped, wanted = [], 0, n_val
+    for index in range(shards):  # the held-out documents, shard by shard: how many come from this rank's shards
+        if wanted == 0:
+            break
+        taken = sum(1 for _ in documents.shard(num_shards=shards, index=index).take(wanted))
+        held_out.append(documents.shard(num_shards=shards, index=index).take(taken))
+        skipped += taken if index % dp_size == dp_rank else 0
+        wanted -= taken
+    mine = documents.shard(num_shards=dp_size, index=dp_rank, contiguous=False)
+    validation = datasets.concatenate_datasets(held_out) if held_out else documents.take(0)
+    return validation, mine.skip(skipped) if skipped else mine, True
 
 
 @dataclass
@@ -156,31 +265,26 @@ class PretrainingData:
         validation: list[Sample] = []
         for i, source in enumerate(cfg.sources):
             key = f"data.sources.{i}"
-            documents = load_documents(source, key, cfg.cache_dir)
-            n_val = cfg.validation_documents
-            if source.streaming:
-                held_out, training = documents.take(n_val), documents.skip(n_val)
-            else:
-                if len(documents) <= n_val:
-                    raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
-                                    f"data.validation_documents={n_val}; lower data.validation_documents")
-                documents = documents.shuffle(seed=cfg.seed)
-                held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
-            try:
-                packed = pack_documents(training, tokenizer, source, cfg.seq_len, cfg.num_proc,
-                                        f"packing {key}")
-            except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
-                raise _encoding_error(source, key, error) from None
-            if source.streaming:
-                sources.append(_StreamSource(packed, key))
-            else:
-                if len(packed) == 0:
-                    raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
-                                    f"tokens after tokenization; add data or lower data.seq_len")
+            if source.format == PREPARED:  # tokenized and packed by tools/prepare_data.py: memory-mapped as it is
+                packed, held_packed = load_prepared(source, key, cfg, tokenizer)
                 sources.append(_MapSource(packed, cfg.seed, i))
-            if n_val:
+                validation.extend(_sample_of(s) for s in held_packed)
+                continue
+            if not source.streaming:
+                packed, held_packed = pack_in_memory(cfg, source, key, tokenizer, cfg.num_proc)
+                sources.append(_MapSource(packed, cfg.seed, i))
+                validation.extend(_sample_of(s) for s in held_packed)
+                continue
+            if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
+                check_chat_template(tokenizer, key)
+            documents = load_documents(source, key, cfg.cache_dir)
+            held_out, training, per_rank = _split_stream(documents, cfg.validation_documents, dp_rank, dp_size, key)
+            packed = pack_documents(training, tokenizer, source, cfg.seq_len, cfg.num_proc, f"packing {key}",
+                                    cfg.max_document_chars, key)
+            sources.append(_StreamSource(packed, key, per_rank))
+            if cfg.validation_documents:
                 held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, cfg.num_proc,
-                                             f"packing {key} (validation)")
+                                             f"packing {key} (validation)", cfg.max_document_chars, key)
                 validation.extend(_sample_of(s) for s in held_packed)
         return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size, eos_id=tokenizer.eos_token_id)
 
@@ -194,6 +298,13 @@ class PretrainingData:
         """The tokens of global sample g."""
         return self.sample_with_targets(g)[0]
 
+    def _trained_sample(self, g: int) -> Sample:
+        """Global sample g as this rank trains it: from a source read per rank, the rank's next own sample."""
+        source, j = self.mixture.locate(g)
+        if getattr(self.sources[source], "per_rank", False):
+            j = self.mixture.locate_on_rank(g, self.dp_rank, self.dp_size, self.cfg.micro_batch_size)[1]
+        return self.sources[source].get(j)
+
     def next_step(self, grad_accum_steps: int) -> list[MicroBatch]:
         """This rank's micro-batches of the next optimizer step; advances the stream position."""
         mbs, dp = self.cfg.micro_batch_size, self.dp_size
@@ -201,20 +312,42 @@ class PretrainingData:
         batches = []
         for m in range(grad_accum_steps):
             first = base + (m * dp + self.dp_rank) * mbs
-            batches.append(_to_micro_batch([self.sample_with_targets(first + i) for i in range(mbs)],
+            batches.append(_to_micro_batch([self._trained_sample(first + i) for i in range(mbs)],
                                            self.boundary_id))
         self.position = base + grad_accum_steps * dp * mbs
         return batches
 
+    def rank_state(self) -> dict:
+        """This rank's part of the state: where each streamed source stands (key -> its state)."""
+        return {"dp_rank": self.dp_rank, "streams": {source.key: source.state_dict() for source in self.sources
+                                                     if isinstance(source, _StreamSource)}}
+
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len}
+        """The stream position and every data-parallel rank's streamed-source states, for the checkpoint.
+        A collective when the run is distributed: call it on every rank."""
+        streamed = any(isinstance(source, _StreamSource) for source in self.sources)  # the same on every rank
+        return combine_rank_states(self, _gather_objects(self.rank_state()) if streamed else [self.rank_state()])
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed") != self.cfg.seed or state.get("seq_len") != self.cfg.seq_len:
             raise DataError(f"the checkpoint's data stream (seed {state.get('seed')}, seq_len {state.get('seq_len')}) "
                             f"differs from data.seed={self.cfg.seed}, data.seq_len={self.cfg.seq_len}; a resume "
                             f"would repeat or skip samples")
+        streams = state.get("streams") or {}  # absent in checkpoints of older versions: the streams are re-read
+        for source in self.sources:
+            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            if saved is not None and (saved["per_rank"] or source.per_rank) and \
+                    (saved["per_rank"], len(saved["ranks"])) != (source.per_rank, self.dp_size):
+                raise DataError(f"the checkpoint's {source.key} was read "
+                                f"{_reading(saved['per_rank'], len(saved['ranks']))}, this run reads it "
+                                f"{_reading(source.per_rank, self.dp_size)}: a rank's place in its shard files "
+                                f"cannot be carried over; resume with the same data-parallel size, or train from a "
+                                f"corpus made by tools/prepare_data.py (it resumes at any size)")
         self.position = int(state["position"])
+        for source in self.sources:
+            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            if saved is not None:
+                source.load_state_dict(saved["ranks"][self.dp_rank if source.per_rank else 0])
 
     # ------------------------------------------------------------------ validation
     def validation_micro_batches(self, max_batches: int) -> list[MicroBatch]:
@@ -232,3 +365,31 @@ class PretrainingData:
             raise DataError(f"the validation split has {len(self.validation)} samples of seq_len + 1 tokens, fewer "
                             f"than one micro-batch per data-parallel rank ({self.cfg.micro_batch_size} x {self.dp_size}); "
                             f"raise data.validation_documents or set train.val_every_n_steps=-1")
+
+
+def _reading(per_rank: bool, ranks: int) -> str:
+    return f"per rank by {ranks} data-parallel ranks (each its own shard files)" if per_rank else "in full by every rank"
+
+
+def _gather_objects(value: Any) -> list[Any]:
+    """`value` of every rank (in rank order), or [value] when the run is not distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def combine_rank_states(data: PretrainingData, rank_states: list[dict]) -> dict:
+    """The checkpoint's data state from every rank's `rank_state()` (tensor-parallel peers hold the same):
+    key -> {per_rank, ranks: [state of data-parallel rank 0, 1, ...] when read per rank, else [the one state]}."""
+    by_rank = {state["dp_rank"]: state["streams"] for state in rank_states}
+    streams = {}
+    for source in data.sources:
+        if isinstance(source, _StreamSource):
+            ranks = range(data.dp_size) if source.per_rank else range(1)
+            streams[source.key] = {"per_rank": source.per_rank, "ranks": [by_rank[r][source.key] for r in ranks]}
+    return {"position": data.position, "seed": data.cfg.seed, "seq_len": data.cfg.seq_len, "dp_size": data.dp_size,
+            "streams": streams}
