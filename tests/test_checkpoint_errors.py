@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -475,3 +476,22 @@ def test_a_run_folder_deleted_while_training_is_not_silently_recreated_by_a_save
                                               r"while this run was training .* nothing was saved"):
         manager.save(_FileWritingEngine(), 3, {}, lambda folder: os.makedirs(folder))
     assert not out.exists()
+
+
+def test_data_keys_newer_than_a_checkpoint_do_not_refuse_its_resume_at_their_defaults():
+    """A checkpoint written before data.sources.*.format / prompt_template and data.max_document_chars
+    existed records the source keys of that time: at their defaults the new keys are left out of the
+    description, so it still matches; set, they are recorded and a change is named."""
+    from ntl_pretrain.checkpoint import data_description
+    from ntl_pretrain.checkpoint.fingerprint import describe_changes
+    from ntl_pretrain.config import load_config
+
+    keys_of_the_first_checkpoints = {"path", "name", "split", "text_field", "prompt_field", "completion_field",
+                                     "weight", "streaming", "generate_arithmetic", "generate_options"}
+    demo = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    cfg = load_config(demo, [])
+    described = data_description(cfg.data)
+    assert {k for k in described["sources"][0] if k != "files"} == keys_of_the_first_checkpoints
+    assert "max_document_chars" not in described
+    changed = load_config(demo, ["data.max_document_chars=1000"])
+    assert "data.max_document_chars: null -> 1000" in describe_changes(described, data_description(changed.data), "data")

@@ -78,6 +78,10 @@ def check_fingerprint(saved: dict, current: dict, where: str) -> None:
                 f"export it (tools/export_hf.py) and start a new run from the export in another train.output_dir")
 
 
+# data source keys newer than the first checkpoints: in a description only when not at their default
+SOURCE_KEYS_RECORDED_WHEN_SET = ("format", "prompt_template")
+
+
 def data_description(data_cfg: Any) -> dict:
     """What a resume must find unchanged about the data: every key that decides which samples the stream
     holds (sources with their weights and the files they resolve to, held-out documents, seq_len, seed),
@@ -86,7 +90,11 @@ def data_description(data_cfg: Any) -> dict:
 
     sources = []
     for index, source in enumerate(data_cfg.sources):
-        entry = {k: v for k, v in dataclasses.asdict(source).items()}
+        defaults = {f.name: f.default for f in dataclasses.fields(source)}
+        # keys added after checkpoints existed are recorded only when set, so a checkpoint written before
+        # them (which lacks them) still matches a source that leaves them at their defaults
+        entry = {k: v for k, v in dataclasses.asdict(source).items()
+                 if not (k in SOURCE_KEYS_RECORDED_WHEN_SET and v == defaults[k])}
         try:
             resolved = resolve_files(source, f"data.sources.{index}")
         except DataError:
@@ -95,8 +103,13 @@ def data_description(data_cfg: Any) -> dict:
             files = [(os.path.basename(f), os.path.getsize(f)) for f in resolved[1]]
             entry["files"] = {"count": len(files), "bytes": sum(size for _, size in files), "names_and_sizes": _sha(files)}
         sources.append(entry)
-    return {"sources": sources, "seq_len": data_cfg.seq_len, "validation_documents": data_cfg.validation_documents,
-            "mask_document_start": data_cfg.mask_document_start, "seed": data_cfg.seed}
+    described = {"sources": sources, "seq_len": data_cfg.seq_len, "validation_documents": data_cfg.validation_documents,
+                 "mask_document_start": data_cfg.mask_document_start, "seed": data_cfg.seed}
+    # which documents are left out as too long decides the samples too (recorded when not the default)
+    limit = next(f.default for f in dataclasses.fields(data_cfg) if f.name == "max_document_chars")
+    if data_cfg.max_document_chars != limit:
+        described["max_document_chars"] = data_cfg.max_document_chars
+    return described
 
 
 def describe_changes(saved: Any, current: Any, prefix: str) -> str:
