@@ -37,7 +37,7 @@ logger = logging.getLogger("ntl_pretrain")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants (imported lazily: slow)
-MAPPED_READ_BUDGET = 256 * 2**20  # bytes read from memory-mapped files before their maps are dropped
+MAPPED_READ_BUDGET = 64 * 2**20  # bytes read from memory-mapped files before their maps are dropped
 _RANK_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
 
 
