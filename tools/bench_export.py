@@ -128,7 +128,7 @@ def folder_bytes(path: str) -> int:
 
 
 EXPORT = ("import sys; sys.path.insert(0, sys.argv[1]); from ntl_pretrain.checkpoint import export_hf; "
-          "export_hf(sys.argv[2], sys.argv[3])")
+          "print(export_hf(sys.argv[2], sys.argv[3])['seconds'])")
 IO_FLOOR = """
 import os, sys
 total = 0
@@ -158,8 +158,8 @@ def measure(command: list[str], watch: str) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     started = time.perf_counter()
-    with tempfile.TemporaryFile() as errors:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors,
+    with tempfile.TemporaryFile() as errors, tempfile.TemporaryFile() as output:
+        proc = subprocess.Popen(command, stdout=output, stderr=errors,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
         _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak RSS, not the largest child's so far
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -169,7 +169,10 @@ def measure(command: list[str], watch: str) -> dict:
         if proc.returncode:
             errors.seek(0)
             raise SystemExit(f"{command[:3]} failed:\n{errors.read().decode(errors='replace')[-3000:]}")
-    return {"seconds": seconds, "peak_disk": max(peak[0], folder_bytes(watch)), "peak_rss": usage.ru_maxrss * 1024}
+        output.seek(0)
+        printed = output.read().decode().split()
+    return {"seconds": seconds, "peak_disk": max(peak[0], folder_bytes(watch)), "peak_rss": usage.ru_maxrss * 1024,
+            "inside_seconds": float(printed[-1]) if printed else None}
 
 
 def bench(checkpoint: str, work: str, trees: dict[str, str]) -> list[dict]:
@@ -199,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tp", action="append", type=int, choices=(1, 2), help="default: 1 and 2")
     parser.add_argument("--old-tree", default=None, help="a checkout whose export_hf is measured as 'before'")
     parser.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
+    parser.add_argument("--checkpoint", default=None, help="measure this existing checkpoint instead of making ones")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (in --work)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for saving one checkpoint")
     parser.add_argument("--make", default=None, help=argparse.SUPPRESS)  # a rank of the checkpoint writer
@@ -208,7 +212,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     trees = {"after": REPO, **({"before": os.path.abspath(args.old_tree)} if args.old_tree else {})}
     results = []
-    for arch in args.arch or sorted(ARCHITECTURES):
+    if args.checkpoint:
+        work = tempfile.mkdtemp(prefix="bench_export_", dir=args.work)
+        try:
+            for row in bench(os.path.abspath(args.checkpoint), work, trees):
+                row.update(arch=args.checkpoint, tp="", checkpoint_bytes=folder_bytes(args.checkpoint))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    for arch in [] if args.checkpoint else args.arch or sorted(ARCHITECTURES):
         for tp in args.tp or (1, 2):
             work = tempfile.mkdtemp(prefix="bench_export_", dir=args.work)
             try:
@@ -225,15 +238,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not args.keep:
                     shutil.rmtree(work, ignore_errors=True)
     print("\n| model | T | export | checkpoint | export (MiB) | largest shard (MiB) | time (s) | read+write once (s) "
-          "| time / io | peak extra disk / export | peak RSS (MiB) | RSS / largest shard |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| time / io | export_hf's own time (s) | peak extra disk / export | peak RSS (MiB) | RSS / largest shard |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         mib = 2**20
         extra = max(0, row["peak_disk"] - row["export_bytes"])
         rss = row["peak_rss"]  # bytes
         print(f"| {row['arch']} | {row['tp']} | {row['label']} | {row['checkpoint_bytes'] / 2**30:.2f} GiB | "
               f"{row['export_bytes'] / mib:.0f} | {row['largest_shard'] / mib:.0f} | {row['seconds']:.1f} | "
-              f"{row['io_seconds']:.1f} | {row['seconds'] / row['io_seconds']:.2f} | {extra / row['export_bytes']:.2f} | "
+              f"{row['io_seconds']:.1f} | {row['seconds'] / row['io_seconds']:.2f} | "
+              f"{row['inside_seconds'] or 0:.1f} | {extra / row['export_bytes']:.2f} | "
               f"{rss / mib:.0f} | {rss / row['largest_shard']:.2f} |")
     return 0
 

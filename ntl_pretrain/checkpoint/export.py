@@ -160,10 +160,11 @@ def _flat_shapes(param_shapes: Any) -> dict[str, tuple[int, ...]]:
 
 class _WeightSource:
     """Where a checkpoint keeps each parameter's fp32 weights: per tensor-parallel rank, the slice of every
-    parameter (`tp_slices`), joined from its ZeRO partitions; `merge` makes the full parameter from them."""
+    parameter (`tp_slices`), joined from its ZeRO partitions; `full` merges them into the parameter."""
 
-    uc_info: dict = {}
+    uc_info: dict = {}  # DeepSpeed's universal-checkpoint info: how each parameter is sliced over TP ranks
     tp_size = 1
+    needs_merge = False  # run DeepSpeed's merge even for one slice (it also strips vocabulary padding)
 
     def __init__(self, checkpoint_path: str, files: _MappedFiles) -> None:
         self.path, self.files = checkpoint_path, files
@@ -174,16 +175,11 @@ class _WeightSource:
     def tp_slices(self, name: str) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def slice_shapes(self, name: str) -> list[tuple[int, ...]]:
-        return [tuple(tensor.shape) for tensor in self.tp_slices(name)]
-
     def full(self, name: str) -> torch.Tensor:
         slices = self.tp_slices(name)
         if len(slices) == 1 and not self.needs_merge:
             return slices[0]
         return merge_tp_slices(self.uc_info, name, slices)
-
-    needs_merge = False
 
 
 class _Zero0Weights(_WeightSource):
@@ -208,7 +204,7 @@ class _Zero12Weights(_WeightSource):
     shaped by `param_shapes` of `mp_rank_<tp>_model_states.pt`. Parameters the optimizer does not hold come
     from the module state of tp rank 0 (as in DeepSpeed's conversion)."""
 
-    needs_merge = True  # DeepSpeed's conversion always runs its merge for ZeRO 1/2 (vocabulary padding, patterns)
+    needs_merge = True  # as DeepSpeed's conversion, which always merges ZeRO 1/2 parameters
 
     def __init__(self, checkpoint_path: str, files: _MappedFiles) -> None:
         super().__init__(checkpoint_path, files)
@@ -333,12 +329,14 @@ def _weight_source(checkpoint_path: str, manifest: dict, files: _MappedFiles) ->
     layout = manifest["layout"]
     if manifest.get("universal_of"):
         return _UniversalWeights(checkpoint_path, files)
-    if layout["zero_stage"] == 0:
-        if layout["tp_size"] != 1:
-            raise CheckpointError(f"checkpoint {checkpoint_path!r} was saved with ZeRO stage 0 and tp_size "
-                                  f"{layout['tp_size']}; export covers ZeRO 1-3 with any tp_size and ZeRO 0 with tp_size 1")
-        return _Zero0Weights(checkpoint_path, files)
-    return (_Zero3Weights if layout["zero_stage"] == 3 else _Zero12Weights)(checkpoint_path, files)
+    if layout["zero_stage"] == 0 and layout["tp_size"] != 1:
+        raise CheckpointError(f"checkpoint {checkpoint_path!r} was saved with ZeRO stage 0 and tp_size "
+                              f"{layout['tp_size']}; export covers ZeRO 1-3 with any tp_size and ZeRO 0 with tp_size 1")
+    return WEIGHT_SOURCES[layout["zero_stage"]](checkpoint_path, files)
+
+
+WEIGHT_SOURCES: dict[int, type[_WeightSource]] = {0: _Zero0Weights, 1: _Zero12Weights, 2: _Zero12Weights,
+                                                  3: _Zero3Weights}  # ZeRO stage: where its weights are
 
 
 class _Merged(Exception):
