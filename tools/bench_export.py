@@ -14,7 +14,8 @@ AdamW) and save a checkpoint of this project's format; then, one after the other
 - `after`: `export_hf` of this checkout; `before`: `export_hf` of `--old-tree` (e.g. `git archive <commit> |
   tar -x -C /tmp/old`: the export through DeepSpeed's universal conversion).
 
-Peak RSS is the export process's own maximum (`ru_maxrss`); peak extra disk is the most the output's parent
+Peak RSS is the export process's own maximum (`ru_maxrss`), also shown above that of a process that only
+imports what the export imports and builds the model on the meta device; peak extra disk is the most the output's parent
 folder (which holds nothing else) held at any moment beyond the finished export, sampled every 50 ms.
 """
 
@@ -129,6 +130,10 @@ def folder_bytes(path: str) -> int:
 
 EXPORT = ("import sys; sys.path.insert(0, sys.argv[1]); from ntl_pretrain.checkpoint import export_hf; "
           "print(export_hf(sys.argv[2], sys.argv[3])['seconds'])")
+BASELINE = ("import sys, os, torch; sys.path.insert(0, sys.argv[1]); import ntl_pretrain.checkpoint.export, "
+            "deepspeed.checkpoint.ds_to_universal; from transformers import AutoConfig, AutoModelForCausalLM; "
+            "config = AutoConfig.from_pretrained(os.path.join(sys.argv[2], 'hf'));\n"
+            "with torch.device('meta'): AutoModelForCausalLM.from_config(config)")  # all an export imports and builds
 IO_FLOOR = """
 import os, sys
 total = 0
@@ -186,12 +191,13 @@ def bench(checkpoint: str, work: str, trees: dict[str, str]) -> list[dict]:
         figures.update(label=label, export_bytes=folder_bytes(export), largest_shard=max(shards))
         rows.append(figures)
         shutil.rmtree(out_parent)
+    baseline = measure([sys.executable, "-c", BASELINE, REPO, checkpoint], work)["peak_rss"]
     floor_dir = os.path.join(work, "io")
     os.makedirs(floor_dir)
     floor = measure([sys.executable, "-c", IO_FLOOR, checkpoint, floor_dir, str(rows[0]["export_bytes"])], floor_dir)
     shutil.rmtree(floor_dir)
     for row in rows:
-        row["io_seconds"] = floor["seconds"]
+        row["io_seconds"], row["baseline_rss"] = floor["seconds"], baseline
     return rows
 
 
@@ -238,8 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not args.keep:
                     shutil.rmtree(work, ignore_errors=True)
     print("\n| model | T | export | checkpoint | export (MiB) | largest shard (MiB) | time (s) | read+write once (s) "
-          "| time / io | export_hf's own time (s) | peak extra disk / export | peak RSS (MiB) | RSS / largest shard |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| time / io | export_hf's own time (s) | peak extra disk / export | peak RSS (MiB) | RSS / largest shard "
+          "| RSS above imports (MiB) | that / largest shard |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         mib = 2**20
         extra = max(0, row["peak_disk"] - row["export_bytes"])
@@ -248,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row['export_bytes'] / mib:.0f} | {row['largest_shard'] / mib:.0f} | {row['seconds']:.1f} | "
               f"{row['io_seconds']:.1f} | {row['seconds'] / row['io_seconds']:.2f} | "
               f"{row['inside_seconds'] or 0:.1f} | {extra / row['export_bytes']:.2f} | "
-              f"{rss / mib:.0f} | {rss / row['largest_shard']:.2f} |")
+              f"{rss / mib:.0f} | {rss / row['largest_shard']:.2f} | "
+              f"{(rss - row['baseline_rss']) / mib:.0f} | {(rss - row['baseline_rss']) / row['largest_shard']:.2f} |")
     return 0
 
 
