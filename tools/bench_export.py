@@ -129,7 +129,7 @@ def folder_bytes(path: str) -> int:
 
 
 EXPORT = ("import sys; sys.path.insert(0, sys.argv[1]); from ntl_pretrain.checkpoint import export_hf; "
-          "print(export_hf(sys.argv[2], sys.argv[3])['seconds'])")
+          "print('export_hf seconds', export_hf(sys.argv[2], sys.argv[3])['seconds'])")
 BASELINE = ("import sys, os, torch; sys.path.insert(0, sys.argv[1]); import ntl_pretrain.checkpoint.export, "
             "deepspeed.checkpoint.ds_to_universal; from transformers import AutoConfig, AutoModelForCausalLM; "
             "config = AutoConfig.from_pretrained(os.path.join(sys.argv[2], 'hf'));\n"
@@ -175,7 +175,7 @@ def measure(command: list[str], watch: str) -> dict:
             errors.seek(0)
             raise SystemExit(f"{command[:3]} failed:\n{errors.read().decode(errors='replace')[-3000:]}")
         output.seek(0)
-        printed = output.read().decode().split()
+        printed = [line.split()[-1] for line in output.read().decode().splitlines() if line.startswith("export_hf seconds")]
     return {"seconds": seconds, "peak_disk": max(peak[0], folder_bytes(watch)), "peak_rss": usage.ru_maxrss * 1024,
             "inside_seconds": float(printed[-1]) if printed else None}
 

@@ -118,6 +118,15 @@ class _MappedFiles:
         if self._read >= self._budget:
             self.release()
 
+    def copy_range(self, path: str, flat: Callable[[Any], torch.Tensor], out: torch.Tensor, start: int) -> None:
+        """Fill `out` from `flat(<file path loaded>)[start:]`, a piece of at most a quarter of the budget at a
+        time, so that no more than the budget of its mapped pages is ever resident."""
+        piece = max(1, self._budget // (4 * out.element_size()))
+        for done in range(0, out.numel(), piece):
+            count = min(piece, out.numel() - done)
+            out[done:done + count].copy_(flat(self[path])[start + done:start + done + count])
+            self.account(count * out.element_size())
+
     def release(self) -> None:
         self._loaded.clear()
         self._read = 0
@@ -245,10 +254,9 @@ class _Zero12Weights(_WeightSource):
             out = torch.empty(math.prod(shape), dtype=torch.float32)
             position = 0
             for dp, group, start, numel in sorted(self.fragments[tp].get(name, [])):
-                flat = self.files[self.optim[tp][dp]]["optimizer_state_dict"]["single_partition_of_fp32_groups"][group]
-                out[position:position + numel].copy_(flat[start:start + numel])
+                self.files.copy_range(self.optim[tp][dp], lambda state, group=group: state["optimizer_state_dict"][
+                    "single_partition_of_fp32_groups"][group], out[position:position + numel], start)
                 position += numel
-                self.files.account(numel * 4)
             if position != out.numel():
                 raise CheckpointError(f"checkpoint {self.path!r}: the ZeRO partitions of {name} (tp rank {tp}) hold "
                                       f"{position} values, its shape {shape} needs {out.numel()}")
@@ -297,12 +305,11 @@ class _Zero3Weights(_WeightSource):
             numel = math.prod(shape)
             out = torch.empty(numel, dtype=torch.float32)
             for dp in range(self.dp_size):
-                optim = self.files[self.optim[tp][dp]]["optimizer_state_dict"]
-                meta = (optim.get("ds_zero_partition_groups") or [{}] * (group + 1))[group]
-                rank = meta.get("partition_rank", dp)
+                groups = self.files[self.optim[tp][dp]]["optimizer_state_dict"].get("ds_zero_partition_groups")
+                rank = ((groups or [{}] * (group + 1))[group]).get("partition_rank", dp)
                 held = max(0, min(partition, numel - rank * partition))  # without the padding
-                out[rank * partition:rank * partition + held].copy_(optim["fp32_flat_groups"][group][offset:offset + held])
-                self.files.account(held * 4)
+                self.files.copy_range(self.optim[tp][dp], lambda state, group=group: state["optimizer_state_dict"][
+                    "fp32_flat_groups"][group], out[rank * partition:rank * partition + held], offset)
             slices.append(out.view(shape))
         return slices
 
