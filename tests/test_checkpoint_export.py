@@ -5,6 +5,8 @@ DeepSpeed's universal form stores `zero/<name>/fp32.pt` as a bare flat tensor fo
 parallelism and needs injected metadata for ZeRO 1/2 without it; each layout below trains 2 steps on 2
 CPU processes with `checkpoint.export_hf_at_end=true` (the trainer's export), and two are also exported
 with `tools/export_hf.py`. T=2 with ZeRO-3 and untied embeddings is covered by test_checkpoint_resume.py.
+The tests after them use the same checkpoints in one process: the export against DeepSpeed's conversion,
+a kill -9 during it, links planted in hf/, a full disk (issues 23 and 24).
 """
 
 from __future__ import annotations
