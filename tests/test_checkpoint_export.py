@@ -5,6 +5,8 @@ DeepSpeed's universal form stores `zero/<name>/fp32.pt` as a bare flat tensor fo
 parallelism and needs injected metadata for ZeRO 1/2 without it; each layout below trains 2 steps on 2
 CPU processes with `checkpoint.export_hf_at_end=true` (the trainer's export), and two are also exported
 with `tools/export_hf.py`. T=2 with ZeRO-3 and untied embeddings is covered by test_checkpoint_resume.py.
+The tests after them use the same checkpoints in one process: the export against DeepSpeed's conversion,
+a kill -9 during it, links planted in hf/, a full disk (issues 23 and 24).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from helpers.distributed import run_workers
-from helpers.launch import DEMO, demo_overrides, run_ok
+from helpers.launch import DEMO, demo_overrides, run, run_ok
 
 TIMEOUT = 400
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(6 * TIMEOUT)]  # the fixture: 2 launches, 5 runs
@@ -69,3 +71,134 @@ def test_export_of_every_layout_reloads_with_the_engines_logits(name, trained, t
         export = tmp_path / "hf"
         run_ok([sys.executable, "tools/export_hf.py", str(out), str(export)], timeout=TIMEOUT)
         _assert_same_logits(export, reference, tied)
+
+
+# --- the export reads the weights only, leaves nothing behind, copies no links, says when the disk is full ---
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {name: tensor for shard in sorted(folder.glob("*.safetensors")) for name, tensor in load_file(shard).items()}
+
+
+@pytest.mark.parametrize("name", ["t1_zero1_untied", "t1_zero3_tied", "t2_zero1_tied"])
+def test_export_equals_deepspeeds_conversion_without_converting(name, trained, tmp_path, monkeypatch):
+    """Every exported tensor equals DeepSpeed's universal conversion of the checkpoint (the reference), while
+    the export itself runs none of the conversion's steps that write fragment files (they are made to fail)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    from ntl_pretrain.checkpoint import convert_to_universal, export_hf
+
+    checkpoint = trained / name / "global_step2"
+    universal = Path(convert_to_universal(str(checkpoint), str(tmp_path / "reference" / "universal")))
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the export ran a step of the universal conversion")
+
+    for step in ("main", "extract_zero_shards", "extract_zero_shards_stage3", "dump_param_fragment"):
+        monkeypatch.setattr(ds_to_universal, step, no_conversion)
+    export_hf(str(checkpoint), str(tmp_path / "hf"), max_shard_size="200KB")  # several shards
+    exported = _tensors(tmp_path / "hf")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["hf", "reference"]  # no scratch beside it
+    for key, tensor in exported.items():
+        stored = torch.load(universal / "zero" / key / "fp32.pt", weights_only=False)
+        reference = stored["param"] if isinstance(stored, dict) else stored
+        assert torch.equal(tensor, reference.reshape(tensor.shape)), key
+    assert set(exported) == {entry.name for entry in (universal / "zero").iterdir() if entry.is_dir()} - (
+        {"lm_head.weight"} if LAYOUTS[name][2] else set())
+    assert _tensors(trained / name / "hf_export").keys() == exported.keys()
+
+
+KILL_AT_FIRST_FSYNC_IN = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+staging = os.path.abspath(sys.argv[2]) + ".partial"
+fsync = os.fsync
+def fsync_then_die(fd):
+    fsync(fd)
+    if os.readlink(f"/proc/self/fd/{fd}").startswith(staging):  # the export has begun writing its output
+        os.kill(os.getpid(), signal.SIGKILL)
+os.fsync = fsync_then_die
+from ntl_pretrain.checkpoint import export_hf
+export_hf(sys.argv[1], sys.argv[2], max_shard_size="200KB")
+"""
+
+
+def test_killed_export_leaves_nothing_a_rerun_does_not_remove(trained, tmp_path):
+    """kill -9 in the middle of writing the export (at its first fsync inside OUT.partial), then the same
+    export again: it succeeds, and the folder holds the export and nothing else (no scratch left for good)."""
+    checkpoint, out = trained / "t1_zero3_untied" / "global_step2", tmp_path / "exports" / "hf"
+    killed = run([sys.executable, "-c", KILL_AT_FIRST_FSYNC_IN, str(checkpoint), str(out)], timeout=TIMEOUT)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert (tmp_path / "exports" / "hf.partial").is_dir() and not out.exists()
+    run_ok([sys.executable, "tools/export_hf.py", str(checkpoint), str(out)], timeout=TIMEOUT)
+    assert sorted(entry.name for entry in (tmp_path / "exports").iterdir()) == ["hf"]
+    reference = _tensors(trained / "t1_zero3_untied" / "hf_export")
+    exported = _tensors(out)
+    assert reference.keys() == exported.keys() and all(torch.equal(reference[k], exported[k]) for k in reference)
+
+
+def test_links_and_folders_in_hf_are_never_copied(trained, tmp_path):
+    """A symbolic link planted in a checkpoint's hf/ folder (to a secret outside it) and a sub-folder: the
+    export and the universal conversion either refuse the checkpoint or copy neither, and the secret's bytes
+    are nowhere in what they write."""
+    import shutil
+
+    checkpoint = tmp_path / "run" / "global_step2"
+    shutil.copytree(trained / "t1_zero1_untied" / "global_step2", checkpoint)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY 0123456789")
+    (checkpoint / "hf" / "id_rsa").symlink_to(secret)
+    (checkpoint / "hf" / "sub").mkdir()
+    (checkpoint / "hf" / "sub" / "x.json").write_text("{}")
+    export = run([sys.executable, "tools/export_hf.py", str(checkpoint), str(tmp_path / "hf")], timeout=TIMEOUT)
+    reshard = run([sys.executable, "tools/reshard.py", str(checkpoint), "--output", str(tmp_path / "universal")],
+                  timeout=TIMEOUT)
+    for result, folder in ((export, tmp_path / "hf"), (reshard, tmp_path / "universal")):
+        assert result.returncode in (0, 2), result.stderr[-3000:]
+        written = [path for path in folder.rglob("*")] if folder.exists() else []
+        assert (result.returncode == 0) == bool(written), result.stderr[-3000:]
+        assert not any(path.is_symlink() or path.name in ("id_rsa", "sub") for path in written)
+        assert not any(path.is_file() and b"PRIVATE KEY" in path.read_bytes() for path in written)
+
+
+def test_full_disk_during_the_export_says_no_space_left(trained, tmp_path, monkeypatch):
+    """The disk fills while a shard is written (ENOSPC from the file system): one error naming the folder
+    and its free space, no hint about another layout, and no partial export left."""
+    import builtins
+    import errno
+
+    from ntl_pretrain.checkpoint import CheckpointError, export_hf
+    from ntl_pretrain.checkpoint import export as export_module
+
+    class FullDisk:
+        def __init__(self, handle):
+            self.handle, self.written = handle, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        handle = builtins.open(path, mode, *args, **kwargs)
+        return FullDisk(handle) if str(path).endswith(".safetensors") else handle
+
+    monkeypatch.setattr(export_module, "open", open_on_a_full_disk, raising=False)
+    with pytest.raises(CheckpointError) as caught:
+        export_hf(str(trained / "t1_zero3_tied" / "global_step2"), str(tmp_path / "hf"))
+    message = str(caught.value)
+    assert message.startswith(f"no space left on {str(tmp_path)!r} (") and "MiB free" in message, message
+    assert "layout" not in message and "unexpected pos" not in message
+    assert list(tmp_path.iterdir()) == []

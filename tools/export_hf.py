@@ -4,11 +4,15 @@
     python tools/export_hf.py runs/demo/global_step700 runs/demo/hf_export [--dtype bf16] [--max-shard-size 5GB]
     python tools/export_hf.py runs/demo runs/demo/hf_export          # a run folder: its newest complete checkpoint
 
-Works for checkpoints of any ZeRO stage 1-3 and any tensor-parallel size (ZeRO 0 with tp_size 1): the
-shards are joined through DeepSpeed's universal checkpoint conversion into a scratch folder. Writes
+Works for checkpoints of any ZeRO stage 1-3 and any tensor-parallel size (ZeRO 0 with tp_size 1). Reads only
+the model weights (the fp32 master partitions, memory-mapped; never the Adam moments), joins each parameter's
+ZeRO partitions and tensor-parallel slices (DeepSpeed's own merge) and streams it into its safetensors shard:
+no scratch beside the output, memory about one parameter plus the pages read since the last release. Writes
 safetensors weights (sharded, with model.safetensors.index.json when there is more than one shard),
 config.json, generation_config.json, the tokenizer and number_vocab.json; `from_pretrained` loads it.
-The output folder must not exist (or be empty); nothing is overwritten.
+The output folder must not exist (or be empty); nothing is overwritten. Everything is written into
+OUT.partial and renamed at the end: an export that is killed leaves only OUT.partial, which the next
+export to OUT removes.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import time
 from ..fs import commit_directory, write_text_atomic
 from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError,
                      UnsafeCheckpointError, file_sizes, saved_layout)
+from .export import copy_regular_files, disk_full_error
 from .integrity import hash_files, hash_record, verify_checkpoint
 from .safe_loading import weights_only_loads
 from .staging import make_staging, remove_staging
@@ -69,17 +70,18 @@ def convert_to_universal(checkpoint_path: str, output_path: str | None = None, w
         raise UnsafeCheckpointError(f"checkpoint {checkpoint_path!r} holds pickled Python objects that a weights-only "
                                     f"load refuses ({str(error).splitlines()[0]}); nothing was converted") from None
     except (OSError, RuntimeError, ValueError, KeyError, AssertionError) as error:
+        full = disk_full_error(error, os.path.dirname(os.path.abspath(staging)))  # measured before the clean-up
         shutil.rmtree(staging, ignore_errors=True)
+        if full is not None:  # another layout would need the same space: no hint about it
+            raise full from None
         raise CheckpointError(f"converting {checkpoint_path!r} to a universal checkpoint failed ({type(error).__name__}: "
                               f"{error}); the checkpoint itself is unchanged. Free disk space, or resume with the "
                               f"layout it was saved with ({saved_layout(manifest).describe()})") from None
     # carry our own files (RNG, HF assets) and write a manifest of the universal folder
-    for name in os.listdir(checkpoint_path):
-        source = os.path.join(checkpoint_path, name)
-        if name.startswith("rng_state_"):
-            shutil.copy2(source, os.path.join(staging, name))
-        elif name == HF_DIR:
-            shutil.copytree(source, os.path.join(staging, name))
+    # (regular files only, never through a symbolic link: what a link points to never enters the new folder)
+    copy_regular_files(checkpoint_path, staging, wanted=lambda name: name.startswith("rng_state_"))
+    if os.path.lexists(os.path.join(checkpoint_path, HF_DIR)):
+        copy_regular_files(os.path.join(checkpoint_path, HF_DIR), os.path.join(staging, HF_DIR))
     sizes = file_sizes(staging)
     carried = {key: value for key, value in manifest.items() if key != "sha256"}  # format 2's hashes: of other files
     universal_manifest = dict(carried, format=FORMAT_VERSION, universal_of=os.path.basename(checkpoint_path.rstrip("/")),
