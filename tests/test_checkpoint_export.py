@@ -88,9 +88,11 @@ def test_export_equals_deepspeeds_conversion_without_converting(name, trained, t
     from deepspeed.checkpoint import ds_to_universal
 
     from ntl_pretrain.checkpoint import convert_to_universal, export_hf
+    from ntl_pretrain.checkpoint.format import STAGING_MARKER
 
     checkpoint = trained / name / "global_step2"
     universal = Path(convert_to_universal(str(checkpoint), str(tmp_path / "reference" / "universal")))
+    assert not (universal / STAGING_MARKER).exists()  # committed: never to be taken for an interrupted conversion
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the export ran a step of the universal conversion")

@@ -14,7 +14,7 @@ import shutil
 import time
 
 from ..fs import commit_directory, write_text_atomic
-from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError,
+from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_MARKER, STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError,
                      UnsafeCheckpointError, file_sizes, saved_layout)
 from .export import copy_regular_files, disk_full_error
 from .integrity import hash_files, hash_record, verify_checkpoint
@@ -88,6 +88,8 @@ def convert_to_universal(checkpoint_path: str, output_path: str | None = None, w
                               files=sizes, **hash_record(hash_files(staging, sorted(sizes), sizes)))
     write_text_atomic(os.path.join(staging, MANIFEST_NAME), json.dumps(universal_manifest, indent=1))
     commit_directory(staging, output_path)
+    with contextlib.suppress(OSError):  # committed: no longer "an interrupted conversion of ours" (left: harmless)
+        os.remove(os.path.join(output_path, STAGING_MARKER))
     pointer = os.path.join(os.path.dirname(output_path), "latest_universal")  # ds_to_universal's, naming the staging folder
     if os.path.isfile(pointer):
         write_text_atomic(pointer, os.path.basename(output_path))
