@@ -117,9 +117,12 @@ def _cases(root, tp: int) -> list[dict]:
     cases = []
     for model_type in FAMILIES:
         overrides = [f"model.name_or_path={root / model_type}", f"parallel.tp_size={tp}", f"data.micro_batch_size={tp}"]
-        cases.append({"name": f"{model_type}_t{tp}", "overrides": overrides})
-        if family_problem(model_type, tp, partitioned_load=True) and not family_problem(model_type, tp, False):
-            cases.append({"name": f"{model_type}_t{tp}_full", "overrides": [*overrides, "model.partitioned_load=false"]})
+        default_runs = family_problem(model_type, tp, partitioned_load=True) is None
+        # at T=1 the run that trains also saves and exports (test_export_is_the_published_layout_and_reloads)
+        cases.append({"name": f"{model_type}_t{tp}", "overrides": overrides, "export": tp == 1 and default_runs})
+        if not default_runs and not family_problem(model_type, tp, False):
+            cases.append({"name": f"{model_type}_t{tp}_full", "overrides": [*overrides, "model.partitioned_load=false"],
+                          "export": tp == 1})
     return cases
 
 
@@ -171,6 +174,34 @@ def test_family_trains_or_is_refused_before_the_build(setup, results, model_type
     assert "figures" in result, result
     for tag, expected in _reference(setup, model_type).items():
         assert result["figures"][tag] == pytest.approx(expected, rel=1e-5, abs=1e-6), (tag, result["figures"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_export_is_the_published_layout_and_reloads(setup, results, model_type: str):
+    """The export of a T=1 ZeRO-3 checkpoint holds the tensor names and shapes the family's own save_pretrained
+    writes (the reference: a save_pretrained of the same architecture), and from_pretrained loads it whole."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    root = setup[0]
+    name = f"{model_type}_t1" if family_problem(model_type, 1, partitioned_load=True) is None else f"{model_type}_t1_full"
+    assert "figures" in results[name], results[name]
+    export = root / f"{name}_hf"
+
+    def layout(folder) -> dict[str, tuple[int, ...]]:
+        found = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                found.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+        return found
+
+    reference = root / f"{model_type}_save_pretrained"
+    AutoModelForCausalLM.from_pretrained(root / model_type, dtype=torch.float32).save_pretrained(reference)
+    assert layout(export) == layout(reference)
+    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 def _config(root, *overrides: str):

@@ -424,6 +424,27 @@ def _export_errors(checkpoint_path: str, folder: str) -> Iterator[None]:
                               f"({type(error).__name__}: {error}); the partial output was removed") from None
 
 
+def revert_to_published(model: Any, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One parameter (in-memory name) as the family's checkpoints store it: transformers' reverse weight
+    conversion (`revert_weight_conversion`), which renames it or splits a fused tensor into several."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {name: tensor})
+
+
+def published_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{published name: (in-memory name, shape)} for the parameters of `shapes`, in their order, each
+    parameter's published tensors together (the export writes them one after another from one conversion)."""
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        for published, tensor in revert_to_published(model, name, torch.empty(shape, device="meta")).items():
+            if published in layout:
+                raise CheckpointError(f"two parameters ({layout[published][0]}, {name}) are both published as "
+                                      f"{published!r}; this model family's conversion is not supported by the export")
+            layout[published] = (name, tuple(tensor.shape))
+    return layout
+
+
 def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, max_shard_size: str | int = "5GB") -> dict:
     """Export a checkpoint folder (any ZeRO stage 1-3, any TP size; CPU only) as a Hugging Face model folder.
 
@@ -471,14 +492,18 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
     if missing:
         raise CheckpointError(f"checkpoint {checkpoint_path!r} lacks weights the model needs: {missing[:5]}")
     names = sorted(name for name in held if name in expected and name not in tied)
-    plan = {name: torch.empty(expected[name], dtype=target, device="meta") for name in names}
+    # the family's published names and shapes (what its save_pretrained writes: GPT-NeoX's embed_out, Qwen3-MoE's
+    # per-expert tensors), from transformers' own reverse conversion of each parameter; {published: in-memory}
+    layout = published_layout(reference, {name: expected[name] for name in names})
+    shapes = {published: shape for published, (_, shape) in layout.items()}
+    plan = {published: torch.empty(shape, dtype=target, device="meta") for published, shape in shapes.items()}
     try:
         split = split_torch_state_dict_into_shards(plan, filename_pattern="model{suffix}.safetensors",
                                                    max_shard_size=max_shard_size)
     except ValueError as error:
         raise CheckpointError(f"max_shard_size={max_shard_size!r} is not a size such as 5GB or 500MB ({error})") from None
 
-    def produce(name: str) -> torch.Tensor:
+    def full(name: str) -> torch.Tensor:
         tensor = source.full(name)
         if tuple(tensor.shape) != expected[name]:
             if source.tp_size == 1 and tensor.dim() == 1 and tensor.numel() == math.prod(expected[name]):
@@ -486,7 +511,18 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
             else:
                 raise CheckpointError(f"checkpoint {checkpoint_path!r}: {name} has shape {tuple(tensor.shape)}, the "
                                       f"model expects {expected[name]}")
-        return tensor.to(target)
+        return tensor
+
+    converted: dict[str, torch.Tensor] = {}  # the published tensors of the last parameter that expands into several
+
+    def produce(published: str) -> torch.Tensor:
+        name, _ = layout[published]
+        if published == name:
+            return full(name).to(target)
+        if published not in converted:  # a parameter's published tensors are planned one after another
+            converted.clear()
+            converted.update(revert_to_published(reference, name, full(name)))
+        return converted.pop(published).to(target)
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -496,7 +532,7 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
         with _export_errors(checkpoint_path, parent):
             make_staging(staging)
             for filename, shard_names in split.filename_to_tensors.items():
-                write_safetensors(os.path.join(staging, filename), {name: (target, expected[name]) for name in shard_names},
+                write_safetensors(os.path.join(staging, filename), {name: (target, shapes[name]) for name in shard_names},
                                   produce, {"format": "pt"})
                 files.release()
             if split.is_sharded:
@@ -518,4 +554,4 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
     # the next export), a kill after it a complete export holding a stray marker, never an unremovable OUT.partial
     os.remove(os.path.join(out_dir, STAGING_MARKER))
     return {"seconds": time.perf_counter() - started, "bytes": folder_bytes(out_dir),
-            "parameters": sum(math.prod(expected[name]) for name in names), "files": sorted(os.listdir(out_dir))}
+            "parameters": sum(math.prod(shape) for shape in shapes.values()), "files": sorted(os.listdir(out_dir))}

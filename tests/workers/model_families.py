@@ -24,16 +24,23 @@ import torch.distributed as dist
 from trainer_step import fixed_batch
 
 from ntl_pretrain import distributed, engine
+from ntl_pretrain.checkpoint import export_hf
 from ntl_pretrain.config import load_config
 from ntl_pretrain.train import Trainer
 
 
-def run_case(out: Path, batch: dict, config: str, name: str, overrides: list[str], built: list[str]) -> None:
+def run_case(out: Path, batch: dict, config: str, name: str, overrides: list[str], built: list[str],
+             export: bool = False) -> None:
     trainer = None
     try:
         trainer = Trainer(load_config(config, [*overrides, f"train.output_dir={out / name}"]))
         trainer.data.next_step = fixed_batch(trainer, batch)
         result = {"figures": trainer.train_step()}
+        if export:  # the checkpoint of step 1, exported as tools/export_hf.py does (one process)
+            tag = trainer.save_checkpoint()
+            if dist.get_rank() == 0:
+                export_hf(str(out / name / tag), str(out / f"{name}_hf"))
+            dist.barrier()
     except ValueError as error:
         result = {"refused": str(error), "built": name in built}
     except Exception:  # noqa: BLE001 (a family that crashes: the test shows its trace)
@@ -61,7 +68,7 @@ def main() -> None:
     engine.build_model = recording_build_model
     for case in json.loads(Path(cases_file).read_text()):
         current[0] = case["name"]
-        run_case(out, batch, config, case["name"], case["overrides"], built)
+        run_case(out, batch, config, case["name"], case["overrides"], built, case.get("export", False))
 
 
 if __name__ == "__main__":
