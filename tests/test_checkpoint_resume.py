@@ -307,3 +307,20 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
                                               r"x tp 1, ZeRO-3. Set checkpoint.reshard_on_resume=true"):
         no_reshard.plan_resume("global_step5")
     assert {str(p): p.stat().st_size for p in out.rglob("*")} == before
+
+
+def test_resume_on_another_layout_waits_for_a_conversion_longer_than_the_collective_timeout(reference, tmp_path):
+    """Rank 0's universal conversion outlasts the process group's timeout (2 s, a stand-in for
+    dist_timeout_minutes): the other rank waits outside any collective, then gets its error or its result."""
+    out = tmp_path / "run"
+    _copy_checkpoint(reference, "global_step4", out)
+    outputs = run_workers("reshard_wait.py", 2, [str(out), "global_step4", "2", "5"], timeout=TIMEOUT)
+    reports = [json.loads(next(line for line in o.splitlines() if line.startswith('{"rank"'))) for o in outputs]
+    assert [r["conversions"] for r in reports] == [2, 0]  # rank 0 alone converts
+    for report in reports:
+        failed, converted = report["outcomes"]
+        assert failed["error"] == "AgreedCheckpointError" and failed["message"] == "injected conversion failure"
+        assert converted["tag"] == "global_step4_universal"
+        assert failed["waited_s"] >= 5 and converted["waited_s"] >= 5  # longer than the 2 s timeout
+    manifest = verify_checkpoint(str(out / "global_step4_universal"))
+    assert manifest["universal_of"] == "global_step4"
