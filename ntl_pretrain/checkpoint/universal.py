@@ -28,6 +28,7 @@ logger = logging.getLogger("ntl_pretrain")
 
 CONVERSION_WAIT_HOURS = 24.0  # how long the other ranks wait for global rank 0's conversion (their own watchdog)
 _POLL_SECONDS = 1.0  # how often a waiting rank looks for rank 0's outcome in the rendezvous store
+_ACK_SECONDS = 60.0  # how long rank 0 waits for the others to read its error before raising it
 _conversions = 0  # conversions started by this process: each one's store key is new
 
 
@@ -114,7 +115,8 @@ def convert_while_others_wait(checkpoint_path: str, is_main: bool, wait_hours: f
     the others do not wait in a collective: they poll the rendezvous store (a host-side key, no device or
     process-group timeout) for rank 0's outcome, under a watchdog of their own of `wait_hours`. If rank 0
     dies, the store (which rank 0 hosts, or the launcher's agent) stops answering and the wait ends at once.
-    Every rank then raises rank 0's error itself, as an `AgreedCheckpointError`.
+    Every rank then raises rank 0's error itself, as an `AgreedCheckpointError` (rank 0 once the others have
+    read it, or after a minute).
     """
     global _conversions
     if not is_collective(True):
@@ -131,6 +133,10 @@ def convert_while_others_wait(checkpoint_path: str, is_main: bool, wait_hours: f
         except (OSError, ValueError, RuntimeError) as error:
             message = f"{type(error).__name__}: {error}"
         store.set(key, "error:" + message if message else "done")
+        if message:  # stay (and keep the store rank 0 hosts up) until every rank has read it, so all report it
+            deadline = time.monotonic() + _ACK_SECONDS
+            while store.add(key + "/read", 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
     else:
         deadline = time.monotonic() + wait_hours * 3600.0
         while not store.check([key]):
@@ -140,6 +146,7 @@ def convert_while_others_wait(checkpoint_path: str, is_main: bool, wait_hours: f
                                       f"tools/reshard.py and resume again")
             time.sleep(_POLL_SECONDS)
         outcome = store.get(key).decode()
+        store.add(key + "/read", 1)
         message = outcome[len("error:"):] if outcome.startswith("error:") else ""
     if message:  # every rank has the same outcome, so no collective is needed to agree on it
         raise AgreedCheckpointError(message)

@@ -51,12 +51,16 @@ def main(run_dir: str, tag: str, timeout_s: float, delay_s: float) -> None:
     plans = CheckpointManager(CheckpointConfig(), run_dir, layout, 3, run_fingerprint, seed=1)
     outcomes = []
     for _ in range(2):
+        dist.barrier()  # both ranks start waiting together
         started = time.monotonic()
         try:
             outcomes.append({"tag": plans.plan_resume(tag)})
         except CheckpointError as error:
             outcomes.append({"error": type(error).__name__, "message": str(error)})
         outcomes[-1]["waited_s"] = time.monotonic() - started
+        if rank == 0 and "error" in outcomes[-1]:  # rank 0 raised its error only once every rank had read it
+            store = dist.distributed_c10d._get_default_store()
+            outcomes[-1]["read_by"] = store.add("ntl_pretrain/universal_conversion/1/read", 0)
     print(json.dumps({"rank": rank, "conversions": len(calls), "outcomes": outcomes}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
