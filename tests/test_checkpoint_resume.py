@@ -5,7 +5,8 @@ HF export at the end) is compared with an interrupted run of the same config: SI
 (every rank saves and exits 0), a resume killed with `kill -9` in the middle of its first save, and a
 second resume that must pick the previous checkpoint and reach bitwise the same weights and losses.
 The reference's step-4 checkpoint is also resumed as T=1/dp=2 and T=1/dp=1 (universal checkpoint),
-and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-full stand-in).
+and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-full stand-in). A T=1/dp=2
+resume plan whose universal conversion outlasts the process group's timeout waits for it (no collective).
 """
 
 from __future__ import annotations
