@@ -5,7 +5,8 @@ HF export at the end) is compared with an interrupted run of the same config: SI
 (every rank saves and exits 0), a resume killed with `kill -9` in the middle of its first save, and a
 second resume that must pick the previous checkpoint and reach bitwise the same weights and losses.
 The reference's step-4 checkpoint is also resumed as T=1/dp=2 and T=1/dp=1 (universal checkpoint),
-and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-full stand-in).
+and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-full stand-in). A T=1/dp=2
+resume plan whose universal conversion outlasts the process group's timeout waits for it (no collective).
 """
 
 from __future__ import annotations
@@ -307,3 +308,21 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
                                               r"x tp 1, ZeRO-3. Set checkpoint.reshard_on_resume=true"):
         no_reshard.plan_resume("global_step5")
     assert {str(p): p.stat().st_size for p in out.rglob("*")} == before
+
+
+def test_resume_on_another_layout_waits_for_a_conversion_longer_than_the_collective_timeout(reference, tmp_path):
+    """Rank 0's universal conversion outlasts the process group's timeout (2 s, a stand-in for
+    dist_timeout_minutes): the other rank waits outside any collective, then gets its error or its result."""
+    out = tmp_path / "run"
+    _copy_checkpoint(reference, "global_step4", out)
+    outputs = run_workers("reshard_wait.py", 2, [str(out), "global_step4", "2", "5"], timeout=TIMEOUT)
+    reports = [json.loads(next(line for line in o.splitlines() if line.startswith('{"rank"'))) for o in outputs]
+    assert [r["conversions"] for r in reports] == [2, 0]  # rank 0 alone converts
+    for report in reports:
+        failed, converted = report["outcomes"]
+        assert failed["error"] == "AgreedCheckpointError" and failed["message"] == "injected conversion failure"
+        assert converted["tag"] == "global_step4_universal"
+        assert failed["waited_s"] > 4 and converted["waited_s"] > 4  # twice the 2 s timeout, and more
+    assert reports[0]["outcomes"][0]["read_by"] == 1  # rank 0 stayed until rank 1 had read its error
+    manifest = verify_checkpoint(str(out / "global_step4_universal"))
+    assert manifest["universal_of"] == "global_step4"

@@ -5,8 +5,10 @@
 
 A run resumes through it by itself when its layout differs from the checkpoint's
 (`checkpoint.reshard_on_resume=true`, the default: `train.resume=global_step700` or `auto` with another
-`parallel.tp_size` or number of processes); this tool does the conversion ahead of time (CPU only, one
-process), e.g. on a login node while the new job waits in the queue.
+`parallel.tp_size` or number of processes): global rank 0 converts while the other ranks wait outside
+`train.dist_timeout_minutes` (docs/checkpoints.md, "Resharding"). This tool does the same conversion ahead
+of time (CPU only, one process, `--workers` extraction processes), e.g. on a login node while the new job
+waits in the queue; the resume then reuses its folder (the default `--output`).
 """
 
 from __future__ import annotations

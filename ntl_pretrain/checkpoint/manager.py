@@ -26,7 +26,7 @@ from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACE
 from .integrity import hash_files, hash_record, verify_checkpoint
 from .safe_loading import load_rng_state, reseed, rng_state, set_rng_state, weights_only_loads
 from .staging import make_staging, mark_staging, remove_interrupted_saves, remove_staging
-from .universal import convert_to_universal, universal_path
+from .universal import convert_while_others_wait, universal_path
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -195,7 +195,7 @@ class CheckpointManager:
                 f"with the saved layout")
         logger.info("checkpoint %s was saved with %s; this run has %s: loading its universal form",
                     tag, saved.describe(), self.current.describe())
-        run_on_main(self.layout.is_main, lambda: convert_to_universal(path, verified=True))
+        convert_while_others_wait(path, self.layout.is_main)  # outside dist_timeout_minutes: it may take hours
         return tag + UNIVERSAL_SUFFIX
 
     def resume_lr_schedule(self, tag: str) -> dict | None:

@@ -13,15 +13,24 @@ import pickle
 import shutil
 import time
 
+import torch.distributed as dist
+
 from ..fs import commit_directory, write_text_atomic
-from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_MARKER, STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError,
-                     UnsafeCheckpointError, file_sizes, saved_layout)
+from .collective import is_collective
+from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_MARKER, STAGING_SUFFIX, UNIVERSAL_SUFFIX,
+                     AgreedCheckpointError, CheckpointError, UnsafeCheckpointError, file_sizes, saved_layout)
 from .export import copy_regular_files, disk_full_error
 from .integrity import hash_files, hash_record, verify_checkpoint
 from .safe_loading import weights_only_loads
 from .staging import make_staging, remove_staging
 
 logger = logging.getLogger("ntl_pretrain")
+
+CONVERSION_WAIT_HOURS = 24.0  # how long the other ranks wait for global rank 0's conversion (their own watchdog)
+_POLL_SECONDS = 1.0  # how often a waiting rank looks for rank 0's outcome in the rendezvous store
+_ACK_SECONDS = 60.0  # how long rank 0 waits for the others to read its error before raising it
+_conversions = 0  # conversions started by this process: each one's store key is new
+
 
 def universal_path(checkpoint_path: str) -> str:
     return checkpoint_path.rstrip("/") + UNIVERSAL_SUFFIX
@@ -96,3 +105,49 @@ def convert_to_universal(checkpoint_path: str, output_path: str | None = None, w
     logger.info("converted %s to a universal checkpoint %s in %.1f s", checkpoint_path, output_path,
                 time.perf_counter() - started)
     return output_path
+
+
+def convert_while_others_wait(checkpoint_path: str, is_main: bool, wait_hours: float = CONVERSION_WAIT_HOURS) -> str:
+    """`convert_to_universal` of a verified checkpoint on global rank 0 while the other ranks wait outside any
+    collective (every rank calls this); its error is raised on every rank. Returns the universal folder.
+
+    The conversion of a model of billions of parameters takes longer than `train.dist_timeout_minutes`, so
+    the others do not wait in a collective: they poll the rendezvous store (a host-side key, no device or
+    process-group timeout) for rank 0's outcome, under a watchdog of their own of `wait_hours`. If rank 0
+    dies, the store (which rank 0 hosts, or the launcher's agent) stops answering and the wait ends at once.
+    Every rank then raises rank 0's error itself, as an `AgreedCheckpointError` (rank 0 once the others have
+    read it, or after a minute).
+    """
+    global _conversions
+    if not is_collective(True):
+        return convert_to_universal(checkpoint_path, verified=True)
+    _conversions += 1
+    key = f"ntl_pretrain/universal_conversion/{_conversions}"
+    store = dist.distributed_c10d._get_default_store()
+    if is_main:
+        message = ""
+        try:
+            convert_to_universal(checkpoint_path, verified=True)
+        except CheckpointError as error:
+            message = str(error)
+        except (OSError, ValueError, RuntimeError) as error:
+            message = f"{type(error).__name__}: {error}"
+        store.set(key, "error:" + message if message else "done")
+        if message:  # stay (and keep the store rank 0 hosts up) until every rank has read it, so all report it
+            deadline = time.monotonic() + _ACK_SECONDS
+            while store.add(key + "/read", 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+    else:
+        deadline = time.monotonic() + wait_hours * 3600.0
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"global rank 0 did not finish converting {checkpoint_path!r} to a universal "
+                                      f"checkpoint within {wait_hours:g} h; convert it ahead of time with "
+                                      f"tools/reshard.py and resume again")
+            time.sleep(_POLL_SECONDS)
+        outcome = store.get(key).decode()
+        store.add(key + "/read", 1)
+        message = outcome[len("error:"):] if outcome.startswith("error:") else ""
+    if message:  # every rank has the same outcome, so no collective is needed to agree on it
+        raise AgreedCheckpointError(message)
+    return universal_path(checkpoint_path)
