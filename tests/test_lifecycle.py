@@ -203,7 +203,8 @@ class Builder:
         folder.mkdir(exist_ok=True)
         (folder / "lock").write_bytes(b"")
         compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], cwd=folder)
-        (folder / "compiler.pid").write_text(str(compiler.pid))
+        (folder / "compiler.pid.tmp").write_text(str(compiler.pid))
+        (folder / "compiler.pid.tmp").rename(folder / "compiler.pid")  # whole when it appears (the test polls)
         compiler.wait()
 
 lifecycle._shm_op_to_build = lambda: (Builder(), str(folder))
