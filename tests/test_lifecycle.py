@@ -231,7 +231,11 @@ def test_a_stop_signal_during_the_op_build_stops_at_once_saying_nothing_is_saved
     assert f"{signal.Signals(signum).name} while compiling DeepSpeed's CPU communication op, before step 1" in err
     assert "nothing is saved" in err and "the build returned" not in out
     assert not (folder / "lock").exists()  # the next start neither waits on it nor races its removal
-    assert not psutil.pid_exists(compiler) or psutil.Process(compiler).status() == psutil.STATUS_ZOMBIE
+    # killed: gone, or a zombie, once the kernel has delivered the SIGKILL (on a loaded machine: not at once)
+    deadline = time.time() + 20
+    while psutil.pid_exists(compiler) and psutil.Process(compiler).status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < deadline, f"the compiler (pid {compiler}) outlived the stopped build"
+        time.sleep(0.1)
 
 
 def test_the_supervisor_ends_the_job_at_once_on_a_stop_before_any_rank_started(tmp_path):
