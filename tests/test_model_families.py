@@ -174,6 +174,26 @@ def test_family_trains_or_is_refused_before_the_build(setup, results, model_type
     assert "figures" in result, result
     for tag, expected in _reference(setup, model_type).items():
         assert result["figures"][tag] == pytest.approx(expected, rel=1e-5, abs=1e-6), (tag, result["figures"])
+    if tp > 1:  # really tensor-parallel: layer 0 split, as the family's own layer specs say where it has them
+        assert any(".layers.0." in name for name in result["split"]), result["split"]
+        _assert_split_as_the_layer_specs(setup[0], model_type, set(result["split"]))
+
+
+def _assert_split_as_the_layer_specs(root, model_type: str, split: set[str]) -> None:
+    """Layer 0's parameters that the family's `tp_layer_specs` split (column/row) are split, the others whole."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    specs = FAMILIES[model_type].tp_layer_specs
+    if not specs:
+        return
+    model = AutoModelForCausalLM.from_pretrained(root / model_type, dtype=torch.float32)
+    for name, _ in model.named_parameters():
+        if ".layers.0." not in name:
+            continue
+        spec = next((spec for spec in specs if any(re.match(p, name) for p in spec["patterns"])), None)
+        assert (name in split) == (spec is not None and spec["partition_type"] != "skip"), (name, sorted(split))
 
 
 @pytest.mark.multiprocess
