@@ -33,7 +33,6 @@ class Family:
 
 
 _MOE_FILES = "its checkpoints hold one tensor per expert, which transformers fuses on load (gate_up_proj)"
-_FUSED_SLICES = "AutoTP splits its fused gate_up_proj in halves, which the sliced read does not read"
 
 
 def _specs(partition_type: str, *patterns: str) -> dict:
@@ -66,7 +65,6 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("Gemma3 (text)", special="tied scaled embedding, q/k norms, sliding/global layers"),
     "gemma2": Family("Gemma2", special="tied scaled embedding, attention and logit soft-capping, sliding window"),
     "phi3": Family("Phi-3 / Phi-3.5 / Phi-4-mini", special="fused qkv_proj and gate_up_proj, partial RoPE, tied head",
-                   no_tp_partitioned_load=_FUSED_SLICES,
                    tp_layer_specs=(_REPLICATED_ATTENTION,
                                    {**_specs("column", r".*\.mlp\.gate_up_proj\.weight$"), "shape": [2, -1],
                                     "partition_dim": 0},  # [gate; up]: each rank the same rows of both halves

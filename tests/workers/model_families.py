@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -35,7 +36,7 @@ def split_parameters(model: torch.nn.Module) -> list[str]:
     on each), layer 0's only (the other layers are split alike)."""
     from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
 
-    return sorted(name for name, param in model.named_parameters() if ".layers." not in name or ".layers.0." in name
+    return sorted(name for name, param in model.named_parameters() if re.search(r"\.[1-9]\d*\.", name) is None
                   if (getattr(param, DS_AUTOTP_UC_META, None) or {"replicated": True}).get("replicated") is False)
 
 
