@@ -3,7 +3,8 @@ T > 1) and the partitioned ZeRO-3 load (`model.partitioned_load`, the default) a
 
 `FAMILIES` is the one table: the start-up check (`check_family`, run by the trainer and `--dry-run` before the
 model is built), `parallel.tp_size=auto` (`tp_limit`), docs/training.md's table and tests/test_model_families.py
-read it. A family not listed is not checked (it runs as DeepSpeed and transformers allow).
+read it, and so does `build_model`, which hands AutoTP a family's own layer specs (`add_tp_partition_config`). A
+family not listed is not checked (it runs as DeepSpeed and transformers allow).
 
 `published_state_dict` turns a state dict in transformers 5's in-memory names into the layout the family's
 `save_pretrained` writes (transformers' own reverse conversion: per-expert tensors, `embed_out`, ...).

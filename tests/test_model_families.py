@@ -1,7 +1,8 @@
 """Every family of `ntl_pretrain.model_families.FAMILIES` on a tiny model of its own transformers config class
 with its published features (`TINY`): the real Trainer's first step at T=1 and at T=2 (2 CPU ranks, ZeRO-3, NTL
-on, the default load: partitioned from the saved folder) has the CE, NTL and loss of plain transformers + ntloss
-in one process, or, where the table says the family cannot run so, the Trainer refuses it with the table's line
+on, the default load: partitioned from the saved folder) has the CE, NTL, loss and gradient norm of plain
+transformers + ntloss in one process (at T=2 split as the family's own layer specs say, and exporting what T=1
+exports), or, where the table says the family cannot run so, the Trainer refuses it with the table's line
 before the model is built (and `--dry-run` with the same line). One launch per tensor-parallel size runs every
 family. Single-process: `parallel.tp_size=auto` picks only sizes the family can run; the export layout
 (`published_state_dict`) equals `save_pretrained`'s and reloads; docs/training.md's table is the registry's.
