@@ -276,6 +276,8 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
     attn = choose_attention(cfg.attn_implementation)
     dtype = DTYPES[cfg.dtype]
     config = load_model_config(cfg)
+    if tp_size > 1 and ds_config is not None:  # read by deepspeed.initialize's AutoTP
+        model_families.add_tp_partition_config(ds_config, model_families.family_of(config)[0])
     tokenizer_size = len(tokenizer)
     # under ZeRO-3 a loaded model is built partitioned (T=1: ZeRO shares, T>1: AutoTP slices), one built from
     # scratch too at T=1 (same initial weights as the whole build)

@@ -3,7 +3,8 @@ T > 1) and the partitioned ZeRO-3 load (`model.partitioned_load`, the default) a
 
 `FAMILIES` is the one table: the start-up check (`check_family`, run by the trainer and `--dry-run` before the
 model is built), `parallel.tp_size=auto` (`tp_limit`), docs/training.md's table and tests/test_model_families.py
-read it. A family not listed is not checked (it runs as DeepSpeed and transformers allow).
+read it, and so does `build_model`, which hands AutoTP a family's own layer specs (`add_tp_partition_config`). A
+family not listed is not checked (it runs as DeepSpeed and transformers allow).
 
 `published_state_dict` turns a state dict in transformers 5's in-memory names into the layout the family's
 `save_pretrained` writes (transformers' own reverse conversion: per-expert tensors, `embed_out`, ...).
@@ -28,12 +29,30 @@ class Family:
     no_partitioned_load: str | None = None  # why the partitioned load cannot read its files (T = 1 and T > 1)
     no_tp_partitioned_load: str | None = None  # why the partitioned load cannot read its AutoTP slices (T > 1)
     special: str = ""  # the published features the family test covers
+    tp_layer_specs: tuple[dict, ...] = ()  # DeepSpeed partition_config layer_specs given to AutoTP (T > 1) in place
+    # of the model's transformers tp_plan, for a family whose plan DeepSpeed 0.19 does not take; () uses the tp_plan
 
 
-_FUSED_TP = ("transformers' tensor-parallel plan replicates the input of {what} (rowwise_split_input), which "
-             "DeepSpeed 0.19's AutoTP does not support")
 _MOE_FILES = "its checkpoints hold one tensor per expert, which transformers fuses on load (gate_up_proj)"
-_MOE_TP = "DeepSpeed 0.19's AutoTP does not shard or replicate the fused MoE experts"
+
+
+def _specs(partition_type: str, *patterns: str) -> dict:
+    """One DeepSpeed partition_config layer spec: `patterns` (parameter-name regexes) split as `partition_type`."""
+    return {"patterns": list(patterns), "partition_type": partition_type}
+
+
+# Attention replicated on every TP rank (each computes all heads from the full hidden state: the same values and
+# the same whole gradients on every rank, so no gradient all-reduce), MLP split: OLMo2's q/k norms normalise the
+# whole projection (all heads at once), and Phi-3's attention cuts its fused qkv_proj at the model's full head
+# counts, so neither computes correctly on a column shard of its projections.
+_REPLICATED_ATTENTION = _specs("skip", r".*\.self_attn\.(q|k|v|o|qkv)_proj\.weight$")
+_SPLIT_MLP = (_specs("column", r".*\.mlp\.(gate|up)_proj\.weight$"), _specs("row", r".*\.mlp\.down_proj\.weight$"))
+# MoE: attention split by heads as for Llama (Qwen3-MoE's per-head q/k norms replicated, their gradients summed
+# over the TP group as transformers' plan says); the router and the fused experts are not nn.Linear, so AutoTP
+# leaves them whole: every rank runs every expert on the full hidden state (experts replicated across TP)
+_SPLIT_ATTENTION = (_specs("column", r".*\.self_attn\.[qkv]_proj\.weight$"),
+                    _specs("row", r".*\.self_attn\.o_proj\.weight$"),
+                    {**_specs("skip", r".*\.self_attn\.[qk]_norm\.weight$"), "grad_allreduce": True})
 _FUSED_QKV_SLICES = "AutoTP splits its fused query_key_value by heads, which the sliced read does not read"
 
 FAMILIES: dict[str, Family] = {
@@ -47,12 +66,15 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("Gemma3 (text)", special="tied scaled embedding, q/k norms, sliding/global layers"),
     "gemma2": Family("Gemma2", special="tied scaled embedding, attention and logit soft-capping, sliding window"),
     "phi3": Family("Phi-3 / Phi-3.5 / Phi-4-mini", special="fused qkv_proj and gate_up_proj, partial RoPE, tied head",
-                   no_tp=_FUSED_TP.format(what="o_proj and down_proj (after its fused qkv_proj, gate_up_proj)")),
+                   tp_layer_specs=(_REPLICATED_ATTENTION,
+                                   {**_specs("column", r".*\.mlp\.gate_up_proj\.weight$"), "shape": [2, -1],
+                                    "partition_dim": 0},  # [gate; up]: each rank the same rows of both halves
+                                   _specs("row", r".*\.mlp\.down_proj\.weight$"))),
     "olmo2": Family("OLMo2", special="q/k norms over the whole projection, post-norms",
-                    no_tp=_FUSED_TP.format(what="o_proj (its q/k norms span all heads)")),
-    "qwen3_moe": Family("Qwen3-MoE", special="MoE (fused experts), q/k norms", no_tp=_MOE_TP,
+                    tp_layer_specs=(_REPLICATED_ATTENTION, *_SPLIT_MLP)),
+    "qwen3_moe": Family("Qwen3-MoE", special="MoE (fused experts), q/k norms", tp_layer_specs=(*_SPLIT_ATTENTION, *_SPLIT_MLP),
                         no_partitioned_load=_MOE_FILES),
-    "mixtral": Family("Mixtral", special="MoE (fused experts), sliding window", no_tp=_MOE_TP,
+    "mixtral": Family("Mixtral", special="MoE (fused experts), sliding window", tp_layer_specs=(*_SPLIT_ATTENTION, *_SPLIT_MLP),
                       no_partitioned_load=_MOE_FILES),
     "gpt_neox": Family("GPT-NeoX / Pythia", special="fused query_key_value, parallel residual, partial RoPE, "
                                                     "untied embed_out", no_tp_partitioned_load=_FUSED_QKV_SLICES),
@@ -104,6 +126,19 @@ def accept_scaled_embeddings() -> None:
 
     validate_embedding._ntl_scaled_embeddings = True  # type: ignore[attr-defined]
     VocabParallelEmbedding.validate_embedding = staticmethod(validate_embedding)
+
+
+def add_tp_partition_config(ds_config: dict, model_type: str) -> None:
+    """Give AutoTP the family's own layer specs (`Family.tp_layer_specs`) in `ds_config` (DeepSpeed's
+    tensor_parallel.partition_config, which it prefers to the model's tp_plan), unless the user's DeepSpeed config
+    has its own partition_config or preset_model. Layers no spec names stay whole."""
+    family = FAMILIES.get(model_type)
+    tensor_parallel = ds_config.get("tensor_parallel")
+    if family is None or not family.tp_layer_specs or tensor_parallel is None:
+        return
+    if "partition_config" not in tensor_parallel and "preset_model" not in tensor_parallel:
+        tensor_parallel["partition_config"] = {"use_default_specs": False,
+                                               "layer_specs": [dict(spec) for spec in family.tp_layer_specs]}
 
 
 def family_of(config: Any) -> tuple[str, Family | None]:

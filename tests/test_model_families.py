@@ -1,7 +1,8 @@
 """Every family of `ntl_pretrain.model_families.FAMILIES` on a tiny model of its own transformers config class
 with its published features (`TINY`): the real Trainer's first step at T=1 and at T=2 (2 CPU ranks, ZeRO-3, NTL
-on, the default load: partitioned from the saved folder) has the CE, NTL and loss of plain transformers + ntloss
-in one process, or, where the table says the family cannot run so, the Trainer refuses it with the table's line
+on, the default load: partitioned from the saved folder) has the CE, NTL, loss and gradient norm of plain
+transformers + ntloss in one process (at T=2 split as the family's own layer specs say, and exporting what T=1
+exports), or, where the table says the family cannot run so, the Trainer refuses it with the table's line
 before the model is built (and `--dry-run` with the same line). One launch per tensor-parallel size runs every
 family. Single-process: `parallel.tp_size=auto` picks only sizes the family can run; the export layout
 (`published_state_dict`) equals `save_pretrained`'s and reloads; docs/training.md's table is the registry's.
@@ -10,6 +11,7 @@ family. Single-process: `parallel.tp_size=auto` picks only sizes the family can 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -118,11 +120,13 @@ def _cases(root, tp: int) -> list[dict]:
     for model_type in FAMILIES:
         overrides = [f"model.name_or_path={root / model_type}", f"parallel.tp_size={tp}", f"data.micro_batch_size={tp}"]
         default_runs = family_problem(model_type, tp, partitioned_load=True) is None
-        # at T=1 the run that trains also saves and exports (test_export_is_the_published_layout_and_reloads)
-        cases.append({"name": f"{model_type}_t{tp}", "overrides": overrides, "export": tp == 1 and default_runs})
+        # at T=1 the run that trains also saves and exports (test_export_is_the_published_layout_and_reloads), at
+        # T=2 too for a family split by its own layer specs (test_export_after_own_layer_specs_equals_t1)
+        export = tp == 1 or bool(FAMILIES[model_type].tp_layer_specs)
+        cases.append({"name": f"{model_type}_t{tp}", "overrides": overrides, "export": export and default_runs})
         if not default_runs and not family_problem(model_type, tp, False):
             cases.append({"name": f"{model_type}_t{tp}_full", "overrides": [*overrides, "model.partitioned_load=false"],
-                          "export": tp == 1})
+                          "export": export})
     return cases
 
 
@@ -141,18 +145,20 @@ def results(setup) -> dict:
 
 
 def _reference(setup, model_type: str) -> dict[str, float]:
-    """Plain transformers + ntloss in one process: the step's CE, NTL and loss on the whole batch."""
+    """Plain transformers + ntloss in one process: the step's CE, NTL, loss and gradient norm on the whole batch."""
     import ntloss
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     root, tokenizer, batch = setup
     model = AutoModelForCausalLM.from_pretrained(root / model_type, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"]).logits
+    logits = model(input_ids=batch["input_ids"]).logits
     ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
     ntl = ntloss.NTLoss(tokenizer, vocab_size=len(WORDS), digit_level=True, reweigh=False)(logits, batch["labels"])
-    return {"train/ce": ce.item(), "train/ntl": ntl.item(), "train/loss": (ce + NTL_WEIGHT * ntl).item()}
+    loss = ce + NTL_WEIGHT * ntl
+    loss.backward()  # the gradient norm: replicated parameters neither missed nor counted or summed twice at T=2
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    return {"train/ce": ce.item(), "train/ntl": ntl.item(), "train/loss": loss.item(), "train/grad_norm": grad_norm.item()}
 
 
 @pytest.mark.multiprocess
@@ -174,6 +180,27 @@ def test_family_trains_or_is_refused_before_the_build(setup, results, model_type
     assert "figures" in result, result
     for tag, expected in _reference(setup, model_type).items():
         assert result["figures"][tag] == pytest.approx(expected, rel=1e-5, abs=1e-6), (tag, result["figures"])
+    if tp > 1:  # really tensor-parallel: layer 0 split, as the family's own layer specs say where it has them
+        assert any(_LAYER_0.search(name) for name in result["split"]), result["split"]
+        _assert_split_as_the_layer_specs(setup[0], model_type, set(result["split"]))
+
+
+_LAYER_0 = re.compile(r"\.(layers|h)\.0\.")  # a parameter of the first decoder layer (Falcon's are transformer.h.N)
+
+
+def _assert_split_as_the_layer_specs(root, model_type: str, split: set[str]) -> None:
+    """Layer 0's parameters that the family's `tp_layer_specs` split (column/row) are split, the others whole."""
+    from transformers import AutoModelForCausalLM
+
+    specs = FAMILIES[model_type].tp_layer_specs
+    if not specs:
+        return
+    model = AutoModelForCausalLM.from_pretrained(root / model_type, dtype=torch.float32)
+    for name, _ in model.named_parameters():
+        if not _LAYER_0.search(name):
+            continue
+        spec = next((spec for spec in specs if any(re.match(p, name) for p in spec["patterns"])), None)
+        assert (name in split) == (spec is not None and spec["partition_type"] != "skip"), (name, sorted(split))
 
 
 @pytest.mark.multiprocess
@@ -186,7 +213,7 @@ def test_export_is_the_published_layout_and_reloads(setup, results, model_type: 
     from transformers import AutoModelForCausalLM
 
     root = setup[0]
-    name = f"{model_type}_t1" if family_problem(model_type, 1, partitioned_load=True) is None else f"{model_type}_t1_full"
+    name = _trained_case(model_type, 1)
     assert "figures" in results[name], results[name]
     export = root / f"{name}_hf"
 
@@ -202,6 +229,28 @@ def test_export_is_the_published_layout_and_reloads(setup, results, model_type: 
     assert layout(export) == layout(reference)
     _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def _trained_case(model_type: str, tp: int) -> str:
+    """The case of `model_type` at `tp` that trains: the default load, or the full load where it is refused."""
+    return f"{model_type}_t{tp}" + ("" if family_problem(model_type, tp, partitioned_load=True) is None else "_full")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("model_type", [name for name, family in FAMILIES.items() if family.tp_layer_specs])
+def test_export_after_own_layer_specs_equals_t1(setup, results, model_type: str):
+    """A T=2 run split by the family's own layer specs exports, after its step, the weights of the same step at T=1
+    (the TP slices merged back: replicated layers once, Phi-3's gate_up_proj halves in place)."""
+    from safetensors.torch import load_file
+
+    root = setup[0]
+    exported = {tp: load_file(root / f"{_trained_case(model_type, tp)}_hf" / "model.safetensors") for tp in TP_SIZES}
+    assert exported[2].keys() == exported[1].keys()
+    # Adam's first step is lr * g / (|g| + eps): gradients near eps turn summation-order differences (1e-7) into
+    # up to ~1e-4 here, while a slice merged in the wrong place moves a weight by its size (init std 0.02)
+    for key, tensor in exported[1].items():
+        torch.testing.assert_close(exported[2][key], tensor, rtol=0, atol=1e-3, msg=key)
 
 
 def _config(root, *overrides: str):

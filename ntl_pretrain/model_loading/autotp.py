@@ -99,6 +99,43 @@ def _tp_slice(param: torch.Tensor, name: str, tp_rank: int) -> tuple[int, int, i
     return dim, sum(sizes[:tp_rank]), sizes[tp_rank]
 
 
+def _tp_pieces(param: torch.Tensor, name: str, tp_rank: int) -> list[tuple[int, int, int]] | None:
+    """The ranges (dim, start, size) of the full tensor that AutoTP gave this rank as `param`, in `param`'s order:
+    one for a plain split; one per sub-parameter of a fused one split along dim 0 (Phi-3's gate_up_proj: this rank's
+    rows of the gate half, then of the up half), from DeepSpeed's recorded `sub_param_sizes` and per-rank widths;
+    None when it is replicated."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    meta = getattr(param, DS_AUTOTP_UC_META, None) or {}
+    sizes, widths = meta.get("sub_param_sizes"), meta.get("sub_param_shard_widths")
+    if meta.get("replicated") or not sizes or not widths or meta.get("partition_dim") != 0:
+        single = _tp_slice(param, name, tp_rank)  # plain, replicated, or a fused layout it refuses
+        return None if single is None else [single]
+    pieces, offset = [], 0
+    for size, per_rank in zip(sizes, widths, strict=True):
+        pieces.append((0, offset + sum(int(n) for n in per_rank[:tp_rank]), int(per_rank[tp_rank])))
+        offset += int(size)
+    if offset != tuple(meta.get("original_shape") or (offset,))[0] or sum(p[2] for p in pieces) != param.shape[0]:
+        raise ValueError(f"AutoTP gave {name!r} the shape {tuple(param.shape)}, not the sum of its sub-parameters' "
+                         f"slices {pieces}; set model.partitioned_load=false")
+    return pieces
+
+
+def _fill_pieces(param: torch.Tensor, reader: TensorReader, key: str, grown: GrownRows | None,
+                 pieces: list[tuple[int, int, int]] | None) -> torch.Tensor:
+    """`_fill_slice` for the ranges `pieces` of the file's tensor (`_tp_pieces`), read one after the other into
+    consecutive rows of `param`'s values; None: the whole tensor."""
+    if pieces is None or len(pieces) == 1:
+        return _fill_slice(param, reader, key, grown, pieces[0] if pieces else None)
+    out = param.data if not param.is_meta else torch.empty(param.shape, dtype=param.dtype)
+    row = 0
+    for dim, start, size in pieces:
+        if size:
+            _fill_slice(out.narrow(0, row, size), reader, key, grown, (dim, start, size))
+        row += size
+    return out
+
+
 def _fill_slice(param: torch.Tensor, reader: TensorReader, key: str, grown: GrownRows | None,
                 tp_slice: tuple[int, int, int] | None) -> torch.Tensor:
     """`param`'s values (a CPU tensor of its shape and dtype) read from the file: the whole tensor, or the
@@ -163,7 +200,7 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
                                  f"the sliced load would drop; set model.partitioned_load=false")
             key = pending.keys[name]
             grown = GrownRows(pending.row_plan, reader, key) if name in pending.vocab_params else None
-            values = torch.nn.Parameter(_fill_slice(param, reader, key, grown, _tp_slice(param, name, tp_rank)),
+            values = torch.nn.Parameter(_fill_pieces(param, reader, key, grown, _tp_pieces(param, name, tp_rank)),
                                         requires_grad=param.requires_grad)
             values.__dict__.update(param.__dict__)  # AutoTP's attributes (its gather functions, the layout)
             _replace_parameter(model, param, values, name)

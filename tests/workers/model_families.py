@@ -4,7 +4,8 @@
 Each case builds a `Trainer` from CONFIG.yaml + its overrides and runs one step on this rank's share of the fixed
 batch (`trainer_step.fixed_batch`); a ValueError raised while the Trainer starts (a refusal) is recorded with
 whether the model had been built by then, and so is any other error (then the case failed). Rank 0 writes
-`OUT/<case>.json`: {"figures": step 1's figures} | {"refused": the message, "built": bool} | {"error": ...}.
+`OUT/<case>.json`: {"figures": step 1's figures, "split": the parameters AutoTP split} | {"refused": the message,
+"built": bool} | {"error": ...}.
 
     model_families.py OUT BATCH.pt CONFIG.yaml CASES.json   (once per rank; tests/helpers/distributed.py)
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -29,13 +31,22 @@ from ntl_pretrain.config import load_config
 from ntl_pretrain.train import Trainer
 
 
+def split_parameters(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters AutoTP split over the tensor-parallel ranks (from the layout DeepSpeed records
+    on each), layer 0's only (the other layers are split alike)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    return sorted(name for name, param in model.named_parameters() if re.search(r"\.[1-9]\d*\.", name) is None
+                  if (getattr(param, DS_AUTOTP_UC_META, None) or {"replicated": True}).get("replicated") is False)
+
+
 def run_case(out: Path, batch: dict, config: str, name: str, overrides: list[str], built: list[str],
              export: bool = False) -> None:
     trainer = None
     try:
         trainer = Trainer(load_config(config, [*overrides, f"train.output_dir={out / name}"]))
         trainer.data.next_step = fixed_batch(trainer, batch)
-        result = {"figures": trainer.train_step()}
+        result = {"figures": trainer.train_step(), "split": split_parameters(trainer.engine.module)}
         if export:  # the checkpoint of step 1, exported as tools/export_hf.py does (one process)
             tag = trainer.save_checkpoint()
             if dist.get_rank() == 0:
