@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import pickle
 import re
 import shutil
 import stat
@@ -27,9 +26,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..fs import apply_umask_modes, commit_directory, write_json_atomic
-from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, UnsafeCheckpointError, folder_bytes
+from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, folder_bytes
 from .integrity import verify_checkpoint
-from .safe_loading import weights_only_loads
+from .safe_loading import safe_load
 from .staging import make_staging, remove_staging
 
 logger = logging.getLogger("ntl_pretrain")
@@ -110,7 +109,7 @@ class _MappedFiles:
 
     def __getitem__(self, path: str) -> Any:
         if path not in self._loaded:
-            self._loaded[path] = _load_mapped(path)
+            self._loaded[path] = safe_load(path, "checkpoint file", mmap=True)
         return self._loaded[path]
 
     def account(self, nbytes: int) -> None:
@@ -130,18 +129,6 @@ class _MappedFiles:
     def release(self) -> None:
         self._loaded.clear()
         self._read = 0
-
-
-def _load_mapped(path: str) -> Any:
-    with weights_only_loads():
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as error:
-            raise UnsafeCheckpointError(
-                f"checkpoint file {path!r} holds pickled Python objects that a weights-only load refuses; unpickling "
-                f"it could run arbitrary code, so it was not loaded ({str(error).splitlines()[0]})") from None
-        except (OSError, RuntimeError, EOFError) as error:
-            raise CheckpointError(f"cannot read checkpoint file {path!r}: {type(error).__name__}: {error}") from None
 
 
 def _rank_grid(checkpoint_path: str, kind: str) -> list[list[str]]:
@@ -324,7 +311,7 @@ class _UniversalWeights(_WeightSource):
 
     def tp_slices(self, name: str) -> list[torch.Tensor]:
         path = os.path.join(self.path, "zero", name, "fp32.pt")
-        stored = _load_mapped(path)
+        stored = safe_load(path, "checkpoint file", mmap=True)
         tensor = stored["param"] if isinstance(stored, dict) else stored
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"universal checkpoint file {path!r} holds a {type(stored).__name__}, not a tensor "

@@ -66,11 +66,12 @@ def unsafe_pickle_globals(path: str) -> list[str]:
         return []
 
 
-def safe_load(path: str, what: str) -> Any:
-    """`torch.load` of one checkpoint file with weights_only=True; a refused pickle is a CheckpointError."""
+def safe_load(path: str, what: str, mmap: bool = False) -> Any:
+    """`torch.load` of one checkpoint file with weights_only=True (`mmap`: its tensors memory-mapped, read as
+    they are touched); a refused pickle is a CheckpointError."""
     with weights_only_loads():
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as error:
             raise UnsafeCheckpointError(
                 f"{what} {path!r} holds pickled Python objects that a weights-only load refuses; unpickling it "
