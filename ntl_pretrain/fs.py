@@ -6,6 +6,7 @@ shared file system cannot read), and an early check that a folder can be written
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -174,3 +175,19 @@ def writable_problem(path: str | os.PathLike, key: str) -> str | None:
         return (f"{key}={os.fspath(path)!r} is not writable{where}: {error.strerror or error}; choose a folder "
                 f"you can write (on every node), or fix its permissions")
     return None
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how torch's zip writer (torch.save, DeepSpeed's checkpoint files) reports a failed write: as a short write
+SHORT_WRITE_SIGNS = ("unexpected pos", "file write failed", "No space left")
+LOW_SPACE_BYTES = 256 << 20  # below this, a short write is taken for a full disk
+
+
+def is_short_write(error: BaseException) -> bool:
+    """A write cut short, as torch's writer or the OS report it (no errno from torch's writer)."""
+    return any(sign in str(error) for sign in SHORT_WRITE_SIGNS)
+
+
+def is_full_disk(error: BaseException, free_bytes: int) -> bool:
+    """Whether a failed write is a full disk (or quota): ENOSPC/EDQUOT, or a short write with almost no space left."""
+    return getattr(error, "errno", None) in DISK_FULL_ERRNOS or (is_short_write(error) and free_bytes < LOW_SPACE_BYTES)

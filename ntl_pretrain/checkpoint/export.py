@@ -10,6 +10,7 @@ own `.partial` folder, and memory stays near one parameter plus the file pages r
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import errno
 import json
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..fs import apply_umask_modes, commit_directory, write_json_atomic
+from ..fs import apply_umask_modes, commit_directory, is_full_disk, write_json_atomic
 from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, folder_bytes
 from .integrity import verify_checkpoint
 from .safe_loading import safe_load
@@ -84,14 +85,13 @@ def copy_regular_files(source: str, destination: str, wanted: Callable[[str], bo
 
 
 def disk_full_error(error: BaseException, folder: str) -> CheckpointError | None:
-    """The one-line error for a write that failed because `folder`'s file system is full (an OSError ENOSPC, or
-    torch's zip writer's `unexpected pos` / `file write failed` with almost no space left); None otherwise."""
+    """The one-line error for a write that failed because `folder`'s file system is full (`fs.is_full_disk`);
+    None otherwise."""
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         return None
-    torch_write = isinstance(error, RuntimeError) and re.search(r"unexpected pos|file write failed", str(error))
-    if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or (torch_write and free < 64 * 2**20):
+    if is_full_disk(error, free):
         return CheckpointError(f"no space left on {folder!r} ({free / 2**20:.1f} MiB free); free space there or "
                                f"write to another disk, then run it again (the partial output was removed)")
     return None
@@ -154,7 +154,7 @@ def _flat_shapes(param_shapes: Any) -> dict[str, tuple[int, ...]]:
     return {name: tuple(shape) for group in groups for name, shape in group.items()}
 
 
-class _WeightSource:
+class _WeightSource(abc.ABC):
     """Where a checkpoint keeps each parameter's fp32 weights: per tensor-parallel rank, the slice of every
     parameter (`tp_slices`), joined from its ZeRO partitions; `full` merges them into the parameter."""
 
@@ -165,11 +165,13 @@ class _WeightSource:
     def __init__(self, checkpoint_path: str, files: _MappedFiles) -> None:
         self.path, self.files = checkpoint_path, files
 
+    @abc.abstractmethod
     def names(self) -> set[str]:
-        raise NotImplementedError
+        """The parameter names the checkpoint holds weights for."""
 
+    @abc.abstractmethod
     def tp_slices(self, name: str) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The parameter's fp32 slice of each tensor-parallel rank, its ZeRO partitions joined."""
 
     def full(self, name: str) -> torch.Tensor:
         slices = self.tp_slices(name)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import errno
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..fs import atomic_write, commit_directory, write_text_atomic
+from ..fs import atomic_write, commit_directory, is_full_disk, is_short_write, write_text_atomic
 from .collective import agree, broadcast_from_main, run_on_main
 from .fingerprint import check_data, check_fingerprint, describe_changes, lr_text
 from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_MARKER,
@@ -123,11 +122,6 @@ def resolve_resume(output_dir: str, resume: str) -> str | None:
         raise CheckpointError(f"train.resume={resume!r}: no such checkpoint in {output_dir!r} (found: {found or 'none'})")
     verify_checkpoint(path, collective=True)
     return resume
-
-
-_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_SHORT_WRITE_SIGNS = ("unexpected pos", "file write failed", "No space left")  # torch's zip writer, failed write
-LOW_SPACE_BYTES = 256 << 20  # below this, a short write is taken for a full disk
 
 
 def _gib(size: int) -> str:
@@ -310,10 +304,9 @@ class CheckpointManager:
             free = shutil.disk_usage(self.output_dir).free
         except OSError:
             return detail
-        short_write = any(sign in str(exc) for sign in _SHORT_WRITE_SIGNS)
-        if getattr(exc, "errno", None) in _DISK_FULL_ERRNOS or (short_write and free < LOW_SPACE_BYTES):
+        if is_full_disk(exc, free):
             return f"no space left on {self.output_dir!r} ({_gib(free)} free)"
-        if short_write:
+        if is_short_write(exc):
             return (f"a write was cut short ({detail}) with {_gib(free)} free on {self.output_dir!r}: a disk quota "
                     f"or a file-size limit (ulimit -f)?")
         return detail
