@@ -15,13 +15,16 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import model_families
 from .parallel_layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from .config import ParallelConfig
 
 T = TypeVar("T")
 
@@ -87,7 +90,7 @@ def resolve_tp_size(cfg, world_size: int, local_world_size: int | None = None) -
             f"({node} processes per node, {why}); dp={world_size // (size * cfg.parallel.sp_size)}")
 
 
-def layout(parallel: Any) -> ParallelLayout:
+def layout(parallel: ParallelConfig) -> ParallelLayout:
     """This process's layout for the resolved `parallel` section (tp_size a number), from the launcher's
     environment (valid before DeepSpeed builds its groups; `ParallelGroups.from_deepspeed` then holds them)."""
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
