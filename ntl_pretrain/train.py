@@ -390,8 +390,9 @@ class Trainer:
             self.monitor.message(f"nothing to do: the run is at step {self.step} and train.max_steps={cfg.train.max_steps}")
             self._finish()
             return
+        sp = f"sp={self.layout.sp_size} " if self.layout.sp_size > 1 else ""  # the dp x tp line as before without sp
         self.monitor.message(f"training steps {self.step + 1}..{cfg.train.max_steps}: dp={self.layout.dp_size} "
-                             f"sp={self.layout.sp_size} tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
+                             f"{sp}tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
                              f"{cfg.data.micro_batch_size} grad_accum={cfg.train.grad_accum_steps} seq_len={cfg.data.seq_len}")
         saved_at = None
         # from here a stop signal saves at the next step boundary (the supervisor forwards it to the started
