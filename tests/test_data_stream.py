@@ -117,11 +117,15 @@ def test_resume_is_bitwise_and_reads_on_from_the_saved_state(tokenizer, corpus, 
     for r in range(dp):
         data = PretrainingData.build(cfg, tokenizer, dp_rank=r, dp_size=dp)
         data.load_state_dict(state)
-        source = data.sources[0]
+        reader, starts = data.sources[0].reader, []
+        rows = reader.rows
+        reader.rows = lambda position=None, starts=starts, rows=rows: (starts.append(position), rows(position))[1]
         after = _trained(data, 23, accum=2)
         resumed.append(before[r] + after)
-        # the resumed stream started at its saved state, not at the start of the file
-        assert source._origin is not None and source._origin["index"] > 0
+        # the resumed stream sought to its saved row (a line in the middle of a file), not to the file's start
+        saved = state["streams"]["data.sources.0"]["ranks"][r if dp > 1 else 0]["at"]["row"]
+        assert starts[0] == saved and saved["offset"] > 0 and saved["line"] > 1
+        assert all(start is None for start in starts[1:])  # a later pass starts at the share's start
     assert resumed == straight
 
 
