@@ -223,3 +223,11 @@ def test_fifo_is_named_as_such(tmp_path):
     os.mkfifo(folder / "b.jsonl")
     with pytest.raises(DataError, match=r"'.*corpus/b.jsonl' is a FIFO \(named pipe\), not a file; remove it"):
         resolve_files(DataSourceConfig(path=str(folder)), "data.sources.0")
+
+
+def test_a_text_files_byte_order_mark_is_not_its_first_documents_text(tmp_path):
+    from ntl_pretrain.data import load_documents
+
+    (tmp_path / "a.txt").write_bytes("\ufefffirst line\r\nsecond line\r\n".encode("utf-8"))
+    documents = load_documents(DataSourceConfig(path=str(tmp_path / "a.txt")), "data.sources.0", str(tmp_path / "c"))
+    assert documents["text"] == ["first line", "second line"]

@@ -318,8 +318,10 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
                                               streaming=source.streaming, cache_dir=cache_dir)
         else:
             builder, files = resolved
-            documents = datasets.load_dataset(builder, data_files=files, split="train",
-                                              streaming=source.streaming, cache_dir=cache_dir)
+            # utf-8-sig: a text file's BOM is not its first document's first character (json and csv drop it)
+            documents = datasets.load_dataset(builder, data_files=files, split="train", streaming=source.streaming,
+                                              cache_dir=cache_dir, **({"encoding": "utf-8-sig"} if builder == "text"
+                                                                      else {}))
     except UnicodeDecodeError as error:
         raise _encoding_error(source, key, error) from None
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
