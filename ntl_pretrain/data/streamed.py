@@ -19,7 +19,9 @@ from .sources import (DataError, Sample, check_chat_template, completion_only, d
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZE_ROWS = 256  # rows tokenized together (one tokenizer call)
+_TOKENIZE_ROWS = 256  # rows tokenized together (one tokenizer call) at most
+_READ_AHEAD = 8  # characters (or token ids) a tokenizer call reads at most, per token of a sample: a resume
+#                  reads about this far past what its first step needs
 PROGRESS_SECONDS = 60.0  # a stream logs what it has read this often (not a line per row)
 _TEXT_PROBE = 1000  # rows of a stream checked for text at start-up
 
@@ -51,6 +53,7 @@ class _StreamSource:
                  per_rank: bool) -> None:
         self.reader, self.key, self.per_rank = reader, key, per_rank
         self.seq_len = cfg.seq_len
+        self.read_ahead = _READ_AHEAD * (cfg.seq_len + 1)
         self.problem = row_problem(source, cfg.max_document_chars)
         self.tokens_of = document_tokens(tokenizer, source)
         self.skipped = SkippedRows(key)
@@ -94,14 +97,15 @@ class _StreamSource:
     def _tokenize(self, rows: Iterator, docs: deque) -> tuple[int, bool]:
         """Read up to _TOKENIZE_ROWS rows, append the usable ones' tokens to `docs`: (tokens added, rows ended)."""
         batch: list[tuple[dict, Position]] = []
-        done = False
+        done, size = False, 0
         for row, position, place in rows:
             why = (None, row) if isinstance(row, str) else self.problem(row)
             if why is not None:
                 self.skipped(place, *why)
                 continue
             batch.append((row, position))
-            if len(batch) == _TOKENIZE_ROWS:
+            size += sum(len(value) for value in row.values() if isinstance(value, (str, list)))
+            if len(batch) == _TOKENIZE_ROWS or size >= self.read_ahead:
                 break
         else:
             done = True
