@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -247,3 +248,19 @@ def test_a_hub_stream_gives_the_samples_of_the_same_files_read_locally_and_resum
         resumed = hub(rank)
         resumed.load_state_dict(first.state_dict())
         assert [resumed.get(j)[0].tolist() for j in range(count // 2, count)] == expected[count // 2:]
+
+
+def test_a_long_stream_logs_progress_every_interval_not_every_row(tokenizer, corpus, tmp_path, caplog, monkeypatch):
+    from ntl_pretrain.data import streamed
+
+    cfg = _cfg(corpus, tmp_path, micro_batch_size=1)
+    with caplog.at_level(logging.INFO, logger="ntl_pretrain.data.streamed"):
+        data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+        _trained(data, 60)
+        assert "tokenized" not in caplog.text  # within the interval: silent
+        monkeypatch.setattr(streamed, "PROGRESS_SECONDS", 0.0)
+        _trained(data, 60)
+    lines = [r.getMessage() for r in caplog.records if "tokenized" in r.getMessage()]
+    assert lines and all(re.fullmatch(r"data.sources.0: tokenized \d+ rows \(\d+ tokens\) since the last report; 0 "
+                                      r"skipped in all", line) for line in lines)
+    assert len(lines) < 60  # a line per tokenizer call at most (here, at an interval of 0 s)

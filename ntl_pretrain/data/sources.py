@@ -8,6 +8,7 @@ import glob
 import logging
 import os
 import stat
+import sys
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -437,15 +438,45 @@ def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int):
     return pack
 
 
+PROGRESS_SECONDS = 60.0  # long tokenization logs a line this often (rows and tokens done), not one per row
+PACK_CHUNK = 100_000  # documents packed per `datasets.map` call and process (a multiple of its batches of 1000)
+
+
 def pack_documents(documents: Any, tokenizer: Any, source: DataSourceConfig, seq_len: int, num_proc: int,
                    description: str, max_document_chars: int) -> Any:
     """Tokenize and pack an in-memory source's documents into samples of seq_len + 1 tokens (batches of
     1000 documents, `num_proc` processes); a completion-only source's samples also get their `targets` mask.
-    Rows that are not usable text are left out (`drop_unusable_rows` counts and names them)."""
-    logger.info("%s: %d documents (%d process(es))", description, len(documents), max(num_proc, 1))
-    return documents.map(_packer(tokenizer, source, seq_len, max_document_chars), batched=True, batch_size=1000,
-                         remove_columns=documents.column_names, num_proc=num_proc if num_proc > 1 else None,
-                         desc=description)
+    Rows that are not usable text are left out (`drop_unusable_rows` counts and names them).
+
+    The documents are packed in chunks of PACK_CHUNK a process (whole batches: the samples are those of one
+    `map`), logging the documents and tokens done every PROGRESS_SECONDS; `datasets`' progress bar is shown
+    on a terminal only (in a log file it is one line per update)."""
+    import time
+
+    import datasets
+
+    total, workers = len(documents), max(num_proc, 1)
+    logger.info("%s: %d documents (%d process(es))", description, total, workers)
+    pack = _packer(tokenizer, source, seq_len, max_document_chars)
+    chunk = PACK_CHUNK * workers
+    bars = datasets.is_progress_bar_enabled()
+    if bars and not sys.stderr.isatty():
+        datasets.disable_progress_bars()
+    try:
+        parts, started, reported = [], time.monotonic(), time.monotonic()
+        for first in range(0, max(total, 1), chunk):
+            rows = documents if total <= chunk else documents.select(range(first, min(first + chunk, total)))
+            parts.append(rows.map(pack, batched=True, batch_size=1000, remove_columns=documents.column_names,
+                                  num_proc=num_proc if num_proc > 1 and len(rows) > 1 else None, desc=description))
+            done = min(first + chunk, total)
+            if done < total and time.monotonic() - reported >= PROGRESS_SECONDS:
+                reported = time.monotonic()
+                logger.info("%s: %d of %d documents, %d samples of %d tokens (%.0f s)", description, done, total,
+                            sum(len(p) for p in parts), seq_len + 1, reported - started)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _row_places(files: list[str], builder: str, rows: list[int]) -> dict[int, str]:
