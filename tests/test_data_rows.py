@@ -231,3 +231,13 @@ def test_a_text_files_byte_order_mark_is_not_its_first_documents_text(tmp_path):
     (tmp_path / "a.txt").write_bytes("\ufefffirst line\r\nsecond line\r\n".encode("utf-8"))
     documents = load_documents(DataSourceConfig(path=str(tmp_path / "a.txt")), "data.sources.0", str(tmp_path / "c"))
     assert documents["text"] == ["first line", "second line"]
+
+
+def test_a_streamed_json_array_is_refused_with_the_conversion(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"text": f"row {i}"} for i in range(5)]))
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(tmp_path / "a.json"), streaming=True)], seq_len=8,
+                     micro_batch_size=1, validation_documents=1, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"'.*a.json' is a JSON array, not JSON lines: a stream cannot seek in it; "
+                                        r"write it one object a line \(`jq -c '\.\[\]' IN > OUT.jsonl`\) or set "
+                                        r"streaming: false"):
+        PretrainingData.build(cfg, None, dp_rank=0, dp_size=1)
