@@ -50,10 +50,10 @@ def _cfg(corpus: Path, tmp_path: Path, **kwargs) -> DataConfig:
     return DataConfig(sources=[DataSourceConfig(path=str(corpus), streaming=True)], **settings)
 
 
-def _reference_stream(tokenizer, files: list[int], skip_first: int) -> list[int]:
-    """The given files' documents in order (the held-out ones left out), each + EOS, as transformers tokenizes
-    them: one pass of a rank's share as one token stream."""
-    texts = [_text(f, d) for f in files for d in range(DOCS_PER_FILE)][skip_first:]
+def _reference_stream(tokenizer, files: list[int], held_out: int) -> list[int]:
+    """The given files' documents in order, less the stream's first `held_out` (files 0, 1, ... in order),
+    each + EOS, as transformers tokenizes them: one pass of a rank's share as one token stream."""
+    texts = [_text(f, d) for f in files for d in range(DOCS_PER_FILE) if f * DOCS_PER_FILE + d >= held_out]
     eos = tokenizer.eos_token_id
     return [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]]
 
@@ -68,15 +68,15 @@ def _trained(data: PretrainingData, steps: int, accum: int = 1) -> list[tuple[in
     return out
 
 
-@pytest.mark.parametrize("dp", [1, 2, 3, 4])
-def test_each_rank_reads_only_its_files_disjoint_and_together_the_stream(tokenizer, corpus, tmp_path, dp):
-    cfg = _cfg(corpus, tmp_path, micro_batch_size=1)
+@pytest.mark.parametrize("dp, held_out", [(1, VAL), (2, VAL), (3, VAL), (4, VAL), (2, DOCS_PER_FILE + 10)])
+def test_each_rank_reads_only_its_files_disjoint_and_together_the_stream(tokenizer, corpus, tmp_path, dp, held_out):
+    cfg = _cfg(corpus, tmp_path, micro_batch_size=1, validation_documents=held_out)  # 50: file 0 and part of 1
     per_rank, files = [], []
     for rank in range(dp):
         data = PretrainingData.build(cfg, tokenizer, dp_rank=rank, dp_size=dp)
         mine = list(range(rank, FILES, dp))
         assert data.sources[0].per_rank is (dp > 1)
-        stream = _reference_stream(tokenizer, mine, VAL if rank == 0 else 0)
+        stream = _reference_stream(tokenizer, mine, held_out)
         expected = [tuple(stream[i * SEQ: (i + 1) * SEQ + 1]) for i in range((len(stream) - 1) // SEQ)]
         got = _trained(data, len(expected))
         # the label of the last position is the window's last token unless it is a document start (masked)
@@ -225,16 +225,16 @@ def test_a_hub_stream_gives_the_samples_of_the_same_files_read_locally_and_resum
     import datasets
 
     from ntl_pretrain.data.reader import DatasetRows
-    from ntl_pretrain.data.streamed import _StreamSource, split_hub_stream
+    from ntl_pretrain.data.streamed import StreamedSource, split_hub_stream
 
     cfg = _cfg(corpus, tmp_path)
     files = sorted(str(p) for p in corpus.glob("*.jsonl"))
 
-    def hub(rank: int) -> _StreamSource:
+    def hub(rank: int) -> StreamedSource:
         documents = datasets.load_dataset("json", data_files=files, split="train", streaming=True,
                                           cache_dir=str(tmp_path / "c"))
         _, training, per_rank = split_hub_stream(documents, VAL, rank, dp, "data.sources.0")
-        return _StreamSource(DatasetRows(training), tokenizer, cfg.sources[0], cfg, "data.sources.0", per_rank)
+        return StreamedSource(DatasetRows(training), tokenizer, cfg.sources[0], cfg, "data.sources.0", per_rank)
 
     for rank in range(dp):
         local = PretrainingData.build(cfg, tokenizer, dp_rank=rank, dp_size=dp).sources[0]
@@ -261,6 +261,6 @@ def test_a_long_stream_logs_progress_every_interval_not_every_row(tokenizer, cor
         monkeypatch.setattr(streamed, "PROGRESS_SECONDS", 0.0)
         _trained(data, 60)
     lines = [r.getMessage() for r in caplog.records if "tokenized" in r.getMessage()]
-    assert lines and all(re.fullmatch(r"data.sources.0: tokenized \d+ rows \(\d+ tokens\) since the last report; 0 "
-                                      r"skipped in all", line) for line in lines)
+    assert lines and all(re.fullmatch(r"data.sources.0: tokenized \d+ rows, \d+ tokens since start-up \(\d+ tokens/s\); "
+                                      r"0 row\(s\) skipped", line) for line in lines)
     assert len(lines) < 60  # a line per tokenizer call at most (here, at an interval of 0 s)

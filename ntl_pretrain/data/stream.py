@@ -16,7 +16,7 @@ from ..config.schema import CHAT_TEMPLATE, PREPARED
 from .prepared import load_prepared
 from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, check_chat_template,
                       completion_only, drop_unusable_rows, load_documents, pack_documents)
-from .streamed import _StreamSource, open_stream
+from .streamed import StreamedSource, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -223,12 +223,12 @@ class PretrainingData:
     def rank_state(self) -> dict:
         """This rank's part of the state: where each streamed source stands (key -> its state)."""
         return {"dp_rank": self.dp_rank, "streams": {source.key: source.state_dict() for source in self.sources
-                                                     if isinstance(source, _StreamSource)}}
+                                                     if isinstance(source, StreamedSource)}}
 
     def state_dict(self) -> dict:
         """The stream position and every data-parallel rank's streamed-source states, for the checkpoint.
         A collective when the run is distributed: call it on every rank."""
-        streamed = any(isinstance(source, _StreamSource) for source in self.sources)  # the same on every rank
+        streamed = any(isinstance(source, StreamedSource) for source in self.sources)  # the same on every rank
         return combine_rank_states(self, _gather_objects(self.rank_state()) if streamed else [self.rank_state()])
 
     def load_state_dict(self, state: dict) -> None:
@@ -238,7 +238,7 @@ class PretrainingData:
                             f"would repeat or skip samples")
         streams = state.get("streams") or {}  # absent in checkpoints of older versions: the streams are re-read
         for source in self.sources:
-            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            saved = streams.get(source.key) if isinstance(source, StreamedSource) else None
             if saved is not None and (saved["per_rank"] or source.per_rank) and \
                     (saved["per_rank"], len(saved["ranks"])) != (source.per_rank, self.dp_size):
                 raise DataError(f"the checkpoint's {source.key} was read "
@@ -248,7 +248,7 @@ class PretrainingData:
                                 f"corpus made by tools/prepare_data.py (it resumes at any size)")
         self.position = int(state["position"])
         for source in self.sources:
-            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            saved = streams.get(source.key) if isinstance(source, StreamedSource) else None
             if saved is not None:
                 source.load_state_dict(saved["ranks"][self.dp_rank if source.per_rank else 0])
 
@@ -291,7 +291,7 @@ def combine_rank_states(data: PretrainingData, rank_states: list[dict]) -> dict:
     by_rank = {state["dp_rank"]: state["streams"] for state in rank_states}
     streams = {}
     for source in data.sources:
-        if isinstance(source, _StreamSource):
+        if isinstance(source, StreamedSource):
             ranks = range(data.dp_size) if source.per_rank else range(1)
             streams[source.key] = {"per_rank": source.per_rank, "ranks": [by_rank[r][source.key] for r in ranks]}
     return {"position": data.position, "seed": data.cfg.seed, "seq_len": data.cfg.seq_len, "dp_size": data.dp_size,

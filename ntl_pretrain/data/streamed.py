@@ -12,9 +12,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import DataConfig, DataSourceConfig
-from ..config.schema import CHAT_TEMPLATE
+from ..config.schema import CHAT_TEMPLATE, TOKENIZED
 from .reader import DatasetRows, ListRows, LocalRows, Position
-from .sources import (DataError, Sample, check_chat_template, completion_only, document_tokens, load_documents,
+from .sources import (INPUT_IDS, DataError, Sample, check_chat_template, completion_only, document_tokens, load_documents,
                       resolve_files, row_problem, text_columns, _check_columns)
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class SkippedRows:
                            self.count)
 
 
-class _StreamSource:
+class StreamedSource:
     """Samples of a streamed source, read in order (read again from its start after its end).
 
     `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files), indexed
@@ -62,7 +62,7 @@ class _StreamSource:
         self._at: dict = {}  # where that sample starts: {"row": position, "skip": tokens}
         self._yielded_this_pass = 0
         self._origin: dict | None = None  # where a resume starts: a state_dict()
-        self._read = {"rows": 0, "tokens": 0, "since": time.monotonic()}
+        self._read = {"rows": 0, "tokens": 0, "since": time.monotonic(), "reported": time.monotonic()}
 
     # ------------------------------------------------------------------ packing
     def packed(self, start: Position | None, skip: int) -> Iterator[tuple[Sample, dict]]:
@@ -125,10 +125,12 @@ class _StreamSource:
         read = self._read
         read["rows"] += rows
         read["tokens"] += tokens
-        if time.monotonic() - read["since"] >= PROGRESS_SECONDS:
-            logger.info("%s: tokenized %d rows (%d tokens) since the last report; %d skipped in all", self.key,
-                        read["rows"], read["tokens"], self.skipped.count)
-            self._read = {"rows": 0, "tokens": 0, "since": time.monotonic()}
+        now = time.monotonic()
+        if now - read["reported"] >= PROGRESS_SECONDS:
+            read["reported"] = now
+            logger.info("%s: tokenized %d rows, %d tokens since start-up (%.0f tokens/s); %d row(s) skipped", self.key,
+                        read["rows"], read["tokens"], read["tokens"] / max(now - read["since"], 1e-9),
+                        self.skipped.count)
 
     # ------------------------------------------------------------------ the source's samples
     def _restart(self, j: int) -> None:
@@ -174,12 +176,12 @@ class _StreamSource:
 
 def validation_samples(rows: list, tokenizer: Any, source: DataSourceConfig, cfg: DataConfig, key: str) -> list:
     """The samples of a stream's held-out rows, packed as the stream packs (every sample of one pass)."""
-    held = _StreamSource(ListRows(rows), tokenizer, source, cfg, f"{key} (validation)", False)
+    held = StreamedSource(ListRows(rows), tokenizer, source, cfg, f"{key} (validation)", False)
     return [sample for sample, _ in held.packed(None, 0)]
 
 
 def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: Any, *, dp_rank: int,
-                dp_size: int) -> tuple[_StreamSource, list]:
+                dp_size: int) -> tuple[StreamedSource, list]:
     """(this rank's stream of a streamed source, the validation samples): local files read by LocalRows (each
     rank its own files when there are at least dp of them), a hub dataset by `datasets`' stream."""
     if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
@@ -195,9 +197,8 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
         builder, files = resolved
         per_rank = dp_size > 1 and len(files) >= dp_size
         _say_share(key, len(files), dp_size, per_rank)
-        columns = list(dict.fromkeys(text_columns(source).values())) if source.format != "tokenized" else None
-        everything = LocalRows(files, builder, list(range(len(files))),
-                               columns=None if columns is None else columns + ["input_ids", "loss_mask"])
+        columns = None if source.format == TOKENIZED else list(dict.fromkeys(text_columns(source).values()))
+        everything = LocalRows(files, builder, list(range(len(files))), columns=columns)
         held, after = [], None
         for row in everything.rows():
             if len(held) == n_val:
@@ -213,9 +214,8 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
         if after:
             starts[after["file"]] = after
         share = list(range(dp_rank, len(files), dp_size)) if per_rank else list(range(len(files)))
-        reader = LocalRows(files, builder, share, starts, None if columns is None else columns + ["input_ids",
-                                                                                                "loss_mask"])
-    return _StreamSource(reader, tokenizer, source, cfg, key, per_rank), \
+        reader = LocalRows(files, builder, share, starts, columns)
+    return StreamedSource(reader, tokenizer, source, cfg, key, per_rank), \
         validation_samples(held, tokenizer, source, cfg, key) if n_val else []
 
 
@@ -241,9 +241,9 @@ def _check_rows(reader: LocalRows, source: DataSourceConfig, key: str) -> None:
             continue
         if columns is None:
             columns = list(row)
-            if source.format == "tokenized":
-                if "input_ids" not in columns:
-                    raise DataError(f"{key}.path={source.path!r} has no column 'input_ids' (columns: {columns}), "
+            if source.format == TOKENIZED:
+                if INPUT_IDS not in columns:
+                    raise DataError(f"{key}.path={source.path!r} has no column {INPUT_IDS!r} (columns: {columns}), "
                                     f"which format: tokenized reads; rename the column, or set {key}.format=text")
                 return
             _check_columns(None, columns, source, key)
