@@ -264,3 +264,15 @@ def test_a_long_stream_logs_progress_every_interval_not_every_row(tokenizer, cor
     assert lines and all(re.fullmatch(r"data.sources.0: tokenized \d+ rows, \d+ tokens since start-up \(\d+ tokens/s\); "
                                       r"0 row\(s\) skipped", line) for line in lines)
     assert len(lines) < 60  # a line per tokenizer call at most (here, at an interval of 0 s)
+
+
+def test_a_rank_whose_files_yield_no_sample_is_refused_at_start_up(tokenizer, corpus, tmp_path):
+    """Every rank knows at start-up (an error there is agreed by all ranks), not one rank mid-step (a hang)."""
+    cfg = _cfg(corpus, tmp_path, validation_documents=DOCS_PER_FILE * 2 + 1)  # files 0 and 1 held out
+    PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=2)  # files 0, 2: file 2 is left
+    four = _cfg(corpus, tmp_path, validation_documents=DOCS_PER_FILE)
+    with pytest.raises(DataError, match=r"data.sources.0: data-parallel rank 0 of 4 reads files part-00.jsonl that "
+                                        r"yield no sample of data.seq_len \+ 1 = 17 tokens \(held out, unusable or "
+                                        r"too short\); add data"):
+        PretrainingData.build(four, tokenizer, dp_rank=0, dp_size=4)
+    PretrainingData.build(four, tokenizer, dp_rank=1, dp_size=4)

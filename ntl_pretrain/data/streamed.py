@@ -5,6 +5,7 @@ tokens of it already trained), and the split of a source's files into held-out r
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Any, Iterator
@@ -30,12 +31,12 @@ class SkippedRows:
     """Counts the rows of a stream left out as they are read; names the first ones (file and line), then logs
     the count at every doubling."""
 
-    def __init__(self, key: str) -> None:
-        self.key, self.count = key, 0
+    def __init__(self, key: str, quiet: bool = False) -> None:
+        self.key, self.count, self.quiet = key, 0, quiet
 
     def __call__(self, place: str, column: str | None, why: str) -> None:
         self.count += 1
-        if self.count <= 3 or self.count & (self.count - 1) == 0:
+        if not self.quiet and (self.count <= 3 or self.count & (self.count - 1) == 0):
             what = f"column {column!r} holds {why}" if column else why
             logger.warning("%s: skipped a streamed row, %s: %s (%d row(s) skipped so far)", self.key, place, what,
                            self.count)
@@ -215,8 +216,17 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
             starts[after["file"]] = after
         share = list(range(dp_rank, len(files), dp_size)) if per_rank else list(range(len(files)))
         reader = LocalRows(files, builder, share, starts, columns)
-    return StreamedSource(reader, tokenizer, source, cfg, key, per_rank), \
-        validation_samples(held, tokenizer, source, cfg, key) if n_val else []
+    stream = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
+    probe = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
+    probe.skipped = SkippedRows(key, quiet=True)  # the stream names them when it trains
+    if next(probe.packed(None, 0), None) is None:  # raised at start-up (agreed by every rank), not mid-step
+        share = [os.path.basename(reader.files[i]) for i in reader.share] if isinstance(reader, LocalRows) else []
+        raise DataError(f"{key}: data-parallel rank {dp_rank} of {dp_size} reads "
+                        f"{'files ' + ', '.join(share[:4]) + (', ...' if len(share) > 4 else '') if share else 'a share'}"
+                        f" that yield no sample of data.seq_len + 1 = {cfg.seq_len + 1} tokens (held out, unusable or "
+                        f"too short); add data, split it into evenly sized files, or lower data.validation_documents or "
+                        f"data.seq_len")
+    return stream, validation_samples(held, tokenizer, source, cfg, key) if n_val else []
 
 
 def _say_share(key: str, files: int, dp_size: int, per_rank: bool) -> None:
