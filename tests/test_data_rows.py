@@ -173,6 +173,7 @@ def test_bad_rows_are_skipped_counted_and_named(shared_data, tmp_path, caplog, s
     ('{"text": "%s"}' % ("x" * 101), "column 'text' holds 101 characters, over data.max_document_chars=100"),
     ('{"text": "cut off', "not valid JSON"),
     ('["a", "list"]', "a JSON list, not an object"),
+    ('"a string"', "a JSON str, not an object"),
 ])
 def test_each_bad_streamed_row_is_named_by_file_and_line(shared_data, tmp_path, caplog, line, why):
     tokenizer = _gpt2(shared_data)

@@ -109,15 +109,17 @@ class LocalRows:
                     continue
                 if not text.strip():
                     continue
-                if number == 1 and text.lstrip().startswith("["):
+                try:
+                    row, why = json.loads(text), None
+                except ValueError as error:
+                    row, why = None, f"not valid JSON ({error})"
+                if number == 1 and text.lstrip().startswith("[") and (
+                        why or (isinstance(row, list) and any(isinstance(v, dict) for v in row))):
                     raise DataError(f"{path!r} is a JSON array, not JSON lines: a stream cannot seek in it; write it "
                                     f"one object a line (`jq -c '.[]' IN > OUT.jsonl`) or set streaming: false")
-                try:
-                    row = json.loads(text)
-                except ValueError as error:
-                    yield f"not valid JSON ({error})", here, place
-                    continue
-                yield (row if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"), here, place
+                if why is None and not isinstance(row, dict):
+                    why = f"a JSON {type(row).__name__}, not an object"
+                yield (why or row), here, place
 
     def _parquet_rows(self, index: int, begin: Position) -> Iterator[Row]:
         import pyarrow.parquet as pq
