@@ -276,3 +276,20 @@ def test_a_rank_whose_files_yield_no_sample_is_refused_at_start_up(tokenizer, co
                                         r"too short\); add data"):
         PretrainingData.build(four, tokenizer, dp_rank=0, dp_size=4)
     PretrainingData.build(four, tokenizer, dp_rank=1, dp_size=4)
+
+
+def test_a_sample_before_the_resume_point_then_one_after_it_seeks_back_to_it(tokenizer, corpus, tmp_path):
+    cfg = _cfg(corpus, tmp_path)
+    first = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1).sources[0]
+    expected = [first.get(j)[0].tolist() for j in range(40)]
+    source = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1).sources[0]
+    for j in range(30):
+        source.get(j)
+    state = json.loads(json.dumps(source.state_dict()))
+    resumed = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1).sources[0]
+    resumed.load_state_dict(state)
+    starts, rows = [], resumed.reader.rows
+    resumed.reader.rows = lambda position=None: (starts.append(position), rows(position))[1]
+    assert resumed.get(2)[0].tolist() == expected[2]  # before the resume point: from the start
+    assert resumed.get(35)[0].tolist() == expected[35]  # after it: sought there again, not read on to it
+    assert starts == [resumed.reader.start(), state["at"]["row"]]

@@ -58,7 +58,7 @@ class StreamedSource:
         self.problem = row_problem(source, cfg.max_document_chars)
         self.tokens_of = document_tokens(tokenizer, source)
         self.skipped = SkippedRows(key)
-        self._samples: Iterator[Sample] | None = None
+        self._samples: Iterator[tuple[Sample, dict]] | None = None
         self._next = 0  # index of the sample the iterator yields next
         self._at: dict = {}  # where that sample starts: {"row": position, "skip": tokens}
         self._yielded_this_pass = 0
@@ -146,7 +146,9 @@ class StreamedSource:
         self._yielded_this_pass = origin["yielded_this_pass"] if origin else 0
 
     def get(self, j: int) -> Sample:
-        if self._samples is None or j < self._next:  # (re)start: the stream is read in order only
+        origin = self._origin if self._origin is not None and self._origin.get("at") is not None else None
+        ahead = origin is not None and self._next < origin["index"] <= j  # the resume point is nearer: seek there
+        if self._samples is None or j < self._next or ahead:  # (re)start: the stream is read in order only
             self._restart(j)
         while True:
             try:
