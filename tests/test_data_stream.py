@@ -293,3 +293,35 @@ def test_a_sample_before_the_resume_point_then_one_after_it_seeks_back_to_it(tok
     assert resumed.get(2)[0].tolist() == expected[2]  # before the resume point: from the start
     assert resumed.get(35)[0].tolist() == expected[35]  # after it: sought there again, not read on to it
     assert starts == [resumed.reader.start(), state["at"]["row"]]
+
+
+@pytest.mark.parametrize("kind", ["jsonl.gz", "parquet"])
+def test_a_truncated_file_is_named_not_a_traceback(tokenizer, tmp_path, kind):
+    texts = [[_text(f, d) for d in range(300)] for f in range(2)]
+    _write(tmp_path / "corpus", kind, texts)
+    broken = tmp_path / "corpus" / f"part-1.{kind}"
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])  # a partial download
+    cfg = _cfg(tmp_path / "corpus", tmp_path, micro_batch_size=1)
+    data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    what = r"cannot be read past line \d+ \(.*\): a truncated or corrupt file" if kind == "jsonl.gz" else \
+        r"is not a readable parquet file \(.*\); copy or download it again"
+    with pytest.raises(DataError, match=rf"'.*part-1.{kind}' {what}"):
+        for j in range(10_000):
+            data.sources[0].get(j)
+
+
+def test_uneven_shares_are_warned_about(tokenizer, tmp_path, caplog):
+    _write(tmp_path / "corpus", "jsonl", [[_text(f, d) for d in range(n)] for f, n in enumerate([10, 40, 10, 40])])
+    with caplog.at_level(logging.WARNING, logger="ntl_pretrain.data.streamed"):
+        PretrainingData.build(_cfg(tmp_path / "corpus", tmp_path, validation_documents=1), tokenizer, dp_rank=0,
+                              dp_size=2)
+    sizes = [(tmp_path / "corpus" / f"part-{f}.jsonl").stat().st_size for f in range(4)]
+    small, large = sizes[0] + sizes[2], sizes[1] + sizes[3]
+    assert (f"data.sources.0: the data-parallel ranks' shares of its shard files are uneven: rank 0 reads "
+            f"{small / 1024:.0f} KB, rank 1 {large / 1024:.0f} KB, so rank 0 trains its share about {large / small:.1f} "
+            f"times while rank 1 reads its own once; split the files") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ntl_pretrain.data.streamed"):  # files 0+1 and 2+3: even
+        PretrainingData.build(_cfg(tmp_path / "corpus", tmp_path, validation_documents=1), tokenizer, dp_rank=0,
+                              dp_size=1)
+    assert "uneven" not in caplog.text

@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from typing import Any, Iterator
 
 from .sources import DataError
@@ -126,17 +127,26 @@ class LocalRows:
 
         path = self.files[index]
         with open_data_file(path) as raw:
-            parquet = pq.ParquetFile(raw)
-            groups = parquet.metadata.num_row_groups
-            columns = None if self.columns is None else [c for c in self.columns if c in parquet.schema_arrow.names]
-            before = sum(parquet.metadata.row_group(g).num_rows for g in range(begin["group"]))
-            for group in range(begin["group"], groups):
-                rows = parquet.read_row_group(group, columns=columns).to_pylist()
-                first = begin["row"] if group == begin["group"] else 0
-                for row_index in range(first, len(rows)):
-                    here = {"file": index, "path": os.path.basename(path), "group": group, "row": row_index}
-                    yield rows[row_index], here, f"{path!r} row {before + row_index + 1}"
-                before += len(rows)
+            try:
+                yield from self._parquet_file_rows(pq.ParquetFile(raw), index, begin)
+            except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+                if isinstance(error, DataError):
+                    raise
+                raise DataError(f"{path!r} is not a readable parquet file ({error}); copy or download it again, or "
+                                f"remove it") from None
+
+    def _parquet_file_rows(self, parquet: Any, index: int, begin: Position) -> Iterator[Row]:
+        path = self.files[index]
+        groups = parquet.metadata.num_row_groups
+        columns = None if self.columns is None else [c for c in self.columns if c in parquet.schema_arrow.names]
+        before = sum(parquet.metadata.row_group(g).num_rows for g in range(begin["group"]))
+        for group in range(begin["group"], groups):
+            rows = parquet.read_row_group(group, columns=columns).to_pylist()
+            first = begin["row"] if group == begin["group"] else 0
+            for row_index in range(first, len(rows)):
+                here = {"file": index, "path": os.path.basename(path), "group": group, "row": row_index}
+                yield rows[row_index], here, f"{path!r} row {before + row_index + 1}"
+            before += len(rows)
 
 
 def _decode(data: bytes, path: str, line: int, first: bool) -> str:
@@ -151,8 +161,17 @@ def _decode(data: bytes, path: str, line: int, first: bool) -> str:
 
 def _lines(handle: Any, path: str, offset: int, line: int) -> Iterator[tuple[int, int, str, int]]:
     """(byte offset, line number, text without its line ending, offset after it) of each line from `offset`;
-    a BOM at the start of the file is dropped, CRLF endings are LF, a last line without a newline counts."""
-    for data in handle:
+    a BOM at the start of the file is dropped, CRLF endings are LF, a last line without a newline counts. A
+    truncated or corrupt gzip file is named with the line it stops at."""
+    lines = iter(handle)
+    while True:
+        try:
+            data = next(lines)
+        except StopIteration:
+            return
+        except (EOFError, OSError, zlib.error) as error:
+            raise DataError(f"{path!r} cannot be read past line {line - 1} ({error}): a truncated or corrupt "
+                            f"file; copy or download it again, or remove it") from None
         start = offset
         offset += len(data)
         yield start, line, _decode(data.rstrip(b"\n").rstrip(b"\r"), path, line, start == 0), offset

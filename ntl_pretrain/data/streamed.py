@@ -200,6 +200,8 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
         builder, files = resolved
         per_rank = dp_size > 1 and len(files) >= dp_size
         _say_share(key, len(files), dp_size, per_rank)
+        if per_rank:
+            _say_uneven_shares(key, [os.path.getsize(name) for name in files], dp_size)
         columns = None if source.format == TOKENIZED else list(dict.fromkeys(text_columns(source).values()))
         everything = LocalRows(files, builder, list(range(len(files))), columns=columns)
         held, after = [], None
@@ -241,6 +243,22 @@ def _say_share(key: str, files: int, dp_size: int, per_rank: bool) -> None:
         logger.info("%s: %d shard files over %d data-parallel ranks: ranks read %d or %d files each (a rank that "
                     "reaches the end of its share first starts it again)", key, files, dp_size, files // dp_size,
                     files // dp_size + 1)
+
+
+UNEVEN_SHARES = 1.5  # ranks' shares of a stream this much apart in bytes are warned about
+
+
+def _say_uneven_shares(key: str, sizes: list[int], dp_size: int) -> None:
+    """Warn when the ranks' shares of shard files differ much in size: a rank restarts its share when it ends,
+    so the smallest share is trained several times over while the largest is read once."""
+    shares = [sum(sizes[rank::dp_size]) for rank in range(dp_size)]
+    if min(shares) * UNEVEN_SHARES < max(shares):
+        small, large = shares.index(min(shares)), shares.index(max(shares))
+        logger.warning("%s: the data-parallel ranks' shares of its shard files are uneven: rank %d reads %.0f KB, "
+                       "rank %d %.0f KB, so rank %d trains its share about %.1f times while rank %d reads its own "
+                       "once; split the files into evenly sized shards (or a multiple of %d files), or prepare the "
+                       "corpus with tools/prepare_data.py", key, small, min(shares) / 2**10, large,
+                       max(shares) / 2**10, small, max(shares) / max(min(shares), 1), large, dp_size)
 
 
 def _check_rows(reader: LocalRows, source: DataSourceConfig, key: str) -> None:
