@@ -1,5 +1,7 @@
 """Streamed sources at cluster scale: each data-parallel rank reads only its own shard files, tensor-parallel
-peers agree, and a resume continues each rank's stream from its saved state, bitwise."""
+peers agree, and a resume seeks each rank's stream to its saved row, bitwise as an uninterrupted run, in each
+file format (and a hub stream through `datasets`); odd files (BOM, CRLF, no final newline, truncated, uneven
+shares) are read right or named."""
 
 from __future__ import annotations
 
