@@ -451,3 +451,21 @@ def test_generated_corpus_trains_completion_only(tokenizer, tmp_path):
     (batch,) = data.next_step(1)
     text = tokenizer.decode([t for t in batch.labels.reshape(-1).tolist() if t != -100])
     assert set(text) <= set("0123456789-" + tokenizer.eos_token) and "=" not in text and "+" not in text
+
+
+def test_long_tokenization_is_chunked_with_progress_lines_and_the_same_samples(tokenizer, tmp_path, caplog,
+                                                                                monkeypatch):
+    import logging
+
+    from ntl_pretrain.data import sources
+
+    path = _write_jsonl(tmp_path / "a.jsonl", _documents(1500))
+    whole = PretrainingData.build(_cfg([DataSourceConfig(path=str(path))], tmp_path), tokenizer, dp_rank=0, dp_size=1)
+    monkeypatch.setattr(sources, "PACK_CHUNK", 1000)
+    monkeypatch.setattr(sources, "PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="ntl_pretrain.data.sources"):
+        chunked = PretrainingData.build(_cfg([DataSourceConfig(path=str(path))], tmp_path / "other"), tokenizer,
+                                        dp_rank=0, dp_size=1)
+    progress = [r.getMessage() for r in caplog.records if " of 1495 documents" in r.getMessage()]
+    assert [line.split(",")[0] for line in progress] == ["packing data.sources.0: 1000 of 1495 documents"]
+    assert whole.sources[0].samples.with_format(None)["tokens"] == chunked.sources[0].samples.with_format(None)["tokens"]

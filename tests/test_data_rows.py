@@ -152,16 +152,44 @@ def test_bad_rows_are_skipped_counted_and_named(shared_data, tmp_path, caplog, s
     order = good if streaming else datasets.Dataset.from_dict({"text": good}).shuffle(seed=cfg.seed)["text"]
     stream = [t for text in order for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [50256]]
     assert [t for s in samples for t in s] == stream[:len(samples) * 8]
-    if streaming:  # counted as the stream reads them
-        assert "skipped a streamed row whose column 'text' holds no text (null or missing) (1 row(s) skipped so far)" \
-            in caplog.text
-        assert "holds a number, not text" in caplog.text and "holds a dict, not text" in caplog.text
-        assert "holds 101 characters, over data.max_document_chars=100 (4 row(s) skipped so far)" not in caplog.text
+    if streaming:  # named by file and line as the stream reads them (the first three, then at each doubling)
+        assert re.search(r"data.sources.0: skipped a streamed row, '.*c.jsonl' line 3: column 'text' holds no text "
+                         r"\(null or missing\) \(1 row\(s\) skipped so far\)", caplog.text)
+        assert re.search(r"'.*c.jsonl' line 17: column 'text' holds a number, not text \(3 row", caplog.text)
+        assert re.search(r"'.*c.jsonl' line 24: column 'text' holds a dict, not text \(4 row", caplog.text)
+        assert "(5 row(s) skipped so far)" not in caplog.text  # not a line per row
     else:  # counted up front, the first ones named by file and line
         assert re.search(r"skipped 5 of 45 rows that are not usable text, e.g. '.*c.jsonl' line 3: column 'text' "
                          r"holds no text \(null or missing\); '.*c.jsonl' line 10: column 'text' holds no text "
                          r"\(null or missing\); '.*c.jsonl' line 17: column 'text' holds a number, not text",
                          caplog.text)
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"text": null}', "column 'text' holds no text (null or missing)"),
+    ('{"body": "no text field"}', "column 'text' holds no text (null or missing)"),
+    ('{"text": 357}', "column 'text' holds a number, not text"),
+    ('{"text": {"nested": "object"}}', "column 'text' holds a dict, not text"),
+    ('{"text": "%s"}' % ("x" * 101), "column 'text' holds 101 characters, over data.max_document_chars=100"),
+    ('{"text": "cut off', "not valid JSON"),
+    ('["a", "list"]', "a JSON list, not an object"),
+    ('"a string"', "a JSON str, not an object"),
+])
+def test_each_bad_streamed_row_is_named_by_file_and_line(shared_data, tmp_path, caplog, line, why):
+    tokenizer = _gpt2(shared_data)
+    rows = [json.dumps({"text": f"row {i} says {i * 37}"}) for i in range(30)]
+    rows.insert(11, line)  # line 12 of the file
+    (tmp_path / "c.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(tmp_path / "c.jsonl"), streaming=True)], seq_len=8,
+                     micro_batch_size=1, validation_documents=3, max_document_chars=100,
+                     cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING):
+        data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+        samples = [data.sources[0].get(j)[0][:-1].tolist() for j in range(8)]
+    assert f"c.jsonl' line 12: {why}" in caplog.text and "(1 row(s) skipped so far)" in caplog.text
+    good = [json.loads(r)["text"] for r in rows[3:] if r != line]
+    stream = [t for text in good for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [50256]]
+    assert [t for s in samples for t in s] == stream[:len(samples) * 8]
 
 
 # ---------------------------------------------------------------------------------------------- odd folders
@@ -196,3 +224,21 @@ def test_fifo_is_named_as_such(tmp_path):
     os.mkfifo(folder / "b.jsonl")
     with pytest.raises(DataError, match=r"'.*corpus/b.jsonl' is a FIFO \(named pipe\), not a file; remove it"):
         resolve_files(DataSourceConfig(path=str(folder)), "data.sources.0")
+
+
+def test_a_text_files_byte_order_mark_is_not_its_first_documents_text(tmp_path):
+    from ntl_pretrain.data import load_documents
+
+    (tmp_path / "a.txt").write_bytes("\ufefffirst line\r\nsecond line\r\n".encode("utf-8"))
+    documents = load_documents(DataSourceConfig(path=str(tmp_path / "a.txt")), "data.sources.0", str(tmp_path / "c"))
+    assert documents["text"] == ["first line", "second line"]
+
+
+def test_a_streamed_json_array_is_refused_with_the_conversion(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"text": f"row {i}"} for i in range(5)]))
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(tmp_path / "a.json"), streaming=True)], seq_len=8,
+                     micro_batch_size=1, validation_documents=1, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"'.*a.json' is a JSON array, not JSON lines: a stream cannot seek in it; "
+                                        r"write it one object a line \(`jq -c '\.\[\]' IN > OUT.jsonl`\) or set "
+                                        r"streaming: false"):
+        PretrainingData.build(cfg, None, dp_rank=0, dp_size=1)

@@ -1,10 +1,13 @@
 """Streamed sources at cluster scale: each data-parallel rank reads only its own shard files, tensor-parallel
-peers agree, and a resume continues each rank's stream from its saved state, bitwise."""
+peers agree, and a resume seeks each rank's stream to its saved row, bitwise as an uninterrupted run, in each
+file format (and a hub stream through `datasets`); odd files (BOM, CRLF, no final newline, truncated, uneven
+shares) are read right or named."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +52,10 @@ def _cfg(corpus: Path, tmp_path: Path, **kwargs) -> DataConfig:
     return DataConfig(sources=[DataSourceConfig(path=str(corpus), streaming=True)], **settings)
 
 
-def _reference_stream(tokenizer, files: list[int], skip_first: int) -> list[int]:
-    """The given files' documents in order (the held-out ones left out), each + EOS, as transformers tokenizes
-    them: one pass of a rank's share as one token stream."""
-    texts = [_text(f, d) for f in files for d in range(DOCS_PER_FILE)][skip_first:]
+def _reference_stream(tokenizer, files: list[int], held_out: int) -> list[int]:
+    """The given files' documents in order, less the stream's first `held_out` (files 0, 1, ... in order),
+    each + EOS, as transformers tokenizes them: one pass of a rank's share as one token stream."""
+    texts = [_text(f, d) for f in files for d in range(DOCS_PER_FILE) if f * DOCS_PER_FILE + d >= held_out]
     eos = tokenizer.eos_token_id
     return [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]]
 
@@ -67,15 +70,15 @@ def _trained(data: PretrainingData, steps: int, accum: int = 1) -> list[tuple[in
     return out
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_each_rank_reads_only_its_files_disjoint_and_together_the_stream(tokenizer, corpus, tmp_path, dp):
-    cfg = _cfg(corpus, tmp_path, micro_batch_size=1)
+@pytest.mark.parametrize("dp, held_out", [(1, VAL), (2, VAL), (3, VAL), (4, VAL), (2, DOCS_PER_FILE + 10)])
+def test_each_rank_reads_only_its_files_disjoint_and_together_the_stream(tokenizer, corpus, tmp_path, dp, held_out):
+    cfg = _cfg(corpus, tmp_path, micro_batch_size=1, validation_documents=held_out)  # 50: file 0 and part of 1
     per_rank, files = [], []
     for rank in range(dp):
         data = PretrainingData.build(cfg, tokenizer, dp_rank=rank, dp_size=dp)
         mine = list(range(rank, FILES, dp))
         assert data.sources[0].per_rank is (dp > 1)
-        stream = _reference_stream(tokenizer, mine, VAL if rank == 0 else 0)
+        stream = _reference_stream(tokenizer, mine, held_out)
         expected = [tuple(stream[i * SEQ: (i + 1) * SEQ + 1]) for i in range((len(stream) - 1) // SEQ)]
         got = _trained(data, len(expected))
         # the label of the last position is the window's last token unless it is a document start (masked)
@@ -117,11 +120,15 @@ def test_resume_is_bitwise_and_reads_on_from_the_saved_state(tokenizer, corpus, 
     for r in range(dp):
         data = PretrainingData.build(cfg, tokenizer, dp_rank=r, dp_size=dp)
         data.load_state_dict(state)
-        source = data.sources[0]
+        reader, starts = data.sources[0].reader, []
+        rows = reader.rows
+        reader.rows = lambda position=None, starts=starts, rows=rows: (starts.append(position), rows(position))[1]
         after = _trained(data, 23, accum=2)
         resumed.append(before[r] + after)
-        # the resumed stream started at its saved state, not at the start of the file
-        assert source._origin is not None and source._origin["index"] > 0
+        # the resumed stream sought to its saved row (a line in the middle of a file), not to the file's start
+        saved = state["streams"]["data.sources.0"]["ranks"][r if dp > 1 else 0]["at"]["row"]
+        assert starts[0] == saved and saved["offset"] > 0 and saved["line"] > 1
+        assert all(start is None for start in starts[1:])  # a later pass starts at the share's start
     assert resumed == straight
 
 
@@ -148,3 +155,175 @@ def test_fewer_files_than_ranks_is_said_at_start_up(tokenizer, corpus, tmp_path,
     assert "4 shard file(s) for 8 data-parallel ranks: every rank reads and tokenizes the whole stream" in caplog.text
     assert "tools/prepare_data.py" in caplog.text
     assert np.asarray(data.next_step(1)[0].input_ids).shape == (2, SEQ)
+
+
+def _write(folder: Path, fmt: str, files: list[list[str]]) -> None:
+    """`files` of documents as `fmt`, with what real corpora have: a BOM and CRLF endings in the first file, no
+    newline at the end of the last, a csv field over two lines, parquet in row groups of 7 rows."""
+    import gzip
+
+    folder.mkdir()
+    for f, texts in enumerate(files):
+        name = folder / f"part-{f}.{fmt}"
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": texts, "n": list(range(len(texts)))}), name, row_group_size=7)
+            continue
+        if fmt == "csv":
+            import csv
+            import io
+
+            out = io.StringIO()
+            writer = csv.writer(out, lineterminator="\n")
+            writer.writerow(["n", "text"])
+            writer.writerows([i, text] for i, text in enumerate(texts))
+            data = out.getvalue()
+        else:
+            data = "".join((text if fmt == "txt" else json.dumps({"text": text})) + "\n" for text in texts)
+        if f == 0:
+            data = "\ufeff" + data.replace("\n", "\r\n")
+        if f == len(files) - 1:
+            data = data.rstrip("\n")
+        raw = data.encode("utf-8")
+        if fmt == "jsonl.gz":
+            raw = gzip.compress(raw)
+        name.write_bytes(raw)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "txt", "csv", "parquet"])
+def test_each_format_streams_its_rows_and_resumes_bitwise(tokenizer, tmp_path, fmt):
+    texts = [[_text(f, d) for d in range(n)] for f, n in enumerate([12, 30, 9])]  # one file larger than the others
+    if fmt == "csv":
+        texts[1][4] = "a field\nover two lines, with \"quotes\""
+    _write(tmp_path / "corpus", fmt, texts)
+    cfg = _cfg(tmp_path / "corpus", tmp_path, micro_batch_size=1, validation_documents=3)
+    data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    rows = [text for file in texts for text in file]
+    eos = tokenizer.eos_token_id
+    stream = [t for text in rows[3:] for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]]
+    count = (len(stream) - 1) // SEQ
+    straight = [data.sources[0].get(j)[0].tolist() for j in range(count + 5)]  # into the second pass
+    assert straight[:count] == [stream[i * SEQ: (i + 1) * SEQ + 1] for i in range(count)]
+    assert straight[count:] == straight[:5]
+    held = [t for text in rows[:3] for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]]
+    assert [s[0].tolist() for s in data.validation] == [held[i * SEQ: (i + 1) * SEQ + 1]
+                                                        for i in range((len(held) - 1) // SEQ)]
+    for stop in (count // 3, count - 1):  # in a middle file; at the end of the pass
+        first = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+        for j in range(stop):
+            first.sources[0].get(j)
+        state = json.loads(json.dumps(first.sources[0].state_dict()))
+        resumed = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+        resumed.sources[0].load_state_dict(state)
+        assert [resumed.sources[0].get(j)[0].tolist() for j in range(stop, count + 5)] == straight[stop:]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_hub_stream_gives_the_samples_of_the_same_files_read_locally_and_resumes(tokenizer, corpus, tmp_path, dp):
+    """A hub dataset streams through `datasets` (its state is the position); here a local folder loaded the
+    way a hub id is, against the same files read by the local reader."""
+    import datasets
+
+    from ntl_pretrain.data.reader import DatasetRows
+    from ntl_pretrain.data.streamed import StreamedSource, split_hub_stream
+
+    cfg = _cfg(corpus, tmp_path)
+    files = sorted(str(p) for p in corpus.glob("*.jsonl"))
+
+    def hub(rank: int) -> StreamedSource:
+        documents = datasets.load_dataset("json", data_files=files, split="train", streaming=True,
+                                          cache_dir=str(tmp_path / "c"))
+        _, training, per_rank = split_hub_stream(documents, VAL, rank, dp, "data.sources.0")
+        return StreamedSource(DatasetRows(training), tokenizer, cfg.sources[0], cfg, "data.sources.0", per_rank)
+
+    for rank in range(dp):
+        local = PretrainingData.build(cfg, tokenizer, dp_rank=rank, dp_size=dp).sources[0]
+        count = sum(1 for _ in local.packed(None, 0)) + 5  # into the second pass
+        expected = [local.get(j)[0].tolist() for j in range(count)]
+        stream = hub(rank)
+        assert [stream.get(j)[0].tolist() for j in range(count)] == expected
+        first = hub(rank)
+        for j in range(count // 2):
+            first.get(j)
+        resumed = hub(rank)
+        resumed.load_state_dict(first.state_dict())
+        assert [resumed.get(j)[0].tolist() for j in range(count // 2, count)] == expected[count // 2:]
+
+
+def test_a_long_stream_logs_progress_every_interval_not_every_row(tokenizer, corpus, tmp_path, caplog, monkeypatch):
+    from ntl_pretrain.data import streamed
+
+    cfg = _cfg(corpus, tmp_path, micro_batch_size=1)
+    with caplog.at_level(logging.INFO, logger="ntl_pretrain.data.streamed"):
+        data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+        _trained(data, 60)
+        assert "tokenized" not in caplog.text  # within the interval: silent
+        monkeypatch.setattr(streamed, "PROGRESS_SECONDS", 0.0)
+        _trained(data, 60)
+    lines = [r.getMessage() for r in caplog.records if "tokenized" in r.getMessage()]
+    assert lines and all(re.fullmatch(r"data.sources.0: tokenized \d+ rows, \d+ tokens since start-up \(\d+ tokens/s\); "
+                                      r"0 row\(s\) skipped", line) for line in lines)
+    assert len(lines) < 60  # a line per tokenizer call at most (here, at an interval of 0 s)
+
+
+def test_a_rank_whose_files_yield_no_sample_is_refused_at_start_up(tokenizer, corpus, tmp_path):
+    """Every rank knows at start-up (an error there is agreed by all ranks), not one rank mid-step (a hang)."""
+    cfg = _cfg(corpus, tmp_path, validation_documents=DOCS_PER_FILE * 2 + 1)  # files 0 and 1 held out
+    PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=2)  # files 0, 2: file 2 is left
+    four = _cfg(corpus, tmp_path, validation_documents=DOCS_PER_FILE)
+    with pytest.raises(DataError, match=r"data.sources.0: data-parallel rank 0 of 4 reads files part-00.jsonl that "
+                                        r"yield no sample of data.seq_len \+ 1 = 17 tokens \(held out, unusable or "
+                                        r"too short\); add data"):
+        PretrainingData.build(four, tokenizer, dp_rank=0, dp_size=4)
+    PretrainingData.build(four, tokenizer, dp_rank=1, dp_size=4)
+
+
+def test_a_sample_before_the_resume_point_then_one_after_it_seeks_back_to_it(tokenizer, corpus, tmp_path):
+    cfg = _cfg(corpus, tmp_path)
+    first = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1).sources[0]
+    expected = [first.get(j)[0].tolist() for j in range(40)]
+    source = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1).sources[0]
+    for j in range(30):
+        source.get(j)
+    state = json.loads(json.dumps(source.state_dict()))
+    resumed = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1).sources[0]
+    resumed.load_state_dict(state)
+    starts, rows = [], resumed.reader.rows
+    resumed.reader.rows = lambda position=None: (starts.append(position), rows(position))[1]
+    assert resumed.get(2)[0].tolist() == expected[2]  # before the resume point: from the start
+    assert resumed.get(35)[0].tolist() == expected[35]  # after it: sought there again, not read on to it
+    assert starts == [resumed.reader.start(), state["at"]["row"]]
+
+
+@pytest.mark.parametrize("kind", ["jsonl.gz", "parquet"])
+def test_a_truncated_file_is_named_not_a_traceback(tokenizer, tmp_path, kind):
+    texts = [[_text(f, d) for d in range(300)] for f in range(2)]
+    _write(tmp_path / "corpus", kind, texts)
+    broken = tmp_path / "corpus" / f"part-1.{kind}"
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])  # a partial download
+    cfg = _cfg(tmp_path / "corpus", tmp_path, micro_batch_size=1)
+    data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    what = r"cannot be read past line \d+ \(.*\): a truncated or corrupt file" if kind == "jsonl.gz" else \
+        r"is not a readable parquet file \(.*\); copy or download it again"
+    with pytest.raises(DataError, match=rf"'.*part-1.{kind}' {what}"):
+        for j in range(10_000):
+            data.sources[0].get(j)
+
+
+def test_uneven_shares_are_warned_about(tokenizer, tmp_path, caplog):
+    _write(tmp_path / "corpus", "jsonl", [[_text(f, d) for d in range(n)] for f, n in enumerate([10, 40, 10, 40])])
+    with caplog.at_level(logging.WARNING, logger="ntl_pretrain.data.streamed"):
+        PretrainingData.build(_cfg(tmp_path / "corpus", tmp_path, validation_documents=1), tokenizer, dp_rank=0,
+                              dp_size=2)
+    sizes = [(tmp_path / "corpus" / f"part-{f}.jsonl").stat().st_size for f in range(4)]
+    small, large = sizes[0] + sizes[2], sizes[1] + sizes[3]
+    assert (f"data.sources.0: the data-parallel ranks' shares of its shard files are uneven: rank 0 reads "
+            f"{small / 1024:.0f} KB, rank 1 {large / 1024:.0f} KB, so rank 0 trains its share about {large / small:.1f} "
+            f"times while rank 1 reads its own once; split the files") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ntl_pretrain.data.streamed"):  # files 0+1 and 2+3: even
+        PretrainingData.build(_cfg(tmp_path / "corpus", tmp_path, validation_documents=1), tokenizer, dp_rank=0,
+                              dp_size=1)
+    assert "uneven" not in caplog.text

@@ -13,9 +13,9 @@ syscalls, page cache included) around the data work, with the GPT-2 tokenizer of
     sequences of `--seq-len`: grad_accum 4/dp) at dp 1, 2 and 4: each rank's bytes, and the tokens/s of
     the data path on one rank (dp 1);
 (b) resume at half: the dp-1 run stops after half the steps and saves its data state as the checkpoint
-    does; a new process loads it and takes one step: its bytes before that step, against the bytes the
-    first half read; and the same with the state a checkpoint of the previous version held (the position
-    only: the stream re-read up to it);
+    does; a new process loads it and takes one step: its bytes up to the end of that step (the step's own
+    data included), against the bytes the first half read and one of its steps read; and the same with
+    the state a checkpoint of the previous version held (the position only: the stream re-read up to it);
 (c) time to the first step at 2 ranks (rank 0 then rank 1, as the trainer's local-rank-0-first order)
     from raw text (in-memory source: tokenized at start-up into a fresh cache) against a corpus made by
     tools/prepare_data.py (the preparation timed apart).
@@ -151,6 +151,7 @@ def bench_size(work: str, shard_mb: float, steps: int, seq_len: int, micro_batch
         json.dump(old, handle)
     reread = _run({**base, "dp": 1, "rank": 0, "steps": 1, "state": old_state})
     result["resume"] = {"first_half_read": half["read"] - half["build_read"],  # past the start-up reads
+                        "step_read": (half["read"] - half["build_read"]) / (steps // 2),  # a step's own data
                         "resumed_first_step_read": resumed["first_step_read"] - resumed["build_read"],
                         "position_only_first_step_read": reread["first_step_read"] - reread["build_read"],
                         "resumed_first_step_s": resumed["first_step_s"], "position_only_first_step_s": reread["first_step_s"]}
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             if resume:
                 print(f"  resume at half (past the start-up reads): first half read {resume['first_half_read'] / 2**20:.2f} "
                       f"MB; the first resumed step {resume['resumed_first_step_read'] / 2**20:.2f} MB "
-                      f"({resume['resumed_first_step_read'] / resume['first_half_read']:.1%}); position only "
+                      f"({resume['resumed_first_step_read'] / resume['first_half_read']:.1%}; one step of the first half read "
+                      f"{resume['step_read'] / 2**20:.2f} MB); position only "
                       f"(previous version) {resume['position_only_first_step_read'] / 2**20:.2f} MB")
             first = result.get("first_step")
             if first:

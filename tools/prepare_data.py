@@ -37,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not sys.stderr.isatty():  # progress bars on a terminal only; a log gets a progress line every 60 s
+        import datasets
+
+        datasets.disable_progress_bars()
     started = time.perf_counter()
     try:
         cfg = load_config(args.config, list(args.overrides))

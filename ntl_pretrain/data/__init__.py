@@ -23,12 +23,15 @@ permutation (streamed sources are read in order). A step takes the next `micro_b
 global samples; data-parallel rank r takes its micro-batches from them, and every tensor-parallel rank
 of a group takes the same ones. A streamed source with at least as many shard files as data-parallel
 ranks is read per rank instead: rank r reads shards r, r + dp, ... and trains its own stream's next
-sample wherever the mixture puts a sample of that source in its slices. The stream position (samples
-consumed) and each streamed source's `datasets` state per rank are what a checkpoint needs to resume
-without repeating, skipping or re-reading a sample.
+sample wherever the mixture puts a sample of that source in its slices. A stream is packed continuously
+as it is read; the stream position (samples consumed) and, per rank, where each streamed source's next
+sample starts (its row's position in the files, and the tokens of that row already trained) are what a
+checkpoint needs to resume without repeating, skipping or re-reading a sample.
 
-Modules: `sources` (files, documents, bad rows, templates, packing), `stream` (mixture, order, per-rank
-streams, micro-batches, state), `prepared` (corpora tokenized once by tools/prepare_data.py).
+Modules: `sources` (files, documents, bad rows, templates, packing), `stream` (mixture, order,
+micro-batches, state), `streamed` (a streamed source: packing as it reads, its position, per-rank shares),
+`reader` (rows of local files or a hub stream with their positions), `prepared` (corpora tokenized once by
+tools/prepare_data.py).
 """
 
 from __future__ import annotations

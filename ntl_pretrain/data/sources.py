@@ -8,7 +8,8 @@ import glob
 import logging
 import os
 import stat
-from typing import Any, Iterator
+import sys
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -318,8 +319,10 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
                                               streaming=source.streaming, cache_dir=cache_dir)
         else:
             builder, files = resolved
-            documents = datasets.load_dataset(builder, data_files=files, split="train",
-                                              streaming=source.streaming, cache_dir=cache_dir)
+            # utf-8-sig: a text file's BOM is not its first document's first character (json and csv drop it)
+            documents = datasets.load_dataset(builder, data_files=files, split="train", streaming=source.streaming,
+                                              cache_dir=cache_dir, **({"encoding": "utf-8-sig"} if builder == "text"
+                                                                      else {}))
     except UnicodeDecodeError as error:
         raise _encoding_error(source, key, error) from None
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
@@ -363,101 +366,117 @@ def unusable(value: Any, limit: int) -> str | None:
     return None
 
 
-class SkippedRows:
-    """Counts the rows of a stream left out as they are read; logs the first ones and then every doubling."""
+def row_problem(source: DataSourceConfig, limit: int) -> Callable[[dict], tuple[str, str] | None]:
+    """A function giving why a row cannot be trained on, as (column, reason), or None when it can."""
+    if source.format == TOKENIZED:
+        def token_ids_problem(row: dict) -> tuple[str, str] | None:
+            ids, mask = row.get(INPUT_IDS), row.get(LOSS_MASK)
+            if not isinstance(ids, list):
+                return INPUT_IDS, "no token ids"
+            if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)):
+                return LOSS_MASK, "a loss_mask of another length"
+            return None
+        return token_ids_problem
+    read = list(dict.fromkeys(text_columns(source).values()))
 
-    def __init__(self, key: str) -> None:
-        self.key, self.count = key, 0
-
-    def __call__(self, column: str, why: str) -> None:
-        self.count += 1
-        if self.count <= 3 or self.count & (self.count - 1) == 0:
-            logger.warning("%s: skipped a streamed row whose column %r holds %s (%d row(s) skipped so far)", self.key,
-                           column, why, self.count)
+    def text_problem(row: dict) -> tuple[str, str] | None:
+        return next(((column, reason) for column in read if (reason := unusable(row.get(column), limit)) is not None),
+                    None)
+    return text_problem
 
 
-def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int, skipped: SkippedRows | None):
+def document_tokens(tokenizer: Any, source: DataSourceConfig) -> Callable[[dict], tuple[list, list | None]]:
+    """A function from a batch of usable rows (column -> values) to each document's token ids with EOS
+    appended, and their targets masks (None: a source without one, every token a target)."""
     eos = tokenizer.eos_token_id
-    read = list(dict.fromkeys(text_columns(source).values())) if source.format != TOKENIZED else []
-
-    def usable(batch: dict) -> dict:
-        """The batch without rows that are not usable text (left out before the tokenizer sees them)."""
-        keep = []
-        for i in range(len(batch[read[0]])):
-            why = next(((column, reason) for column in read
-                        if (reason := unusable(batch[column][i], limit)) is not None), None)
-            if why is None:
-                keep.append(i)
-            elif skipped is not None:
-                skipped(*why)
-        if len(keep) == len(batch[read[0]]):
-            return batch
-        return {column: [values[i] for i in keep] for column, values in batch.items()}
-
     # the closures hold the column names only: `datasets` fingerprints them for its cache (a source's weight
     # or path does not change how it is packed)
     text_field, source_format = source.text_field, source.format
     source = DataSourceConfig(prompt_field=source.prompt_field, completion_field=source.completion_field,
                               prompt_template=source.prompt_template)  # what packs it, fingerprinted alone
 
+    def texts(batch: dict) -> tuple[list, None]:
+        return [ids + [eos] for ids in tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]], None
+
+    def completions(batch: dict) -> tuple[list, list]:
+        prompt_texts, completion_texts = prompts_and_completions(batch, source, tokenizer)
+        prompts = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        answers = tokenizer(completion_texts, add_special_tokens=False)["input_ids"]
+        return ([p + c + [eos] for p, c in zip(prompts, answers)],
+                [[False] * len(p) + [True] * (len(c) + 1) for p, c in zip(prompts, answers)])
+
+    def token_ids(batch: dict) -> tuple[list, list | None]:
+        ids = [list(doc) + [eos] for doc in batch[INPUT_IDS]]
+        if LOSS_MASK not in batch:
+            return ids, None
+        masks = batch[LOSS_MASK]
+        return ids, [([True] * (len(doc) - 1) if mask is None else [bool(m) for m in mask]) + [True]
+                     for doc, mask in zip(ids, masks)]
+
+    if source_format == TOKENIZED:
+        return token_ids
+    return completions if completion_only(source) else texts
+
+
+def _packer(tokenizer: Any, source: DataSourceConfig, seq_len: int, limit: int):
+    problem, tokens_of = row_problem(source, limit), document_tokens(tokenizer, source)
+
     def windows(flat: list) -> list[list]:
         return [flat[i * seq_len: (i + 1) * seq_len + 1] for i in range((len(flat) - 1) // seq_len)]
 
     def pack(batch: dict) -> dict:
-        ids = tokenizer(usable(batch)[text_field], add_special_tokens=False)["input_ids"]
-        flat: list[int] = []
-        for doc in ids:
-            flat.extend(doc)
-            flat.append(eos)
-        return {TOKENS: windows(flat)}
+        rows = len(next(iter(batch.values())))
+        keep = [i for i in range(rows) if problem({column: values[i] for column, values in batch.items()}) is None]
+        if len(keep) != rows:  # rows that are not usable text are left out before the tokenizer sees them
+            batch = {column: [values[i] for i in keep] for column, values in batch.items()}
+        docs, masks = tokens_of(batch)
+        flat = [t for doc in docs for t in doc]
+        if masks is None:
+            return {TOKENS: windows(flat)}
+        return {TOKENS: windows(flat), TARGETS: windows([m for mask in masks for m in mask])}
 
-    def pack_completions(batch: dict) -> dict:
-        prompt_texts, completion_texts = prompts_and_completions(usable(batch), source, tokenizer)
-        prompts = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
-        completions = tokenizer(completion_texts, add_special_tokens=False)["input_ids"]
-        flat: list[int] = []
-        targets: list[bool] = []
-        for prompt, completion in zip(prompts, completions):
-            flat.extend(prompt)
-            flat.extend(completion)
-            flat.append(eos)
-            targets.extend([False] * len(prompt) + [True] * (len(completion) + 1))
-        return {TOKENS: windows(flat), TARGETS: windows(targets)}
+    return pack
 
-    def pack_token_ids(batch: dict) -> dict:
-        masks = batch.get(LOSS_MASK) or [None] * len(batch[INPUT_IDS])
-        flat: list[int] = []
-        targets: list[bool] = []
-        for ids, mask in zip(batch[INPUT_IDS], masks):
-            if not isinstance(ids, list) or (mask is not None and len(mask) != len(ids)):
-                if skipped is not None:
-                    skipped(INPUT_IDS, "no token ids" if not isinstance(ids, list) else "a loss_mask of another length")
-                continue
-            flat.extend(ids)
-            flat.append(eos)
-            targets.extend([True] * len(ids) if mask is None else [bool(m) for m in mask])
-            targets.append(True)
-        return {TOKENS: windows(flat), TARGETS: windows(targets)} if LOSS_MASK in batch else {TOKENS: windows(flat)}
 
-    if source_format == TOKENIZED:
-        return pack_token_ids
-    return pack_completions if completion_only(source) else pack
+PROGRESS_SECONDS = 60.0  # long tokenization logs a line this often (rows and tokens done), not one per row
+PACK_CHUNK = 100_000  # documents packed per `datasets.map` call and process (a multiple of its batches of 1000)
 
 
 def pack_documents(documents: Any, tokenizer: Any, source: DataSourceConfig, seq_len: int, num_proc: int,
-                   description: str, max_document_chars: int, key: str) -> Any:
-    """Tokenize and pack documents into samples of seq_len + 1 tokens (batches of 1000 documents); a
-    completion-only source's samples also get their `targets` mask. Rows that are not usable text are left
-    out (a stream counts them in the log as it reads; see `drop_unusable_rows` for the others)."""
+                   description: str, max_document_chars: int) -> Any:
+    """Tokenize and pack an in-memory source's documents into samples of seq_len + 1 tokens (batches of
+    1000 documents, `num_proc` processes); a completion-only source's samples also get their `targets` mask.
+    Rows that are not usable text are left out (`drop_unusable_rows` counts and names them).
+
+    The documents are packed in chunks of PACK_CHUNK a process (whole batches: the samples are those of one
+    `map`), logging the documents and tokens done every PROGRESS_SECONDS; `datasets`' progress bar is shown
+    on a terminal only (in a log file it is one line per update)."""
+    import time
+
     import datasets
 
-    kwargs: dict[str, Any] = dict(batched=True, batch_size=1000, remove_columns=documents.column_names)
-    in_memory = isinstance(documents, datasets.Dataset)
-    if in_memory:  # datasets shows a progress bar with this description
-        kwargs.update(num_proc=num_proc if num_proc > 1 else None, desc=description)
-        logger.info("%s: %d documents (%d process(es))", description, len(documents), max(num_proc, 1))
-    skipped = None if in_memory else SkippedRows(key)
-    return documents.map(_packer(tokenizer, source, seq_len, max_document_chars, skipped), **kwargs)
+    total, workers = len(documents), max(num_proc, 1)
+    logger.info("%s: %d documents (%d process(es))", description, total, workers)
+    pack = _packer(tokenizer, source, seq_len, max_document_chars)
+    chunk = PACK_CHUNK * workers
+    bars = datasets.is_progress_bar_enabled()
+    if bars and not sys.stderr.isatty():
+        datasets.disable_progress_bars()
+    try:
+        parts, started, reported = [], time.monotonic(), time.monotonic()
+        for first in range(0, max(total, 1), chunk):
+            rows = documents if total <= chunk else documents.select(range(first, min(first + chunk, total)))
+            parts.append(rows.map(pack, batched=True, batch_size=1000, remove_columns=documents.column_names,
+                                  num_proc=num_proc if num_proc > 1 and len(rows) > 1 else None, desc=description))
+            done = min(first + chunk, total)
+            if done < total and time.monotonic() - reported >= PROGRESS_SECONDS:
+                reported = time.monotonic()
+                logger.info("%s: %d of %d documents, %d samples of %d tokens (%.0f s)", description, done, total,
+                            sum(len(p) for p in parts), seq_len + 1, reported - started)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _row_places(files: list[str], builder: str, rows: list[int]) -> dict[int, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,10 +13,10 @@ import torch
 from ..config import DataConfig
 
 from ..config.schema import CHAT_TEMPLATE, PREPARED
+from .prepared import load_prepared
 from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, check_chat_template,
                       completion_only, drop_unusable_rows, load_documents, pack_documents)
-
-from .prepared import load_prepared
+from .streamed import StreamedSource, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -102,61 +102,6 @@ class _MapSource:
         return _sample_of(self.samples[int(permutation[position])])
 
 
-class _StreamSource:
-    """Samples of a streamed source, read in order (re-read from the start after its end).
-
-    `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files), indexed
-    by how many of them the rank has trained; otherwise every rank reads the whole stream. The position is
-    the stream's own `datasets` state, so a resume continues there without re-reading what was consumed."""
-
-    def __init__(self, samples: Any, key: str, per_rank: bool) -> None:
-        self.samples, self.key, self.per_rank = samples, key, per_rank
-        self._iterator: Iterator[dict] | None = None
-        self._next = 0  # index of the sample the iterator yields next
-        self._yielded_this_pass = 0
-        self._origin: dict | None = None  # where a resume starts: {"index", "yielded_this_pass", "stream"}
-
-    def _restart(self, j: int) -> None:
-        """A fresh iterator at the resume point when j is not before it, else at the start of the stream."""
-        origin = self._origin if self._origin is not None and j >= self._origin["index"] else None
-        self.samples.load_state_dict(origin["stream"] if origin else None)
-        self._iterator = iter(self.samples)
-        self._next = origin["index"] if origin else 0
-        self._yielded_this_pass = origin["yielded_this_pass"] if origin else 0
-
-    def get(self, j: int) -> Sample:
-        if self._iterator is None or j < self._next:  # (re)start: the stream is read in order only
-            self._restart(j)
-        while True:
-            try:
-                sample = next(self._iterator)
-            except UnicodeDecodeError as error:  # a streamed file read only now, past the first documents
-                raise DataError(f"{self.key}: a streamed file is not UTF-8 text ({error}); re-encode it, e.g. "
-                                f"`iconv -f latin1 -t utf-8 IN > OUT`") from None
-            except StopIteration:
-                if self._yielded_this_pass == 0:
-                    raise DataError(f"{self.key} yields no sample of seq_len + 1 tokens; add data or lower "
-                                    f"data.seq_len") from None
-                self.samples.load_state_dict(None)  # the next pass starts at the beginning, not at a resume point
-                self._iterator, self._yielded_this_pass = iter(self.samples), 0
-                continue
-            self._yielded_this_pass += 1
-            index, self._next = self._next, self._next + 1
-            if index == j:
-                return _sample_of(sample)
-
-    def state_dict(self) -> dict | None:
-        """Where the stream stands (None before its first sample): the next sample's index and the stream's
-        `datasets` state at the last sample it yielded."""
-        if self._iterator is None:
-            return self._origin
-        return {"index": self._next, "yielded_this_pass": self._yielded_this_pass,
-                "stream": self.samples.state_dict()}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        self._origin, self._iterator = state, None
-
-
 def pack_in_memory(cfg: DataConfig, source: Any, key: str, tokenizer: Any, num_proc: int) -> tuple[Any, Any]:
     """(training samples, validation samples) of a source read whole: its usable rows, seeded-shuffled, the
     first `validation_documents` held out, each part tokenized and packed (`num_proc` processes)."""
@@ -171,49 +116,15 @@ def pack_in_memory(cfg: DataConfig, source: Any, key: str, tokenizer: Any, num_p
     held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
     try:
         packed = pack_documents(training, tokenizer, source, cfg.seq_len, num_proc, f"packing {key}",
-                                cfg.max_document_chars, key)
+                                cfg.max_document_chars)
         held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, num_proc,
-                                     f"packing {key} (validation)", cfg.max_document_chars, key)
+                                     f"packing {key} (validation)", cfg.max_document_chars)
     except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
         raise _encoding_error(source, key, error) from None
     if len(packed) == 0:
         raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
                         f"tokens after tokenization; add data or lower data.seq_len")
     return packed, held_packed
-
-
-def _split_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key: str) -> tuple[Any, Any, bool]:
-    """(held-out documents, this rank's training documents, whether they are its own share) of a stream.
-
-    The held-out documents are the stream's first `n_val`, the same on every rank. With at least as many
-    shards (files) as data-parallel ranks, rank r reads shards r, r + dp, ... only, less the held-out
-    documents among them (always the first of its shards: they come first in the stream); with fewer, every
-    rank reads the whole stream."""
-    import datasets
-
-    shards = documents.num_shards
-    if dp_size == 1 or shards < dp_size:
-        if dp_size > 1:
-            logger.warning("%s has %d shard file(s) for %d data-parallel ranks: every rank reads and tokenizes the "
-                           "whole stream (%dx the reads of one share) and discards the others' samples; split it into "
-                           "%d or more files (a multiple of %d), or train from tools/prepare_data.py's corpus", key,
-                           shards, dp_size, dp_size, dp_size, dp_size)
-        return documents.take(n_val), documents.skip(n_val), False
-    if shards % dp_size:
-        logger.info("%s: %d shard files over %d data-parallel ranks: ranks read %d or %d files each (a rank that "
-                    "reaches the end of its share first starts it again)", key, shards, dp_size, shards // dp_size,
-                    shards // dp_size + 1)
-    held_out, skipped, wanted = [], 0, n_val
-    for index in range(shards):  # the held-out documents, shard by shard: how many come from this rank's shards
-        if wanted == 0:
-            break
-        taken = sum(1 for _ in documents.shard(num_shards=shards, index=index).take(wanted))
-        held_out.append(documents.shard(num_shards=shards, index=index).take(taken))
-        skipped += taken if index % dp_size == dp_rank else 0
-        wanted -= taken
-    mine = documents.shard(num_shards=dp_size, index=dp_rank, contiguous=False)
-    validation = datasets.concatenate_datasets(held_out) if held_out else documents.take(0)
-    return validation, mine.skip(skipped) if skipped else mine, True
 
 
 @dataclass
@@ -275,17 +186,9 @@ class PretrainingData:
                 sources.append(_MapSource(packed, cfg.seed, i))
                 validation.extend(_sample_of(s) for s in held_packed)
                 continue
-            if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
-                check_chat_template(tokenizer, key)
-            documents = load_documents(source, key, cfg.cache_dir)
-            held_out, training, per_rank = _split_stream(documents, cfg.validation_documents, dp_rank, dp_size, key)
-            packed = pack_documents(training, tokenizer, source, cfg.seq_len, cfg.num_proc, f"packing {key}",
-                                    cfg.max_document_chars, key)
-            sources.append(_StreamSource(packed, key, per_rank))
-            if cfg.validation_documents:
-                held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, cfg.num_proc,
-                                             f"packing {key} (validation)", cfg.max_document_chars, key)
-                validation.extend(_sample_of(s) for s in held_packed)
+            stream, held_samples = open_stream(source, key, cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
+            sources.append(stream)
+            validation.extend(held_samples)
         return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size, eos_id=tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------ training
@@ -320,12 +223,12 @@ class PretrainingData:
     def rank_state(self) -> dict:
         """This rank's part of the state: where each streamed source stands (key -> its state)."""
         return {"dp_rank": self.dp_rank, "streams": {source.key: source.state_dict() for source in self.sources
-                                                     if isinstance(source, _StreamSource)}}
+                                                     if isinstance(source, StreamedSource)}}
 
     def state_dict(self) -> dict:
         """The stream position and every data-parallel rank's streamed-source states, for the checkpoint.
         A collective when the run is distributed: call it on every rank."""
-        streamed = any(isinstance(source, _StreamSource) for source in self.sources)  # the same on every rank
+        streamed = any(isinstance(source, StreamedSource) for source in self.sources)  # the same on every rank
         return combine_rank_states(self, _gather_objects(self.rank_state()) if streamed else [self.rank_state()])
 
     def load_state_dict(self, state: dict) -> None:
@@ -335,7 +238,7 @@ class PretrainingData:
                             f"would repeat or skip samples")
         streams = state.get("streams") or {}  # absent in checkpoints of older versions: the streams are re-read
         for source in self.sources:
-            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            saved = streams.get(source.key) if isinstance(source, StreamedSource) else None
             if saved is not None and (saved["per_rank"] or source.per_rank) and \
                     (saved["per_rank"], len(saved["ranks"])) != (source.per_rank, self.dp_size):
                 raise DataError(f"the checkpoint's {source.key} was read "
@@ -345,7 +248,7 @@ class PretrainingData:
                                 f"corpus made by tools/prepare_data.py (it resumes at any size)")
         self.position = int(state["position"])
         for source in self.sources:
-            saved = streams.get(source.key) if isinstance(source, _StreamSource) else None
+            saved = streams.get(source.key) if isinstance(source, StreamedSource) else None
             if saved is not None:
                 source.load_state_dict(saved["ranks"][self.dp_rank if source.per_rank else 0])
 
@@ -388,7 +291,7 @@ def combine_rank_states(data: PretrainingData, rank_states: list[dict]) -> dict:
     by_rank = {state["dp_rank"]: state["streams"] for state in rank_states}
     streams = {}
     for source in data.sources:
-        if isinstance(source, _StreamSource):
+        if isinstance(source, StreamedSource):
             ranks = range(data.dp_size) if source.per_rank else range(1)
             streams[source.key] = {"per_rank": source.per_rank, "ranks": [by_rank[r][source.key] for r in ranks]}
     return {"position": data.position, "seed": data.cfg.seed, "seq_len": data.cfg.seq_len, "dp_size": data.dp_size,

@@ -1,0 +1,249 @@
+"""Rows of a streamed source read in order, each with the position it starts at, so that a resume seeks there
+instead of re-reading what was consumed.
+
+`LocalRows` reads local files itself (JSON lines, text, csv: a byte offset; parquet: a row group and a row in
+it; `.gz`: an offset in the decompressed stream, which a seek decompresses up to); `DatasetRows` reads a hub
+dataset's `datasets` stream (its own `state_dict()` is the position). A position is a small JSON-able dict
+stored in the checkpoint; every row comes with its place (`'FILE' line N`) for the bad-row warnings."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import os
+import zlib
+from typing import Any, Iterator
+
+from .sources import DataError
+
+Position = dict  # JSON-able: where a row starts
+Row = tuple[Any, Position, str]  # (the row: a dict, or a str saying why it is not one; its position; its place)
+
+_JSON, _TEXT, _CSV, _PARQUET = "json", "text", "csv", "parquet"
+_BOM = b"\xef\xbb\xbf"
+
+
+def open_data_file(path: str) -> io.BufferedReader:
+    """A data file opened for reading by its real path, refusing a link put in its place since it was listed
+    (O_NOFOLLOW), and never blocking on a FIFO."""
+    real = os.path.realpath(path)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise DataError(f"cannot open the data file {path!r} ({error.strerror}); fix or remove it") from None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _decompressed(handle: io.BufferedReader, path: str) -> Any:
+    return gzip.GzipFile(fileobj=handle, mode="rb") if path.lower().endswith(".gz") else handle
+
+
+class LocalRows:
+    """The rows of local files (one builder) in file order, from per-file start positions.
+
+    `files` are the source's files (positions name them by index, and by path to check a resume against);
+    `share` the indices this reader reads, in order; `starts` where reading a file begins (file index -> its
+    position; absent: its beginning). `columns`: the columns a parquet file is read for (None: all)."""
+
+    def __init__(self, files: list[str], builder: str, share: list[int], starts: dict[int, Position] | None = None,
+                 columns: list[str] | None = None) -> None:
+        if builder not in (_JSON, _TEXT, _CSV, _PARQUET):
+            raise DataError(f"streaming reads jsonl, txt, csv and parquet files, not {builder} ({files[0]!r})")
+        self.files, self.builder, self.share = files, builder, share
+        self.starts = dict(starts or {})
+        self.columns = columns
+
+    def start(self) -> Position:
+        """Where the share's first row is."""
+        return self.starts.get(self.share[0], self._file_start(self.share[0])) if self.share else {"file": -1}
+
+    def _file_start(self, index: int) -> Position:
+        return {"file": index, "group": 0, "row": 0} if self.builder == _PARQUET else \
+            {"file": index, "offset": 0, "line": 1}
+
+    def check(self, position: Position, key: str) -> None:
+        """Refuse a position that does not name one of this reader's files (a checkpoint of other files)."""
+        index = position.get("file")
+        if index not in self.share or position.get("path") not in (None, os.path.basename(self.files[index])):
+            raise DataError(f"{key}: the checkpoint's stream position {position!r} names a file this run does not read "
+                            f"in this share; resume with the files the run was started with")
+
+    def rows(self, position: Position | None = None) -> Iterator[Row]:
+        """(row, its position, its place) from `position` (None: the share's start) to the end of the share."""
+        position = position or self.start()
+        if position["file"] not in self.share:
+            return
+        for index in self.share[self.share.index(position["file"]):]:
+            begin = position if index == position["file"] else self.starts.get(index, self._file_start(index))
+            if begin.get("end"):  # a file wholly held out for validation
+                continue
+            reader = self._parquet_rows if self.builder == _PARQUET else self._line_rows
+            yield from reader(index, begin)
+
+    def _line_rows(self, index: int, begin: Position) -> Iterator[Row]:
+        path = self.files[index]
+        name = os.path.basename(path)
+        with open_data_file(path) as raw:
+            handle = _decompressed(raw, path)
+            header = None
+            if self.builder == _CSV:  # the header row: the columns of every row of the file
+                header = next(csv.reader([_decode(handle.readline(), path, 1, True)]), None)
+                if not header:
+                    return
+                if begin["offset"] == 0:
+                    begin = {"file": index, "offset": handle.tell(), "line": 2}
+            if begin["offset"]:
+                handle.seek(begin["offset"])
+            offset, line = begin["offset"], begin["line"]
+            lines = _lines(handle, path, offset, line)
+            if self.builder == _CSV:
+                yield from _csv_rows(lines, header, index, name, path)
+                return
+            for start, number, text, _end in lines:
+                place = f"{path!r} line {number}"
+                here = {"file": index, "path": name, "offset": start, "line": number}
+                if self.builder == _TEXT:
+                    yield {"text": text}, here, place
+                    continue
+                if not text.strip():
+                    continue
+                try:
+                    row, why = json.loads(text), None
+                except ValueError as error:
+                    row, why = None, f"not valid JSON ({error})"
+                if number == 1 and text.lstrip().startswith("[") and (
+                        why or (isinstance(row, list) and any(isinstance(v, dict) for v in row))):
+                    raise DataError(f"{path!r} is a JSON array, not JSON lines: a stream cannot seek in it; write it "
+                                    f"one object a line (`jq -c '.[]' IN > OUT.jsonl`) or set streaming: false")
+                if why is None and not isinstance(row, dict):
+                    why = f"a JSON {type(row).__name__}, not an object"
+                yield (why or row), here, place
+
+    def _parquet_rows(self, index: int, begin: Position) -> Iterator[Row]:
+        import pyarrow.parquet as pq
+
+        path = self.files[index]
+        with open_data_file(path) as raw:
+            try:
+                yield from self._parquet_file_rows(pq.ParquetFile(raw), index, begin)
+            except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+                if isinstance(error, DataError):
+                    raise
+                raise DataError(f"{path!r} is not a readable parquet file ({error}); copy or download it again, or "
+                                f"remove it") from None
+
+    def _parquet_file_rows(self, parquet: Any, index: int, begin: Position) -> Iterator[Row]:
+        path = self.files[index]
+        groups = parquet.metadata.num_row_groups
+        columns = None if self.columns is None else [c for c in self.columns if c in parquet.schema_arrow.names]
+        before = sum(parquet.metadata.row_group(g).num_rows for g in range(begin["group"]))
+        for group in range(begin["group"], groups):
+            rows = parquet.read_row_group(group, columns=columns).to_pylist()
+            first = begin["row"] if group == begin["group"] else 0
+            for row_index in range(first, len(rows)):
+                here = {"file": index, "path": os.path.basename(path), "group": group, "row": row_index}
+                yield rows[row_index], here, f"{path!r} row {before + row_index + 1}"
+            before += len(rows)
+
+
+def _decode(data: bytes, path: str, line: int, first: bool) -> str:
+    if first and data.startswith(_BOM):
+        data = data[len(_BOM):]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path!r} line {line} is not UTF-8 text ({error}); re-encode it, e.g. `iconv -f latin1 -t "
+                        f"utf-8 IN > OUT`") from None
+
+
+def _lines(handle: Any, path: str, offset: int, line: int) -> Iterator[tuple[int, int, str, int]]:
+    """(byte offset, line number, text without its line ending, offset after it) of each line from `offset`;
+    a BOM at the start of the file is dropped, CRLF endings are LF, a last line without a newline counts. A
+    truncated or corrupt gzip file is named with the line it stops at."""
+    lines = iter(handle)
+    while True:
+        try:
+            data = next(lines)
+        except StopIteration:
+            return
+        except (EOFError, OSError, zlib.error) as error:
+            raise DataError(f"{path!r} cannot be read past line {line - 1} ({error}): a truncated or corrupt "
+                            f"file; copy or download it again, or remove it") from None
+        start = offset
+        offset += len(data)
+        yield start, line, _decode(data.rstrip(b"\n").rstrip(b"\r"), path, line, start == 0), offset
+        line += 1
+
+
+def _csv_rows(lines: Iterator[tuple[int, int, str, int]], header: list[str], index: int, name: str,
+              path: str) -> Iterator[Row]:
+    """The csv records of `lines` (a quoted field may span lines): each at the offset of its first line."""
+    first: list[tuple[int, int]] = []  # (offset, line) of the record being read
+
+    def texts() -> Iterator[str]:
+        for start, number, text, _ in lines:
+            if not first:
+                first.append((start, number))
+            yield text + "\n"
+
+    for record in csv.reader(texts()):
+        start, number = first.pop()
+        if not record:
+            continue
+        here, place = {"file": index, "path": name, "offset": start, "line": number}, f"{path!r} line {number}"
+        if len(record) != len(header):
+            yield f"{len(record)} fields, not the header's {len(header)}", here, place
+            continue
+        yield dict(zip(header, record)), here, place
+
+
+class DatasetRows:
+    """The rows of a `datasets` IterableDataset (a hub stream), each at the dataset's own state before it.
+
+    A resume loads that state: `datasets` continues from the shard it names, re-reading that shard up to the
+    row (it has no byte offsets)."""
+
+    def __init__(self, documents: Any) -> None:
+        self.documents = documents
+
+    def start(self) -> Position:
+        return {"datasets": None}
+
+    def check(self, position: Position, key: str) -> None:
+        if "datasets" not in position:
+            raise DataError(f"{key}: the checkpoint's stream position {position!r} is not a hub stream's; resume "
+                            f"with the source the run was started with")
+
+    def rows(self, position: Position | None = None) -> Iterator[Row]:
+        self.documents.load_state_dict((position or self.start())["datasets"])
+        number = 0
+        iterator = iter(self.documents)
+        while True:
+            here = {"datasets": self.documents.state_dict()}  # a copy, at the row yielded last
+            try:
+                row = next(iterator)
+            except StopIteration:
+                return
+            except UnicodeDecodeError as error:
+                raise DataError(f"a streamed file is not UTF-8 text ({error}); re-encode it, e.g. `iconv -f latin1 "
+                                f"-t utf-8 IN > OUT`") from None
+            number += 1
+            yield row, here, f"stream row {number}"
+
+
+class ListRows:
+    """Rows held in memory (a stream's held-out documents), positioned by index."""
+
+    def __init__(self, rows: list[Row]) -> None:
+        self.list = rows
+
+    def start(self) -> Position:
+        return {"index": 0}
+
+    def rows(self, position: Position | None = None) -> Iterator[Row]:
+        for i in range((position or self.start())["index"], len(self.list)):
+            row, _, place = self.list[i]
+            yield row, {"index": i}, place
