@@ -243,7 +243,7 @@ class PretrainingData:
                     (saved["per_rank"], len(saved["ranks"])) != (source.per_rank, self.dp_size):
                 raise DataError(f"the checkpoint's {source.key} was read "
                                 f"{_reading(saved['per_rank'], len(saved['ranks']))}, this run reads it "
-                                f"{_reading(source.per_rank, self.dp_size)}: a rank's place in its shard files "
+                                f"{_reading(source.per_rank, self.dp_size)}: a rank's place in its part of the files "
                                 f"cannot be carried over; resume with the same data-parallel size, or train from a "
                                 f"corpus made by tools/prepare_data.py (it resumes at any size)")
         self.position = int(state["position"])
@@ -271,7 +271,8 @@ class PretrainingData:
 
 
 def _reading(per_rank: bool, ranks: int) -> str:
-    return f"per rank by {ranks} data-parallel ranks (each its own shard files)" if per_rank else "in full by every rank"
+    return f"per rank by {ranks} data-parallel ranks (each its own part of the files)" if per_rank else \
+        "in full by every rank"
 
 
 def _gather_objects(value: Any) -> list[Any]:

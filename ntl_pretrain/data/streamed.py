@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config import DataConfig, DataSourceConfig
 from ..config.schema import CHAT_TEMPLATE, TOKENIZED
-from .reader import DatasetRows, ListRows, LocalRows, Position
+from .reader import DatasetRows, ListRows, LocalRows, Position, contiguous_ranges, row_groups, splittable
 from .sources import (INPUT_IDS, DataError, Sample, check_chat_template, completion_only, document_tokens, load_documents,
                       resolve_files, row_problem, text_columns, _check_columns)
 
@@ -45,8 +45,9 @@ class SkippedRows:
 class StreamedSource:
     """Samples of a streamed source, read in order (read again from its start after its end).
 
-    `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files), indexed
-    by how many of them the rank has trained; otherwise every rank reads the whole stream. The state is
+    `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files, or its
+    ranges of fewer files), indexed by how many of them the rank has trained; otherwise every rank reads the
+    whole stream. The state is
     where the next sample starts: the reader's position of its first row and the tokens of that row before
     it, so a resume seeks there instead of re-reading what was consumed."""
 
@@ -198,9 +199,10 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
         held = [(row, {}, f"held-out row {i + 1}") for i, row in enumerate(held_out)]
     else:
         builder, files = resolved
-        per_rank = dp_size > 1 and len(files) >= dp_size
-        _say_share(key, len(files), dp_size, per_rank)
-        if per_rank:
+        ranges = _ranges_of(builder, files, dp_rank, dp_size, key)
+        per_rank = dp_size > 1 and (len(files) >= dp_size or ranges is not None)
+        if per_rank and ranges is None:
+            _say_share(key, len(files), dp_size, per_rank)
             _say_uneven_shares(key, [os.path.getsize(name) for name in files], dp_size)
         columns = None if source.format == TOKENIZED else list(dict.fromkeys(text_columns(source).values()))
         everything = LocalRows(files, builder, list(range(len(files))), columns=columns)
@@ -214,31 +216,81 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
         if n_val and after is None:
             raise DataError(f"{key}.path={source.path!r} has {len(held)} documents, not more than "
                             f"data.validation_documents={n_val}; lower data.validation_documents")
-        # the held-out rows are the first n_val of the stream (files in order): every share starts after them
-        starts = {i: {"file": i, "end": True} for i in range(after["file"])} if after else {}
-        if after:
-            starts[after["file"]] = after
-        share = list(range(dp_rank, len(files), dp_size)) if per_rank else list(range(len(files)))
-        reader = LocalRows(files, builder, share, starts, columns)
+        if ranges is not None:
+            share = list(ranges)
+        else:
+            share = list(range(dp_rank, len(files), dp_size)) if per_rank else list(range(len(files)))
+        reader = LocalRows(files, builder, share, _starts_after(after, share, ranges, builder), columns, ranges)
     stream = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
     probe = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
     probe.skipped = SkippedRows(key, quiet=True)  # the stream names them when it trains
     if next(probe.packed(None, 0), None) is None:  # raised at start-up (agreed by every rank), not mid-step
-        share = [os.path.basename(reader.files[i]) for i in reader.share] if isinstance(reader, LocalRows) else []
+        share = reader.describe() if isinstance(reader, LocalRows) and reader.share else ""
+        files = "" if not share or (isinstance(reader, LocalRows) and reader.ranges) else "files "
         raise DataError(f"{key}: data-parallel rank {dp_rank} of {dp_size} reads "
-                        f"{'files ' + ', '.join(share[:4]) + (', ...' if len(share) > 4 else '') if share else 'a share'}"
+                        f"{files + share if share else 'a share'}"
                         f" that yield no sample of data.seq_len + 1 = {cfg.seq_len + 1} tokens (held out, unusable or "
                         f"too short); add data, split it into evenly sized files, or lower data.validation_documents or "
                         f"data.seq_len")
     return stream, validation_samples(held, tokenizer, source, cfg, key) if n_val else []
 
 
-def _say_share(key: str, files: int, dp_size: int, per_rank: bool) -> None:
+def _ranges_of(builder: str, files: list[str], dp_rank: int, dp_size: int,
+               key: str) -> dict[int, tuple[int, int]] | None:
+    """This rank's ranges of the files when there are fewer files than data-parallel ranks: contiguous byte
+    ranges (jsonl, txt) or row groups (parquet), about 1/dp of the source each; None when the files are
+    shared whole (enough of them, one rank) or cannot be split (.gz, csv; parquet of too few row groups),
+    which is said at start-up."""
+    if dp_size == 1 or len(files) >= dp_size:
+        return None
+    unit = splittable(builder, files)
+    if unit is None:
+        kind = "csv" if builder == "csv" else ".gz"
+        _say_share(key, len(files), dp_size, False, f"{kind} files cannot be split by byte range ("
+                   f"{'a quoted field may span lines' if kind == 'csv' else 'a compressed stream has no offsets'}); "
+                   f"split it into {dp_size} or more files (a multiple of {dp_size}), "
+                   f"{'convert it to jsonl' if kind == 'csv' else 'decompress it'}, or train from "
+                   f"tools/prepare_data.py's corpus")
+        return None
+    lengths = [row_groups(name) for name in files] if unit == "row groups" else \
+        [os.path.getsize(name) for name in files]
+    if unit == "row groups" and sum(lengths) < dp_size:
+        _say_share(key, len(files), dp_size, False, f"its {sum(lengths)} row group(s) are fewer than the ranks; "
+                   f"write it with smaller row groups (pyarrow.parquet.write_table(..., row_group_size=ROWS), at "
+                   f"least {dp_size} groups in all) or as {dp_size} or more files, or train from "
+                   f"tools/prepare_data.py's corpus")
+        return None
+    if dp_rank == 0:
+        logger.info("%s: %d file(s) for %d data-parallel ranks: each rank reads its own contiguous %s of them "
+                    "(about 1/%d of the source)", key, len(files), dp_size, unit, dp_size)
+    return contiguous_ranges(lengths, dp_size, dp_rank)
+
+
+def _starts_after(after: Position | None, share: list[int], ranges: dict[int, tuple[int, int]] | None,
+                  builder: str) -> dict[int, Position]:
+    """Where each file of a share starts reading, past the held-out rows (the stream's first, up to `after`):
+    the files before `after`'s are held out, and so is a range of its file that ends before it."""
+    if after is None:
+        return {}
+    starts: dict[int, Position] = {i: {"file": i, "end": True} for i in share if i < after["file"]}
+    if after["file"] in share:
+        starts[after["file"]] = after
+        if ranges is not None:
+            begin, end = ranges[after["file"]]
+            at = after["group"] if builder == "parquet" else after["offset"]
+            if at >= end:
+                starts[after["file"]] = {"file": after["file"], "end": True}
+            elif at < begin:  # held out before this range: the range starts as it would
+                del starts[after["file"]]
+    return starts
+
+
+def _say_share(key: str, files: int, dp_size: int, per_rank: bool, fix: str | None = None) -> None:
     if dp_size > 1 and not per_rank:
         logger.warning("%s has %d shard file(s) for %d data-parallel ranks: every rank reads and tokenizes the "
-                       "whole stream (%dx the reads of one share) and discards the others' samples; split it into "
-                       "%d or more files (a multiple of %d), or train from tools/prepare_data.py's corpus", key,
-                       files, dp_size, dp_size, dp_size, dp_size)
+                       "whole stream (%dx the reads of one share) and discards the others' samples; %s", key,
+                       files, dp_size, dp_size, fix or f"split it into {dp_size} or more files (a multiple of "
+                       f"{dp_size}), or train from tools/prepare_data.py's corpus")
     elif per_rank and files % dp_size:
         logger.info("%s: %d shard files over %d data-parallel ranks: ranks read %d or %d files each (a rank that "
                     "reaches the end of its share first starts it again)", key, files, dp_size, files // dp_size,
