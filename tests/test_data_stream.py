@@ -169,6 +169,26 @@ def test_tensor_parallel_peers_read_the_same_samples(tokenizer, corpus, tmp_path
     assert a == b
 
 
+@pytest.mark.parametrize("files", [FILES, 2])
+def test_a_start_up_checks_samples_are_the_same_on_every_rank_and_leave_training_alone(tokenizer, corpus, tmp_path,
+                                                                                       files):
+    """`sample(g)` (what the digit-level check measures) is data-parallel rank 0's sample on every rank, of
+    shard files or of byte ranges, and reading it does not move the stream a rank trains."""
+    if files < FILES:
+        (tmp_path / "few").mkdir()
+        for f in range(files):
+            (tmp_path / "few" / f"part-{f:02d}.jsonl").write_bytes((corpus / f"part-{f:02d}.jsonl").read_bytes())
+        corpus = tmp_path / "few"
+    cfg = _cfg(corpus, tmp_path)
+    ranks = [PretrainingData.build(cfg, tokenizer, dp_rank=r, dp_size=4) for r in range(4)]
+    assert all(d.sources[0].per_rank for d in ranks)
+    expected = [_trained(PretrainingData.build(cfg, tokenizer, dp_rank=r, dp_size=4), 6) for r in range(4)]
+    first = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=4).sources[0]
+    rank0 = [first.get(j)[0].tolist() for j in range(30)]  # one source: global sample g is its sample g
+    assert all([d.sample(g).tolist() for g in range(30)] == rank0 for d in ranks)
+    assert [_trained(d, 6) for d in ranks] == expected
+
+
 def test_validation_is_the_streams_first_documents_on_every_rank(tokenizer, corpus, tmp_path):
     cfg = _cfg(corpus, tmp_path, micro_batch_size=1)
     single = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -64,7 +64,20 @@ class StreamedSource:
         self._at: dict = {}  # where that sample starts: {"row": position, "skip": tokens}
         self._yielded_this_pass = 0
         self._origin: dict | None = None  # where a resume starts: a state_dict()
+        self.make_agreed: Callable[[], StreamedSource] | None = None  # builds `agreed()`'s stream (None: self)
+        self._agreed: StreamedSource | None = None
         self._read = {"rows": 0, "tokens": 0, "since": time.monotonic(), "reported": time.monotonic()}
+
+    def agreed(self) -> "StreamedSource":
+        """This source as data-parallel rank 0 reads it (every rank's stream when it is not read per rank), a
+        stream apart from the one this rank trains (built on first use, its bad rows not named again): the
+        samples a start-up check measures, the same on every rank, without moving the training stream."""
+        if self.make_agreed is None:
+            return self
+        if self._agreed is None:
+            self._agreed = self.make_agreed()
+            self._agreed.skipped = SkippedRows(self.key, quiet=True)
+        return self._agreed
 
     # ------------------------------------------------------------------ packing
     def packed(self, start: Position | None, skip: int) -> Iterator[tuple[Sample, dict]]:
@@ -193,10 +206,13 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
     n_val = cfg.validation_documents
     resolved = resolve_files(source, key)
     if resolved is None:  # a hub dataset: `datasets` streams it (its shards split by rank)
-        held_out, training, per_rank = split_hub_stream(load_documents(source, key, cfg.cache_dir), n_val, dp_rank,
-                                                        dp_size, key)
+        documents = load_documents(source, key, cfg.cache_dir)
+        held_out, training, per_rank = split_hub_stream(documents, n_val, dp_rank, dp_size, key)
         reader: Any = DatasetRows(training)
         held = [(row, {}, f"held-out row {i + 1}") for i, row in enumerate(held_out)]
+
+        def reader_of(rank: int) -> Any:
+            return DatasetRows(split_hub_stream(documents, n_val, rank, dp_size, key, say=False)[1])
     else:
         builder, files = resolved
         ranges = _ranges_of(builder, files, dp_rank, dp_size, key)
@@ -216,12 +232,20 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
         if n_val and after is None:
             raise DataError(f"{key}.path={source.path!r} has {len(held)} documents, not more than "
                             f"data.validation_documents={n_val}; lower data.validation_documents")
-        if ranges is not None:
-            share = list(ranges)
-        else:
-            share = list(range(dp_rank, len(files), dp_size)) if per_rank else list(range(len(files)))
-        reader = LocalRows(files, builder, share, _starts_after(after, share, ranges, builder), columns, ranges)
+
+        def reader_of(rank: int) -> Any:
+            """Data-parallel rank `rank`'s reader: its files, or its ranges of them, past the held-out rows."""
+            mine = ranges if rank == dp_rank else _ranges_of(builder, files, rank, dp_size, key, say=False)
+            if mine is not None:
+                share = list(mine)
+            else:
+                share = list(range(rank, len(files), dp_size)) if per_rank else list(range(len(files)))
+            return LocalRows(files, builder, share, _starts_after(after, share, mine, builder), columns, mine)
+
+        reader = reader_of(dp_rank)
     stream = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
+    stream.make_agreed = lambda: StreamedSource(reader_of(0) if per_rank else reader, tokenizer, source, cfg, key,
+                                                per_rank)
     probe = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
     probe.skipped = SkippedRows(key, quiet=True)  # the stream names them when it trains
     if next(probe.packed(None, 0), None) is None:  # raised at start-up (agreed by every rank), not mid-step
@@ -235,32 +259,34 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
     return stream, validation_samples(held, tokenizer, source, cfg, key) if n_val else []
 
 
-def _ranges_of(builder: str, files: list[str], dp_rank: int, dp_size: int,
-               key: str) -> dict[int, tuple[int, int]] | None:
+def _ranges_of(builder: str, files: list[str], dp_rank: int, dp_size: int, key: str,
+               say: bool = True) -> dict[int, tuple[int, int]] | None:
     """This rank's ranges of the files when there are fewer files than data-parallel ranks: contiguous byte
     ranges (jsonl, txt) or row groups (parquet), about 1/dp of the source each; None when the files are
     shared whole (enough of them, one rank) or cannot be split (.gz, csv; parquet of too few row groups),
-    which is said at start-up."""
+    which is said at start-up (`say`)."""
     if dp_size == 1 or len(files) >= dp_size:
         return None
     unit = splittable(builder, files)
-    if unit is None:
+    if unit is None and say:
         kind = "csv" if builder == "csv" else ".gz"
         _say_share(key, len(files), dp_size, False, f"{kind} files cannot be split by byte range ("
                    f"{'a quoted field may span lines' if kind == 'csv' else 'a compressed stream has no offsets'}); "
                    f"split it into {dp_size} or more files (a multiple of {dp_size}), "
                    f"{'convert it to jsonl' if kind == 'csv' else 'decompress it'}, or train from "
                    f"tools/prepare_data.py's corpus")
+    if unit is None:
         return None
     lengths = [row_groups(name) for name in files] if unit == "row groups" else \
         [os.path.getsize(name) for name in files]
     if unit == "row groups" and sum(lengths) < dp_size:
-        _say_share(key, len(files), dp_size, False, f"its {sum(lengths)} row group(s) are fewer than the ranks; "
-                   f"write it with smaller row groups (pyarrow.parquet.write_table(..., row_group_size=ROWS), at "
-                   f"least {dp_size} groups in all) or as {dp_size} or more files, or train from "
-                   f"tools/prepare_data.py's corpus")
+        if say:
+            _say_share(key, len(files), dp_size, False, f"its {sum(lengths)} row group(s) are fewer than the "
+                       f"ranks; write it with smaller row groups (pyarrow.parquet.write_table(..., "
+                       f"row_group_size=ROWS), at least {dp_size} groups in all) or as {dp_size} or more files, or "
+                       f"train from tools/prepare_data.py's corpus")
         return None
-    if dp_rank == 0:
+    if dp_rank == 0 and say:
         logger.info("%s: %d file(s) for %d data-parallel ranks: each rank reads its own contiguous %s of them "
                     "(about 1/%d of the source)", key, len(files), dp_size, unit, dp_size)
     return contiguous_ranges(lengths, dp_size, dp_rank)
@@ -342,7 +368,8 @@ def _check_rows(reader: LocalRows, source: DataSourceConfig, key: str) -> None:
                        seen, field)
 
 
-def split_hub_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key: str) -> tuple[Any, Any, bool]:
+def split_hub_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key: str,
+                     say: bool = True) -> tuple[Any, Any, bool]:
     """(held-out documents, this rank's training documents, whether they are its own share) of a hub stream.
 
     The held-out documents are the stream's first `n_val`, the same on every rank. With at least as many
@@ -353,7 +380,8 @@ def split_hub_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key
 
     shards = documents.num_shards
     per_rank = dp_size > 1 and shards >= dp_size
-    _say_share(key, shards, dp_size, per_rank)
+    if say:
+        _say_share(key, shards, dp_size, per_rank)
     if not per_rank:
         return documents.take(n_val), documents.skip(n_val), False
     held_out, skipped, wanted = [], 0, n_val
