@@ -66,6 +66,7 @@ class StreamedSource:
         self._origin: dict | None = None  # where a resume starts: a state_dict()
         self.make_agreed: Callable[[], StreamedSource] | None = None  # builds `agreed()`'s stream (None: self)
         self._agreed: StreamedSource | None = None
+        self._said_resume = False
         self._read = {"rows": 0, "tokens": 0, "since": time.monotonic(), "reported": time.monotonic()}
 
     def agreed(self) -> "StreamedSource":
@@ -158,6 +159,10 @@ class StreamedSource:
         self._samples = self.packed(self._at["row"], self._at["skip"])
         self._next = origin["index"] if origin else 0
         self._yielded_this_pass = origin["yielded_this_pass"] if origin else 0
+        if origin is not None and not self._said_resume:
+            self._said_resume = True
+            logger.info("%s: this rank's stream resumes at its sample %d, sought to %s", self.key, origin["index"],
+                        _where(at["row"]))
 
     def get(self, j: int) -> Sample:
         origin = self._origin if self._origin is not None and self._origin.get("at") is not None else None
@@ -189,6 +194,16 @@ class StreamedSource:
         if state is not None and state.get("at") is not None:
             self.reader.check(state["at"]["row"], self.key)
         self._origin, self._samples = state, None
+
+
+def _where(position: Position) -> str:
+    """A position, for a message."""
+    if "datasets" in position:
+        return "the hub stream's saved state"
+    name = position.get("path", f"file {position.get('file')}")
+    if "group" in position:
+        return f"{name!r} row group {position['group']} row {position['row']}"
+    return f"{name!r} byte {position.get('offset', position.get('from'))}"
 
 
 def validation_samples(rows: list, tokenizer: Any, source: DataSourceConfig, cfg: DataConfig, key: str) -> list:
