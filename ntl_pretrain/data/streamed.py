@@ -47,9 +47,8 @@ class StreamedSource:
 
     `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files, or its
     ranges of fewer files), indexed by how many of them the rank has trained; otherwise every rank reads the
-    whole stream. The state is
-    where the next sample starts: the reader's position of its first row and the tokens of that row before
-    it, so a resume seeks there instead of re-reading what was consumed."""
+    whole stream. The state is where the next sample starts: the reader's position of its first row and the
+    tokens of that row before it, so a resume seeks there instead of re-reading what was consumed."""
 
     def __init__(self, reader: Any, tokenizer: Any, source: DataSourceConfig, cfg: DataConfig, key: str,
                  per_rank: bool) -> None:
@@ -259,8 +258,7 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
 
         reader = reader_of(dp_rank)
     stream = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
-    stream.make_agreed = lambda: StreamedSource(reader_of(0) if per_rank else reader, tokenizer, source, cfg, key,
-                                                per_rank)
+    stream.make_agreed = lambda: StreamedSource(reader_of(0), tokenizer, source, cfg, key, per_rank)  # own reader
     probe = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
     probe.skipped = SkippedRows(key, quiet=True)  # the stream names them when it trains
     if next(probe.packed(None, 0), None) is None:  # raised at start-up (agreed by every rank), not mid-step
