@@ -2,7 +2,8 @@
 instead of re-reading what was consumed.
 
 `LocalRows` reads local files itself (JSON lines, text, csv: a byte offset; parquet: a row group and a row in
-it; `.gz`: an offset in the decompressed stream, which a seek decompresses up to); `DatasetRows` reads a hub
+it; `.gz`: an offset in the decompressed stream, which a seek decompresses up to), whole or a range of each
+(`contiguous_ranges`: a rank's part of fewer files than ranks); `DatasetRows` reads a hub
 dataset's `datasets` stream (its own `state_dict()` is the position). A position is a small JSON-able dict
 stored in the checkpoint; every row comes with its place (`'FILE' line N`) for the bad-row warnings."""
 
