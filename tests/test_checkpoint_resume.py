@@ -7,11 +7,15 @@ second resume that must pick the previous checkpoint and reach bitwise the same 
 The reference's step-4 checkpoint is also resumed as T=1/dp=2 and T=1/dp=1 (universal checkpoint),
 and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-full stand-in). A T=1/dp=2
 resume plan whose universal conversion outlasts the process group's timeout waits for it (no collective).
+A streamed source at T=1/dp=2 (the demo's one file: each rank reads its own byte range) resumed from the
+step-2 checkpoint gives the losses and weights of the uninterrupted run (one launch of the real Trainer,
+three runs in it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -326,3 +330,37 @@ def test_resume_on_another_layout_waits_for_a_conversion_longer_than_the_collect
     assert reports[0]["outcomes"][0]["read_by"] == 1  # rank 0 stayed until rank 1 had read its error
     manifest = verify_checkpoint(str(out / "global_step4_universal"))
     assert manifest["universal_of"] == "global_step4"
+
+
+def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted_run(assets, tmp_path):
+    """One 2-process launch of the real Trainer, three runs in it: 4 uninterrupted steps; 2 steps; the same
+    folder resumed to step 4. The stream state of each rank (its position in its byte range of the demo's one
+    file) is saved at step 2 and sought to, and steps 3 and 4 train bitwise what the uninterrupted run did."""
+    streamed = ["parallel.tp_size=1", "data.sources.0.streaming=true", "data.micro_batch_size=4",
+                "optim.lr_schedule=constant", "optim.warmup_steps=2", "checkpoint.every_n_steps=1",
+                "checkpoint.keep_last=0", "checkpoint.resume_lr_schedule=keep"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+
+    def run_args(out: Path, logits: str, *extra: str) -> list[str]:
+        return [str(tmp_path / logits), *demo_args(assets, out, *streamed, *extra)[1:]]
+
+    outputs = run_workers("checkpoint_resume_logits.py", 2,
+                          [*run_args(straight, "straight.pt", "train.max_steps=4"), "--",
+                           *run_args(split, "first.pt", "train.max_steps=2"), "--",
+                           *run_args(split, "resumed.pt", "train.max_steps=4", "train.resume=auto")],
+                          timeout=TIMEOUT)
+    assert "each rank reads its own contiguous bytes" in outputs[0]  # one file, two ranks: split by byte range
+    assert f"resumed from {split / 'global_step2'} at step 2" in outputs[0]
+    # rank 0 (the one that logs) sought its stream to its saved row, not re-reading the file up to it
+    assert re.search(r"data.sources.0: this rank's stream resumes at its sample \d+, sought to 'arithmetic.jsonl' "
+                     r"byte [1-9]\d*", outputs[0])
+    got, want = _scalars(split / "tensorboard"), _scalars(straight / "tensorboard")
+    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/lr"):
+        assert [s for s, _ in got[tag]] == [1, 2, 3, 4], tag
+        assert [v for _, v in got[tag]] == [v for _, v in want[tag]], tag
+    assert torch.equal(torch.load(tmp_path / "resumed.pt")["logits"], torch.load(tmp_path / "straight.pt")["logits"])
+    # the checkpoint holds each rank's own place: rank 1's lies in the second half of the file
+    states = torch.load(sorted((split / "global_step2").glob("*model_states.pt"))[0], weights_only=False)
+    saved = states["data"]["streams"]["data.sources.0"]
+    size = (assets / "arithmetic.jsonl").stat().st_size
+    assert saved["per_rank"] and [rank["at"]["row"]["offset"] >= size // 2 for rank in saved["ranks"]] == [False, True]

@@ -1,7 +1,8 @@
-"""Streamed sources at cluster scale: each data-parallel rank reads only its own shard files, tensor-parallel
-peers agree, and a resume seeks each rank's stream to its saved row, bitwise as an uninterrupted run, in each
-file format (and a hub stream through `datasets`); odd files (BOM, CRLF, no final newline, truncated, uneven
-shares) are read right or named."""
+"""Streamed sources at cluster scale: each data-parallel rank reads only its own shard files (fewer files than
+ranks: its byte range or row groups of them, every row read once), tensor-parallel peers agree, and a resume
+seeks each rank's stream to its saved row, bitwise as an uninterrupted run, in each file format (and a hub
+stream through `datasets`); odd files (BOM, CRLF, no final newline, a line longer than a range, truncated,
+uneven shares) are read right or named; files that cannot be split are said at start-up."""
 
 from __future__ import annotations
 
@@ -93,11 +94,99 @@ def test_each_rank_reads_only_its_files_disjoint_and_together_the_stream(tokeniz
             assert not per_rank[a] & per_rank[b]
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
+def test_fewer_files_than_ranks_are_split_into_ranges_and_every_row_is_read_once(tmp_path, fmt):
+    """Each rank reads a contiguous byte range (parquet: row groups) of fewer files than ranks; a line belongs
+    to the range it starts in, so the ranks' rows in rank order are the files' rows, each once: with a BOM and
+    CRLF endings (file 0), no final newline (file 1) and one line longer than a range (2 ranks and up)."""
+    from ntl_pretrain.data.reader import LocalRows
+    from ntl_pretrain.data.streamed import _ranges_of
+
+    texts = [[_text(f, d) for d in range(n)] for f, n in enumerate([12, 30])]
+    texts[1][9] = "a line longer than a range " * 120  # 3.2 KB of the 5.5 KB in all
+    _write(tmp_path / "corpus", fmt, texts)
+    files = sorted(str(p) for p in (tmp_path / "corpus").iterdir())
+    builder = {"jsonl": "json", "txt": "text", "parquet": "parquet"}[fmt]
+    everything = [t for file in texts for t in file]
+    for dp in (1, 2, 3, 4):
+        got = []
+        for rank in range(dp):
+            ranges = _ranges_of(builder, files, rank, dp, "data.sources.0")
+            assert (ranges is not None) is (dp > 2)  # 2 files: split from 3 ranks on
+            share = list(ranges) if ranges is not None else list(range(rank, len(files), dp))
+            reader = LocalRows(files, builder, share, ranges=ranges)
+            mine = list(reader.rows())
+            got.extend(row["text"] for row, _, _ in mine)
+            for k, (_, position, _) in enumerate(mine):  # every position resumes to the rest of the range
+                reader.check(json.loads(json.dumps(position)), "data.sources.0")
+                assert [row for row, _, _ in reader.rows(position)] == [row for row, _, _ in mine[k:]]
+        if dp > 2:
+            assert got == everything
+        else:
+            assert sorted(got) == sorted(everything)
+    for dp in (8, 16):  # ranges smaller than the long line: some ranks read no row, none reads one twice
+        ranks = [LocalRows(files, builder, list(r), ranges=r) for r in
+                 (_ranges_of(builder, files, rank, dp, "data.sources.0") for rank in range(dp))] \
+            if fmt != "parquet" else []
+        if ranks:
+            assert [row["text"] for reader in ranks for row, _, _ in reader.rows()] == everything
+
+
+@pytest.mark.parametrize("dp, held_out", [(3, 30), (4, VAL)])
+def test_fewer_files_than_ranks_each_rank_trains_its_byte_range(tokenizer, tmp_path, dp, held_out):
+    """Two files at 3 and 4 ranks through the trainer's data: each rank trains the documents whose lines start
+    in its byte range (computed here from the files' bytes), less the held-out ones (the stream's first, on
+    every rank); the ranks' samples are disjoint."""
+    texts = [[_text(f, d) for d in range(60)] for f in range(2)]
+    _write(tmp_path / "pair", "jsonl", texts)
+    starts, total = [], 0  # (global byte offset of each document's line, the document), in stream order
+    for f, file in enumerate(texts):
+        raw = (tmp_path / "pair" / f"part-{f}.jsonl").read_bytes()
+        at = [0] + [i + 1 for i, byte in enumerate(raw) if byte == ord("\n")]
+        starts.extend((total + offset, text) for offset, text in zip(at, file))
+        total += len(raw)
+    cfg = _cfg(tmp_path / "pair", tmp_path, micro_batch_size=1, validation_documents=held_out)
+    eos, samples, validation = tokenizer.eos_token_id, [], []
+    for rank in range(dp):
+        low, high = rank * total // dp, (rank + 1) * total // dp
+        mine = [text for i, (offset, text) in enumerate(starts) if low <= offset < high and i >= held_out]
+        stream = [t for text in mine for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]]
+        expected = [tuple(stream[i * SEQ: (i + 1) * SEQ + 1]) for i in range((len(stream) - 1) // SEQ)]
+        data = PretrainingData.build(cfg, tokenizer, dp_rank=rank, dp_size=dp)
+        assert data.sources[0].per_rank and data.sources[0].reader.ranges
+        got = _trained(data, len(expected))
+        assert [g[:-1] for g in got] == [e[:-1] for e in expected]
+        samples.append({g[:-1] for g in got})
+        validation.append([s[0].tolist() for s in data.validation])
+    assert all(v == validation[0] for v in validation) and validation[0]
+    assert all(not samples[a] & samples[b] for a in range(dp) for b in range(a + 1, dp))
+
+
 def test_tensor_parallel_peers_read_the_same_samples(tokenizer, corpus, tmp_path):
     cfg = _cfg(corpus, tmp_path)
     peers = [PretrainingData.build(cfg, tokenizer, dp_rank=1, dp_size=2) for _ in range(2)]
     a, b = (_trained(p, 12, accum=2) for p in peers)
     assert a == b
+
+
+@pytest.mark.parametrize("files", [FILES, 2])
+def test_a_start_up_checks_samples_are_the_same_on_every_rank_and_leave_training_alone(tokenizer, corpus, tmp_path,
+                                                                                       files):
+    """`sample(g)` (what the digit-level check measures) is data-parallel rank 0's sample on every rank, of
+    shard files or of byte ranges, and reading it does not move the stream a rank trains."""
+    if files < FILES:
+        (tmp_path / "few").mkdir()
+        for f in range(files):
+            (tmp_path / "few" / f"part-{f:02d}.jsonl").write_bytes((corpus / f"part-{f:02d}.jsonl").read_bytes())
+        corpus = tmp_path / "few"
+    cfg = _cfg(corpus, tmp_path)
+    ranks = [PretrainingData.build(cfg, tokenizer, dp_rank=r, dp_size=4) for r in range(4)]
+    assert all(d.sources[0].per_rank for d in ranks)
+    expected = [_trained(PretrainingData.build(cfg, tokenizer, dp_rank=r, dp_size=4), 6) for r in range(4)]
+    first = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=4).sources[0]
+    rank0 = [first.get(j)[0].tolist() for j in range(30)]  # one source: global sample g is its sample g
+    assert all([d.sample(g).tolist() for g in range(30)] == rank0 for d in ranks)
+    assert [_trained(d, 6) for d in ranks] == expected
 
 
 def test_validation_is_the_streams_first_documents_on_every_rank(tokenizer, corpus, tmp_path):
@@ -108,8 +197,14 @@ def test_validation_is_the_streams_first_documents_on_every_rank(tokenizer, corp
     assert reference and all([s[0].tolist() for s in r.validation] == reference for r in ranks)
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_resume_is_bitwise_and_reads_on_from_the_saved_state(tokenizer, corpus, tmp_path, dp):
+@pytest.mark.parametrize("dp, files", [(1, FILES), (2, FILES), (4, 2)])
+def test_resume_is_bitwise_and_reads_on_from_the_saved_state(tokenizer, corpus, tmp_path, dp, files):
+    """Each rank resumes at its saved row: of its shard files, or inside its byte range of fewer files."""
+    if files < FILES:  # the first files of the corpus: 2 files for 4 ranks, split by byte range
+        (tmp_path / "few").mkdir()
+        for f in range(files):
+            (tmp_path / "few" / f"part-{f:02d}.jsonl").write_bytes((corpus / f"part-{f:02d}.jsonl").read_bytes())
+        corpus = tmp_path / "few"
     cfg = _cfg(corpus, tmp_path)
     straight = [_trained(PretrainingData.build(cfg, tokenizer, dp_rank=r, dp_size=dp), 40, accum=2)
                 for r in range(dp)]  # crosses the end of each rank's share
@@ -127,7 +222,8 @@ def test_resume_is_bitwise_and_reads_on_from_the_saved_state(tokenizer, corpus, 
         resumed.append(before[r] + after)
         # the resumed stream sought to its saved row (a line in the middle of a file), not to the file's start
         saved = state["streams"]["data.sources.0"]["ranks"][r if dp > 1 else 0]["at"]["row"]
-        assert starts[0] == saved and saved["offset"] > 0 and saved["line"] > 1
+        assert starts[0] == saved and saved["offset"] > 0 and (saved["line"] is None or saved["line"] > 1)
+        assert (data.sources[0].reader.ranges is not None) is (files < dp)
         assert all(start is None for start in starts[1:])  # a later pass starts at the share's start
     assert resumed == straight
 
@@ -139,22 +235,47 @@ def test_resume_with_another_data_parallel_size_is_refused(tokenizer, corpus, tm
         _trained(data, 3)
     state = combine_rank_states(ranks[0], [d.rank_state() for d in ranks])
     other = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=4)
-    with pytest.raises(DataError, match=r"read per rank by 2 data-parallel ranks \(each its own shard files\), "
+    with pytest.raises(DataError, match=r"read per rank by 2 data-parallel ranks \(each its own part of the files\), "
                                         r"this run reads it per rank by 4"):
         other.load_state_dict(state)
-    shared = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=8)  # 4 files: read in full by every rank
+    ranged = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=8)  # 4 files: byte ranges
+    with pytest.raises(DataError, match="this run reads it per rank by 8"):
+        ranged.load_state_dict(state)
+    single = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
     with pytest.raises(DataError, match="this run reads it in full by every rank"):
-        shared.load_state_dict(state)
+        single.load_state_dict(state)
 
 
-def test_fewer_files_than_ranks_is_said_at_start_up(tokenizer, corpus, tmp_path, caplog):
-    cfg = _cfg(corpus, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="ntl_pretrain.data.stream"):
-        data = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=8)
-    assert not data.sources[0].per_rank
-    assert "4 shard file(s) for 8 data-parallel ranks: every rank reads and tokenizes the whole stream" in caplog.text
-    assert "tools/prepare_data.py" in caplog.text
-    assert np.asarray(data.next_step(1)[0].input_ids).shape == (2, SEQ)
+def test_fewer_files_than_ranks_that_cannot_be_split_are_said_at_start_up(tokenizer, tmp_path, caplog):
+    """jsonl and txt split by bytes, parquet by row groups; .gz and csv cannot be, nor parquet of fewer row
+    groups than ranks: every rank reads them whole, and start-up says so with the fix."""
+    texts = [[_text(f, d) for d in range(20)] for f in range(2)]
+    for fmt in ("jsonl", "jsonl.gz", "csv", "parquet"):
+        _write(tmp_path / fmt, fmt, texts)  # parquet: 3 row groups a file, 6 in all
+    fixes = {"jsonl.gz": ".gz files cannot be split by byte range (a compressed stream has no offsets); split it "
+                         "into 8 or more files (a multiple of 8), decompress it",
+             "csv": "csv files cannot be split by byte range (a quoted field may span lines); split it into 8 or "
+                    "more files (a multiple of 8), convert it to jsonl",
+             "parquet": "its 6 row group(s) are fewer than the ranks; write it with smaller row groups "
+                        "(pyarrow.parquet.write_table(..., row_group_size=ROWS), at least 8 groups in all)"}
+    for fmt, fix in fixes.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ntl_pretrain.data.streamed"):
+            data = PretrainingData.build(_cfg(tmp_path / fmt, tmp_path, validation_documents=1), tokenizer,
+                                         dp_rank=0, dp_size=8)
+        assert not data.sources[0].per_rank
+        assert ("2 shard file(s) for 8 data-parallel ranks: every rank reads and tokenizes the whole stream (8x the "
+                "reads of one share) and discards the others' samples; " + fix) in caplog.text
+        assert np.asarray(data.next_step(1)[0].input_ids).shape == (2, SEQ)
+    for fmt, dp in (("jsonl", 8), ("parquet", 4)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ntl_pretrain.data.streamed"):
+            data = PretrainingData.build(_cfg(tmp_path / fmt, tmp_path, validation_documents=1), tokenizer,
+                                         dp_rank=0, dp_size=dp)
+        assert data.sources[0].per_rank and data.sources[0].reader.ranges
+        unit = "bytes" if fmt == "jsonl" else "row groups"
+        assert f"2 file(s) for {dp} data-parallel ranks: each rank reads its own contiguous {unit}" in caplog.text
+        assert "every rank reads" not in caplog.text
 
 
 def _write(folder: Path, fmt: str, files: list[list[str]]) -> None:
@@ -278,6 +399,13 @@ def test_a_rank_whose_files_yield_no_sample_is_refused_at_start_up(tokenizer, co
                                         r"too short\); add data"):
         PretrainingData.build(four, tokenizer, dp_rank=0, dp_size=4)
     PretrainingData.build(four, tokenizer, dp_rank=1, dp_size=4)
+    # 8 ranks on 4 files: byte ranges; rank 0's (about the first half of file 0) is wholly held out
+    eight = _cfg(corpus, tmp_path, validation_documents=DOCS_PER_FILE // 2 + 2)
+    total = sum(path.stat().st_size for path in corpus.iterdir())
+    with pytest.raises(DataError, match=rf"data-parallel rank 0 of 8 reads bytes 0-{total // 8} of part-00.jsonl "
+                                        rf"that yield no sample"):
+        PretrainingData.build(eight, tokenizer, dp_rank=0, dp_size=8)
+    PretrainingData.build(eight, tokenizer, dp_rank=1, dp_size=8)
 
 
 def test_a_sample_before_the_resume_point_then_one_after_it_seeks_back_to_it(tokenizer, corpus, tmp_path):

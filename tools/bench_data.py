@@ -3,8 +3,10 @@
 reads, and the time to the first step from raw text against a prepared corpus.
 
     python tools/bench_data.py --shard-mb 1 4 --out bench_data.json
+    python tools/bench_data.py --shards 2 --shard-mb 2 4 --parts a   # fewer files than ranks: byte ranges
 
-For each size, writes a generated number-rich corpus of 16 jsonl shards (`--shard-mb` MB each) and runs
+For each size, writes a generated number-rich corpus of `--shards` jsonl shards (default 16, `--shard-mb` MB
+each) and runs
 each measurement as its own process (one per rank: a rank's stream is built for rank r of n without
 launching the others), reading the process's `rchar` in /proc/self/io (bytes read through read
 syscalls, page cache included) around the data work, with the GPT-2 tokenizer of ../shared/data:
@@ -40,14 +42,15 @@ WORDS = ("the", "total", "of", "sold", "price", "is", "and", "each", "year", "ab
          "from", "in", "units", "between", "measured", "average", "km")
 
 
-def write_corpus(folder: str, shard_bytes: int, doc_words: tuple[int, int] = (40, 400), seed: int = 0) -> int:
-    """16 jsonl shards of about `shard_bytes` each of generated number-rich documents; returns the bytes."""
+def write_corpus(folder: str, shard_bytes: int, doc_words: tuple[int, int] = (40, 400), seed: int = 0,
+                 shards: int = SHARDS) -> int:
+    """`shards` jsonl files of about `shard_bytes` each of generated number-rich documents; returns the bytes."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     os.makedirs(folder, exist_ok=True)
     total = 0
-    for shard in range(SHARDS):
+    for shard in range(shards):
         lines, size = [], 0
         while size < shard_bytes:
             n = int(rng.integers(*doc_words))
@@ -125,9 +128,9 @@ def _run(args: dict) -> dict:
 
 
 def bench_size(work: str, shard_mb: float, steps: int, seq_len: int, micro_batch: int, words: tuple[int, int],
-               parts: str) -> dict:
-    folder = os.path.join(work, f"corpus-{shard_mb}mb")
-    corpus_bytes = write_corpus(folder, int(shard_mb * 2**20), words)
+               parts: str, shards: int = SHARDS) -> dict:
+    folder = os.path.join(work, f"corpus-{shards}x{shard_mb}mb")
+    corpus_bytes = write_corpus(folder, int(shard_mb * 2**20), words, shards=shards)
     base = {"seq_len": seq_len, "micro_batch": micro_batch, "cache": os.path.join(work, f"cache-{shard_mb}"),
             "source": {"path": folder, "streaming": True}}
     result: dict = {"corpus_bytes": corpus_bytes, "steps": steps, "per_rank": {}}
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(prog="tools/bench_data.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shard-mb", type=float, nargs="+", default=[1.0, 4.0], help="MB per shard, one run each")
+    parser.add_argument("--shards", type=int, default=SHARDS, help="jsonl files of the corpus (fewer than 4: (a)'s "
+                        "dp 2 and 4 read byte ranges of them)")
     parser.add_argument("--steps", type=int, default=None, help="steps of (a) (default: half of one pass at dp 1)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -192,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_data_") as work:
         for shard_mb in args.shard_mb:
             # ~0.3 GPT-2 tokens a byte of this text: half of the corpus in steps of 4 x micro_batch x seq_len
-            steps = args.steps or max(2, int(SHARDS * shard_mb * 2**20 * 0.3 / 2 / (4 * args.micro_batch * args.seq_len)))
+            steps = args.steps or max(2, int(args.shards * shard_mb * 2**20 * 0.3 / 2 / (4 * args.micro_batch * args.seq_len)))
             results[shard_mb] = result = bench_size(work, shard_mb, steps, args.seq_len, args.micro_batch,
-                                                    tuple(args.doc_words), args.parts)
+                                                    tuple(args.doc_words), args.parts, args.shards)
             mb = result["corpus_bytes"] / 2**20
-            print(f"corpus {mb:.0f} MB in {SHARDS} shards, {steps} steps of {4 * args.micro_batch} x {args.seq_len} tokens")
+            print(f"corpus {mb:.0f} MB in {args.shards} shards, {steps} steps of {4 * args.micro_batch} x {args.seq_len} tokens")
             one = result["per_rank"].get(1)
             for dp, figures in result["per_rank"].items():
                 one_steps = one["read"][0] - one["build_read"][0]

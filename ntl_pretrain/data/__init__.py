@@ -21,9 +21,9 @@ The global sample stream is a pure function of the seed: global sample g comes f
 seeded draw (by weight) assigns to it, and is that source's next sample in a per-epoch seeded
 permutation (streamed sources are read in order). A step takes the next `micro_batch * dp * grad_accum`
 global samples; data-parallel rank r takes its micro-batches from them, and every tensor-parallel rank
-of a group takes the same ones. A streamed source with at least as many shard files as data-parallel
-ranks is read per rank instead: rank r reads shards r, r + dp, ... and trains its own stream's next
-sample wherever the mixture puts a sample of that source in its slices. A stream is packed continuously
+of a group takes the same ones. A streamed source is read per rank instead: rank r reads shards r, r + dp,
+... (with fewer files than ranks, its contiguous byte range or row groups of them) and trains its own
+stream's next sample wherever the mixture puts a sample of that source in its slices. A stream is packed continuously
 as it is read; the stream position (samples consumed) and, per rank, where each streamed source's next
 sample starts (its row's position in the files, and the tokens of that row already trained) are what a
 checkpoint needs to resume without repeating, skipping or re-reading a sample.

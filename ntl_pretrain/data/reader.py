@@ -2,7 +2,8 @@
 instead of re-reading what was consumed.
 
 `LocalRows` reads local files itself (JSON lines, text, csv: a byte offset; parquet: a row group and a row in
-it; `.gz`: an offset in the decompressed stream, which a seek decompresses up to); `DatasetRows` reads a hub
+it; `.gz`: an offset in the decompressed stream, which a seek decompresses up to), whole or a range of each
+(`contiguous_ranges`: a rank's part of fewer files than ranks); `DatasetRows` reads a hub
 dataset's `datasets` stream (its own `state_dict()` is the position). A position is a small JSON-able dict
 stored in the checkpoint; every row comes with its place (`'FILE' line N`) for the bad-row warnings."""
 
@@ -37,8 +38,46 @@ def open_data_file(path: str) -> io.BufferedReader:
     return os.fdopen(fd, "rb")
 
 
+def _compressed(path: str) -> bool:
+    return path.lower().endswith(".gz")
+
+
 def _decompressed(handle: io.BufferedReader, path: str) -> Any:
-    return gzip.GzipFile(fileobj=handle, mode="rb") if path.lower().endswith(".gz") else handle
+    return gzip.GzipFile(fileobj=handle, mode="rb") if _compressed(path) else handle
+
+
+def contiguous_ranges(lengths: list[int], parts: int, part: int) -> dict[int, tuple[int, int]]:
+    """Part `part` of `parts` of the concatenation of items of `lengths` (bytes of files, row groups), as
+    item index -> [begin, end) within that item: each part about 1/parts of the total, together all of it."""
+    total = sum(lengths)
+    low, high = part * total // parts, (part + 1) * total // parts
+    out, before = {}, 0
+    for index, length in enumerate(lengths):
+        begin, end = max(low, before) - before, min(high, before + length) - before
+        if begin < end:
+            out[index] = (begin, end)
+        before += length
+    return out
+
+
+def splittable(builder: str, files: list[str]) -> str | None:
+    """The unit a source's files split into ranges by ("bytes", "row groups"), or None: a csv field may span
+    lines and a .gz stream has no offset to seek to, so those are read whole."""
+    if builder == _CSV or any(_compressed(name) for name in files):
+        return None
+    return "row groups" if builder == _PARQUET else "bytes"
+
+
+def row_groups(path: str) -> int:
+    """How many row groups a parquet file has (its footer read only)."""
+    import pyarrow.parquet as pq
+
+    with open_data_file(path) as raw:
+        try:
+            return pq.ParquetFile(raw).metadata.num_row_groups
+        except (OSError, ValueError) as error:
+            raise DataError(f"{path!r} is not a readable parquet file ({error}); copy or download it again, or "
+                            f"remove it") from None
 
 
 class LocalRows:
@@ -46,28 +85,53 @@ class LocalRows:
 
     `files` are the source's files (positions name them by index, and by path to check a resume against);
     `share` the indices this reader reads, in order; `starts` where reading a file begins (file index -> its
-    position; absent: its beginning). `columns`: the columns a parquet file is read for (None: all)."""
+    position; absent: its beginning, or its range's). `ranges`: the part of each shared file this reader
+    reads (file index -> [begin, end) in bytes, or in row groups for parquet; None: whole files); a line
+    belongs to the range it starts in, as Hadoop's line readers split files. `columns`: the columns a parquet
+    file is read for (None: all)."""
 
     def __init__(self, files: list[str], builder: str, share: list[int], starts: dict[int, Position] | None = None,
-                 columns: list[str] | None = None) -> None:
+                 columns: list[str] | None = None, ranges: dict[int, tuple[int, int]] | None = None) -> None:
         if builder not in (_JSON, _TEXT, _CSV, _PARQUET):
             raise DataError(f"streaming reads jsonl, txt, csv and parquet files, not {builder} ({files[0]!r})")
+        if ranges is not None and (builder == _CSV or any(_compressed(files[i]) for i in ranges)):
+            raise ValueError("csv and .gz files are not split into ranges")  # the caller's bug, not the user's
         self.files, self.builder, self.share = files, builder, share
         self.starts = dict(starts or {})
         self.columns = columns
+        self.ranges = ranges
 
     def start(self) -> Position:
         """Where the share's first row is."""
         return self.starts.get(self.share[0], self._file_start(self.share[0])) if self.share else {"file": -1}
 
     def _file_start(self, index: int) -> Position:
-        return {"file": index, "group": 0, "row": 0} if self.builder == _PARQUET else \
-            {"file": index, "offset": 0, "line": 1}
+        begin = self.ranges[index][0] if self.ranges else 0
+        if self.builder == _PARQUET:
+            return {"file": index, "group": begin, "row": 0}
+        # inside a file: the first line that starts at or after `from` (the line before belongs to the range before)
+        return {"file": index, "offset": 0, "line": 1} if begin == 0 else {"file": index, "from": begin}
+
+    def describe(self) -> str:
+        """What this reader reads, for a message: its files, or its ranges of them."""
+        def one(index: int) -> str:
+            name = os.path.basename(self.files[index])
+            if not self.ranges:
+                return name
+            unit = "row groups" if self.builder == _PARQUET else "bytes"
+            return f"{unit} {self.ranges[index][0]}-{self.ranges[index][1]} of {name}"
+        names = [one(i) for i in self.share]
+        return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
     def check(self, position: Position, key: str) -> None:
-        """Refuse a position that does not name one of this reader's files (a checkpoint of other files)."""
+        """Refuse a position that does not name one of this reader's files, or that lies outside this reader's
+        range of it (a checkpoint of other files, or of another split of them)."""
         index = position.get("file")
-        if index not in self.share or position.get("path") not in (None, os.path.basename(self.files[index])):
+        inside = index in self.share and position.get("path") in (None, os.path.basename(self.files[index]))
+        if inside and self.ranges:
+            at = position.get("group") if self.builder == _PARQUET else position.get("from", position.get("offset"))
+            inside = isinstance(at, int) and self.ranges[index][0] <= at < self.ranges[index][1]
+        if not inside:
             raise DataError(f"{key}: the checkpoint's stream position {position!r} names a file this run does not read "
                             f"in this share; resume with the files the run was started with")
 
@@ -95,15 +159,22 @@ class LocalRows:
                     return
                 if begin["offset"] == 0:
                     begin = {"file": index, "offset": handle.tell(), "line": 2}
-            if begin["offset"]:
-                handle.seek(begin["offset"])
-            offset, line = begin["offset"], begin["line"]
+            if "from" in begin:  # a range's start: skip the line that straddles it (the range before reads it)
+                handle.seek(begin["from"] - 1)
+                offset, line = begin["from"] - 1 + len(handle.readline()), None  # line numbers: not counted
+            else:
+                if begin["offset"]:
+                    handle.seek(begin["offset"])
+                offset, line = begin["offset"], begin["line"]
+            end = self.ranges[index][1] if self.ranges else None
             lines = _lines(handle, path, offset, line)
             if self.builder == _CSV:
                 yield from _csv_rows(lines, header, index, name, path)
                 return
             for start, number, text, _end in lines:
-                place = f"{path!r} line {number}"
+                if end is not None and start >= end:  # the next range's first line
+                    return
+                place = f"{path!r} line {number}" if number is not None else f"{path!r} line at byte {start}"
                 here = {"file": index, "path": name, "offset": start, "line": number}
                 if self.builder == _TEXT:
                     yield {"text": text}, here, place
@@ -140,7 +211,8 @@ class LocalRows:
         groups = parquet.metadata.num_row_groups
         columns = None if self.columns is None else [c for c in self.columns if c in parquet.schema_arrow.names]
         before = sum(parquet.metadata.row_group(g).num_rows for g in range(begin["group"]))
-        for group in range(begin["group"], groups):
+        end = min(self.ranges[index][1], groups) if self.ranges else groups
+        for group in range(begin["group"], end):
             rows = parquet.read_row_group(group, columns=columns).to_pylist()
             first = begin["row"] if group == begin["group"] else 0
             for row_index in range(first, len(rows)):
@@ -149,7 +221,7 @@ class LocalRows:
             before += len(rows)
 
 
-def _decode(data: bytes, path: str, line: int, first: bool) -> str:
+def _decode(data: bytes, path: str, line: int | str, first: bool) -> str:
     if first and data.startswith(_BOM):
         data = data[len(_BOM):]
     try:
@@ -174,8 +246,9 @@ def _lines(handle: Any, path: str, offset: int, line: int) -> Iterator[tuple[int
                             f"file; copy or download it again, or remove it") from None
         start = offset
         offset += len(data)
-        yield start, line, _decode(data.rstrip(b"\n").rstrip(b"\r"), path, line, start == 0), offset
-        line += 1
+        where = line if line is not None else f"at byte {start}"
+        yield start, line, _decode(data.rstrip(b"\n").rstrip(b"\r"), path, where, start == 0), offset
+        line = None if line is None else line + 1
 
 
 def _csv_rows(lines: Iterator[tuple[int, int, str, int]], header: list[str], index: int, name: str,

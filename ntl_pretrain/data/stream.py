@@ -152,8 +152,9 @@ def _to_micro_batch(samples: list[Sample], boundary_id: int | None) -> MicroBatc
 class PretrainingData:
     """The run's training and validation samples for one data-parallel rank.
 
-    Build with `PretrainingData.build(cfg, tokenizer, dp_rank=..., dp_size=...)`; every rank builds the
-    same streams, so the split of each batch over data-parallel ranks is consistent.
+    Build with `PretrainingData.build(cfg, tokenizer, dp_rank=..., dp_size=...)`: every rank builds the
+    same in-memory sources and global order, so the split of each batch over data-parallel ranks is
+    consistent; a streamed source read per rank is each rank's own share (`_trained_sample`).
     """
 
     def __init__(self, cfg: DataConfig, sources: list[Any], validation: list[Sample], *, dp_rank: int,
@@ -168,7 +169,8 @@ class PretrainingData:
 
     @classmethod
     def build(cls, cfg: DataConfig, tokenizer: Any, *, dp_rank: int, dp_size: int) -> "PretrainingData":
-        """Load, split, tokenize and pack every source (deterministic: every rank gets the same streams).
+        """Load, split, tokenize and pack every source (deterministic: every rank gets the same in-memory
+        sources, and a streamed one's own share of it).
 
         The trainer runs this on local rank 0 first, which fills the `datasets` cache the others then read.
         """
@@ -193,12 +195,15 @@ class PretrainingData:
 
     # ------------------------------------------------------------------ training
     def sample_with_targets(self, g: int) -> Sample:
-        """Global sample g: its tokens and their targets mask (None: every token is a target)."""
+        """Global sample g: its tokens and their targets mask (None: every token is a target), the same on every
+        rank: from a streamed source, sample j of it (j: g's index within the source) as data-parallel rank 0
+        reads it, read apart from the stream this rank trains (a start-up check does not move it)."""
         source, j = self.mixture.locate(g)
-        return self.sources[source].get(j)
+        stream = self.sources[source]
+        return (stream.agreed() if isinstance(stream, StreamedSource) else stream).get(j)
 
     def sample(self, g: int) -> np.ndarray:
-        """The tokens of global sample g."""
+        """The tokens of global sample g (`sample_with_targets`)."""
         return self.sample_with_targets(g)[0]
 
     def _trained_sample(self, g: int) -> Sample:
@@ -243,7 +248,7 @@ class PretrainingData:
                     (saved["per_rank"], len(saved["ranks"])) != (source.per_rank, self.dp_size):
                 raise DataError(f"the checkpoint's {source.key} was read "
                                 f"{_reading(saved['per_rank'], len(saved['ranks']))}, this run reads it "
-                                f"{_reading(source.per_rank, self.dp_size)}: a rank's place in its shard files "
+                                f"{_reading(source.per_rank, self.dp_size)}: a rank's place in its part of the files "
                                 f"cannot be carried over; resume with the same data-parallel size, or train from a "
                                 f"corpus made by tools/prepare_data.py (it resumes at any size)")
         self.position = int(state["position"])
@@ -271,7 +276,8 @@ class PretrainingData:
 
 
 def _reading(per_rank: bool, ranks: int) -> str:
-    return f"per rank by {ranks} data-parallel ranks (each its own shard files)" if per_rank else "in full by every rank"
+    return f"per rank by {ranks} data-parallel ranks (each its own part of the files)" if per_rank else \
+        "in full by every rank"
 
 
 def _gather_objects(value: Any) -> list[Any]:

@@ -8,13 +8,13 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..config import DataConfig, DataSourceConfig
 from ..config.schema import CHAT_TEMPLATE, TOKENIZED
-from .reader import DatasetRows, ListRows, LocalRows, Position
+from .reader import DatasetRows, ListRows, LocalRows, Position, contiguous_ranges, row_groups, splittable
 from .sources import (INPUT_IDS, DataError, Sample, check_chat_template, completion_only, document_tokens, load_documents,
                       resolve_files, row_problem, text_columns, _check_columns)
 
@@ -45,10 +45,10 @@ class SkippedRows:
 class StreamedSource:
     """Samples of a streamed source, read in order (read again from its start after its end).
 
-    `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files), indexed
-    by how many of them the rank has trained; otherwise every rank reads the whole stream. The state is
-    where the next sample starts: the reader's position of its first row and the tokens of that row before
-    it, so a resume seeks there instead of re-reading what was consumed."""
+    `per_rank`: the samples are this data-parallel rank's own share of the source (its shard files, or its
+    ranges of fewer files), indexed by how many of them the rank has trained; otherwise every rank reads the
+    whole stream. The state is where the next sample starts: the reader's position of its first row and the
+    tokens of that row before it, so a resume seeks there instead of re-reading what was consumed."""
 
     def __init__(self, reader: Any, tokenizer: Any, source: DataSourceConfig, cfg: DataConfig, key: str,
                  per_rank: bool) -> None:
@@ -63,7 +63,21 @@ class StreamedSource:
         self._at: dict = {}  # where that sample starts: {"row": position, "skip": tokens}
         self._yielded_this_pass = 0
         self._origin: dict | None = None  # where a resume starts: a state_dict()
+        self.make_agreed: Callable[[], StreamedSource] | None = None  # builds `agreed()`'s stream (None: self)
+        self._agreed: StreamedSource | None = None
+        self._said_resume = False
         self._read = {"rows": 0, "tokens": 0, "since": time.monotonic(), "reported": time.monotonic()}
+
+    def agreed(self) -> "StreamedSource":
+        """This source as data-parallel rank 0 reads it (every rank's stream when it is not read per rank), a
+        stream apart from the one this rank trains (built on first use, its bad rows not named again): the
+        samples a start-up check measures, the same on every rank, without moving the training stream."""
+        if self.make_agreed is None:
+            return self
+        if self._agreed is None:
+            self._agreed = self.make_agreed()
+            self._agreed.skipped = SkippedRows(self.key, quiet=True)
+        return self._agreed
 
     # ------------------------------------------------------------------ packing
     def packed(self, start: Position | None, skip: int) -> Iterator[tuple[Sample, dict]]:
@@ -144,6 +158,10 @@ class StreamedSource:
         self._samples = self.packed(self._at["row"], self._at["skip"])
         self._next = origin["index"] if origin else 0
         self._yielded_this_pass = origin["yielded_this_pass"] if origin else 0
+        if origin is not None and not self._said_resume:
+            self._said_resume = True
+            logger.info("%s: this rank's stream resumes at its sample %d, sought to %s", self.key, origin["index"],
+                        _where(at["row"]))
 
     def get(self, j: int) -> Sample:
         origin = self._origin if self._origin is not None and self._origin.get("at") is not None else None
@@ -177,6 +195,16 @@ class StreamedSource:
         self._origin, self._samples = state, None
 
 
+def _where(position: Position) -> str:
+    """A position, for a message."""
+    if "datasets" in position:
+        return "the hub stream's saved state"
+    name = position.get("path", f"file {position.get('file')}")
+    if "group" in position:
+        return f"{name!r} row group {position['group']} row {position['row']}"
+    return f"{name!r} byte {position.get('offset', position.get('from'))}"
+
+
 def validation_samples(rows: list, tokenizer: Any, source: DataSourceConfig, cfg: DataConfig, key: str) -> list:
     """The samples of a stream's held-out rows, packed as the stream packs (every sample of one pass)."""
     held = StreamedSource(ListRows(rows), tokenizer, source, cfg, f"{key} (validation)", False)
@@ -192,15 +220,19 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
     n_val = cfg.validation_documents
     resolved = resolve_files(source, key)
     if resolved is None:  # a hub dataset: `datasets` streams it (its shards split by rank)
-        held_out, training, per_rank = split_hub_stream(load_documents(source, key, cfg.cache_dir), n_val, dp_rank,
-                                                        dp_size, key)
+        documents = load_documents(source, key, cfg.cache_dir)
+        held_out, training, per_rank = split_hub_stream(documents, n_val, dp_rank, dp_size, key)
         reader: Any = DatasetRows(training)
         held = [(row, {}, f"held-out row {i + 1}") for i, row in enumerate(held_out)]
+
+        def reader_of(rank: int) -> Any:
+            return DatasetRows(split_hub_stream(documents, n_val, rank, dp_size, key, say=False)[1])
     else:
         builder, files = resolved
-        per_rank = dp_size > 1 and len(files) >= dp_size
-        _say_share(key, len(files), dp_size, per_rank)
-        if per_rank:
+        ranges = _ranges_of(builder, files, dp_rank, dp_size, key)
+        per_rank = dp_size > 1 and (len(files) >= dp_size or ranges is not None)
+        if per_rank and ranges is None:
+            _say_share(key, len(files), dp_size, per_rank)
             _say_uneven_shares(key, [os.path.getsize(name) for name in files], dp_size)
         columns = None if source.format == TOKENIZED else list(dict.fromkeys(text_columns(source).values()))
         everything = LocalRows(files, builder, list(range(len(files))), columns=columns)
@@ -214,31 +246,90 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
         if n_val and after is None:
             raise DataError(f"{key}.path={source.path!r} has {len(held)} documents, not more than "
                             f"data.validation_documents={n_val}; lower data.validation_documents")
-        # the held-out rows are the first n_val of the stream (files in order): every share starts after them
-        starts = {i: {"file": i, "end": True} for i in range(after["file"])} if after else {}
-        if after:
-            starts[after["file"]] = after
-        share = list(range(dp_rank, len(files), dp_size)) if per_rank else list(range(len(files)))
-        reader = LocalRows(files, builder, share, starts, columns)
+
+        def reader_of(rank: int) -> Any:
+            """Data-parallel rank `rank`'s reader: its files, or its ranges of them, past the held-out rows."""
+            mine = ranges if rank == dp_rank else _ranges_of(builder, files, rank, dp_size, key, say=False)
+            if mine is not None:
+                share = list(mine)
+            else:
+                share = list(range(rank, len(files), dp_size)) if per_rank else list(range(len(files)))
+            return LocalRows(files, builder, share, _starts_after(after, share, mine, builder), columns, mine)
+
+        reader = reader_of(dp_rank)
     stream = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
+    stream.make_agreed = lambda: StreamedSource(reader_of(0), tokenizer, source, cfg, key, per_rank)  # own reader
     probe = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
     probe.skipped = SkippedRows(key, quiet=True)  # the stream names them when it trains
     if next(probe.packed(None, 0), None) is None:  # raised at start-up (agreed by every rank), not mid-step
-        share = [os.path.basename(reader.files[i]) for i in reader.share] if isinstance(reader, LocalRows) else []
+        share = reader.describe() if isinstance(reader, LocalRows) and reader.share else ""
+        files = "" if not share or (isinstance(reader, LocalRows) and reader.ranges) else "files "
         raise DataError(f"{key}: data-parallel rank {dp_rank} of {dp_size} reads "
-                        f"{'files ' + ', '.join(share[:4]) + (', ...' if len(share) > 4 else '') if share else 'a share'}"
+                        f"{files + share if share else 'a share'}"
                         f" that yield no sample of data.seq_len + 1 = {cfg.seq_len + 1} tokens (held out, unusable or "
                         f"too short); add data, split it into evenly sized files, or lower data.validation_documents or "
                         f"data.seq_len")
     return stream, validation_samples(held, tokenizer, source, cfg, key) if n_val else []
 
 
-def _say_share(key: str, files: int, dp_size: int, per_rank: bool) -> None:
+def _ranges_of(builder: str, files: list[str], dp_rank: int, dp_size: int, key: str,
+               say: bool = True) -> dict[int, tuple[int, int]] | None:
+    """This rank's ranges of the files when there are fewer files than data-parallel ranks: contiguous byte
+    ranges (jsonl, txt) or row groups (parquet), about 1/dp of the source each; None when the files are
+    shared whole (enough of them, one rank) or cannot be split (.gz, csv; parquet of too few row groups),
+    which is said at start-up (`say`)."""
+    if dp_size == 1 or len(files) >= dp_size:
+        return None
+    unit = splittable(builder, files)
+    if unit is None and say:
+        kind = "csv" if builder == "csv" else ".gz"
+        _say_share(key, len(files), dp_size, False, f"{kind} files cannot be split by byte range ("
+                   f"{'a quoted field may span lines' if kind == 'csv' else 'a compressed stream has no offsets'}); "
+                   f"split it into {dp_size} or more files (a multiple of {dp_size}), "
+                   f"{'convert it to jsonl' if kind == 'csv' else 'decompress it'}, or train from "
+                   f"tools/prepare_data.py's corpus")
+    if unit is None:
+        return None
+    lengths = [row_groups(name) for name in files] if unit == "row groups" else \
+        [os.path.getsize(name) for name in files]
+    if unit == "row groups" and sum(lengths) < dp_size:
+        if say:
+            _say_share(key, len(files), dp_size, False, f"its {sum(lengths)} row group(s) are fewer than the "
+                       f"ranks; write it with smaller row groups (pyarrow.parquet.write_table(..., "
+                       f"row_group_size=ROWS), at least {dp_size} groups in all) or as {dp_size} or more files, or "
+                       f"train from tools/prepare_data.py's corpus")
+        return None
+    if dp_rank == 0 and say:
+        logger.info("%s: %d file(s) for %d data-parallel ranks: each rank reads its own contiguous %s of them "
+                    "(about 1/%d of the source)", key, len(files), dp_size, unit, dp_size)
+    return contiguous_ranges(lengths, dp_size, dp_rank)
+
+
+def _starts_after(after: Position | None, share: list[int], ranges: dict[int, tuple[int, int]] | None,
+                  builder: str) -> dict[int, Position]:
+    """Where each file of a share starts reading, past the held-out rows (the stream's first, up to `after`):
+    the files before `after`'s are held out, and so is a range of its file that ends before it."""
+    if after is None:
+        return {}
+    starts: dict[int, Position] = {i: {"file": i, "end": True} for i in share if i < after["file"]}
+    if after["file"] in share:
+        starts[after["file"]] = after
+        if ranges is not None:
+            begin, end = ranges[after["file"]]
+            at = after["group"] if builder == "parquet" else after["offset"]
+            if at >= end:
+                starts[after["file"]] = {"file": after["file"], "end": True}
+            elif at < begin:  # held out before this range: the range starts as it would
+                del starts[after["file"]]
+    return starts
+
+
+def _say_share(key: str, files: int, dp_size: int, per_rank: bool, fix: str | None = None) -> None:
     if dp_size > 1 and not per_rank:
         logger.warning("%s has %d shard file(s) for %d data-parallel ranks: every rank reads and tokenizes the "
-                       "whole stream (%dx the reads of one share) and discards the others' samples; split it into "
-                       "%d or more files (a multiple of %d), or train from tools/prepare_data.py's corpus", key,
-                       files, dp_size, dp_size, dp_size, dp_size)
+                       "whole stream (%dx the reads of one share) and discards the others' samples; %s", key,
+                       files, dp_size, dp_size, fix or f"split it into {dp_size} or more files (a multiple of "
+                       f"{dp_size}), or train from tools/prepare_data.py's corpus")
     elif per_rank and files % dp_size:
         logger.info("%s: %d shard files over %d data-parallel ranks: ranks read %d or %d files each (a rank that "
                     "reaches the end of its share first starts it again)", key, files, dp_size, files // dp_size,
@@ -290,7 +381,8 @@ def _check_rows(reader: LocalRows, source: DataSourceConfig, key: str) -> None:
                        seen, field)
 
 
-def split_hub_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key: str) -> tuple[Any, Any, bool]:
+def split_hub_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key: str,
+                     say: bool = True) -> tuple[Any, Any, bool]:
     """(held-out documents, this rank's training documents, whether they are its own share) of a hub stream.
 
     The held-out documents are the stream's first `n_val`, the same on every rank. With at least as many
@@ -301,7 +393,8 @@ def split_hub_stream(documents: Any, n_val: int, dp_rank: int, dp_size: int, key
 
     shards = documents.num_shards
     per_rank = dp_size > 1 and shards >= dp_size
-    _say_share(key, shards, dp_size, per_rank)
+    if say:
+        _say_share(key, shards, dp_size, per_rank)
     if not per_rank:
         return documents.take(n_val), documents.skip(n_val), False
     held_out, skipped, wanted = [], 0, n_val

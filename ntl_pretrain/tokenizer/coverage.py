@@ -120,7 +120,9 @@ def check_training_digits(tokenizer: Any, number_vocab: Any, data: Any, *, sourc
     """Measure the labels of the first training samples of `data` (a `PretrainingData`) and apply
     `require_digit_level`.
 
-    Every rank builds the same stream, so every rank reaches the same verdict without a collective.
+    `data.sample(g)` is the same on every rank (a streamed source read per rank gives data-parallel rank 0's
+    samples, read apart from the stream each rank trains), so every rank reaches the same verdict without a
+    collective.
     """
     sizes = [getattr(s, "size", None) for s in data.sources]
     available = None if any(size is None for size in sizes) else sum(sizes)

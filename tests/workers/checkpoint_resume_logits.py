@@ -38,6 +38,7 @@ def run(out_file: str, config: str, overrides: list[str]) -> None:
     if dist.get_rank() == 0:
         torch.save({"input_ids": input_ids, "logits": logits, "step": trainer.step}, out_file)
     dist.barrier()
+    trainer.lock.release()  # as the command line does: a later run of this process may use the folder
 
 
 def main() -> None:
