@@ -100,6 +100,22 @@ def test_tool_rejects_unknown_settings(tmp_path: Path):
     with pytest.raises(ValueError, match="'a'.*twice|twice.*'a'"):
         tool.eval_config(tool.EvalConfig(), ["generate_options={a: 1, a: 2}"])
     assert tool.main(["--run", str(tmp_path)]) == 2  # not a run folder: an error message, exit code 2
+    # values are type-checked as the trainer checks eval.*: 1.5 problems, true, YAML 1.1's string '1e9' are refused
+    for override, message in (("arithmetic_n=1.5", "eval.arithmetic_n must be an integer, got float 1.5"),
+                              ("arithmetic_n=true", "eval.arithmetic_n must be an integer, got bool True"),
+                              ("arithmetic_n=1e9", "eval.arithmetic_n must be an integer, got str '1e9'"),
+                              ("gsm8k_path=5", "eval.gsm8k_path must be a string"),
+                              ("arithmetic_splits=[]", "eval.arithmetic_splits is empty but eval.arithmetic_n=200")):
+        with pytest.raises(ValueError) as info:
+            tool.eval_config(tool.EvalConfig(), [override])
+        assert message in str(info.value), (override, str(info.value))
+    assert tool.eval_config(tool.EvalConfig(), ["arithmetic_n=0", "arithmetic_splits=[]"]).arithmetic_n == 0
+    (tmp_path / "ntl_eval.json").write_text(json.dumps({"batch_size": "16"}))  # a run's saved settings, edited
+    with pytest.raises(ValueError, match=f"{tmp_path / 'ntl_eval.json'}: eval.batch_size must be an integer, got str"):
+        tool.eval_config(tool.model_eval_settings(tool.parse_args(["--model", str(tmp_path)]))[0], [])
+    # overrides before and after the options, as with the trainer's command line
+    args = tool.parse_args(["--model", "m", "arithmetic_n=2", "--output-dir", "out", "batch_size=4", "--dtype", "fp32"])
+    assert args.overrides == ["arithmetic_n=2", "batch_size=4"] and args.output_dir == "out"
 
 
 TINY_RUN = """

@@ -57,7 +57,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     parser.add_argument("overrides", nargs="*", help="EvalConfig settings as key=value (e.g. arithmetic_n=500)")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
 
 
 def eval_config(base: EvalConfig, overrides: Sequence[str]) -> EvalConfig:
