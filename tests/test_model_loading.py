@@ -217,6 +217,55 @@ def test_a_folder_without_safetensors_names_the_fix(tmp_path):
         safetensors_files(str(tmp_path))
 
 
+def _damaged(source: Path, folder: Path, damage) -> str:
+    import shutil
+
+    shutil.copytree(source, folder)
+    damage(folder)
+    return str(folder)
+
+
+def test_a_damaged_download_is_named_before_the_model_is_built(tmp_path):
+    """An index naming a shard that is absent, outside the folder or without the tensor; an index or a shard that
+    is not JSON / cut short: one ValueError naming the file (before: FileNotFoundError, JSONDecodeError, KeyError
+    or AttributeError from inside the build), raised by `safetensors_files`, which every rank calls first."""
+    from ntl_pretrain.model_loading import safetensors_files
+
+    source = _save_model(tmp_path / "model", vocab=64, tied=False, max_shard_size="40KB")
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and len(safetensors_files(str(source))) == len(index["weight_map"])
+
+    def with_map(change):
+        def damage(folder: Path) -> None:
+            (folder / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": change(
+                dict(index["weight_map"]))}))
+        return damage
+
+    def cut(name: str, keep: int):
+        return lambda folder: os.truncate(folder / name, keep)
+
+    cases = {
+        "missing shard": (lambda folder: (folder / shards[1]).unlink(), f"in '{shards[1]}', which is not in"),
+        "name outside": (with_map(lambda m: {**m, "lm_head.weight": "../model/" + shards[0]}),
+                         "'../model/" + shards[0] + "', which is not a file name inside the model folder"),
+        "absolute name": (with_map(lambda m: {**m, "lm_head.weight": "/etc/passwd"}), "'/etc/passwd', which is not"),
+        "tensor not in shard": (with_map(lambda m: {**m, "extra.weight": shards[0]}),
+                                f"puts 'extra.weight' (1 tensors) in '{shards[0]}', which does not hold it"),
+        "index not json": (lambda folder: (folder / "model.safetensors.index.json").write_text("{"),
+                           'is not a safetensors index (a JSON object whose "weight_map"'),
+        "weight_map list": (lambda folder: (folder / "model.safetensors.index.json").write_text('{"weight_map": []}'),
+                            "is not a safetensors index"),
+        "header cut": (cut(shards[0], 20), f"{shards[0]}' is not a complete safetensors file (20 bytes"),
+        "data cut": (cut(shards[0], (source / shards[0]).stat().st_size - 8), f"{shards[0]}' is truncated"),
+    }
+    for label, (damage, message) in cases.items():
+        with pytest.raises(ValueError) as info:
+            safetensors_files(_damaged(source, tmp_path / label.replace(" ", "_"), damage))
+        assert message in str(info.value), (label, str(info.value))
+        assert "download" in str(info.value) or "fix the index" in str(info.value), label
+
+
 def test_partitioned_load_applies_to_zero3_only():
     from ntl_pretrain.model_loading import partitioned_load_applies
 
