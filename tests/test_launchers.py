@@ -119,3 +119,22 @@ def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monke
     assert f"{name} {fake or '(not installed)'} installed" in lines[0]
     assert all(f"{dist}{spec}" in lines[0] for dist, spec in versions.SUPPORTED.items())
     assert "RANK" not in os.environ  # refused before a world of one is set up
+
+
+def test_config_given_twice_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    """`--config a.yaml --config b.yaml` ran b silently (argparse keeps the last); refused naming both, before any
+    file is read, and one file in a folder with spaces still works."""
+    from ntl_pretrain import cli
+
+    monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
+    for variable in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert cli.main(["--config", "configs/demo.yaml", "--dry-run", "--config=configs/qwen2.5_0.5b_cpt.yaml"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: --config is given 2 times (configs/demo.yaml, configs/qwen2.5_0.5b_cpt.yaml); give one "
+                     "file and change single keys with key.sub=value overrides"], lines
+    spaced = tmp_path / "my configs" / "demo copy.yaml"
+    spaced.parent.mkdir()
+    spaced.write_text((REPO_ROOT / "configs" / "demo.yaml").read_text())
+    assert cli.main(["--config", str(spaced), "--dry-run"]) == 0
+    assert "dry run OK" in capsys.readouterr().out
