@@ -186,6 +186,11 @@ def _unknown_architecture_key(key: str, known: set[str], model_type: str) -> Val
                       f"as an unused attribute and copy it into the exported config.json){hint}")
 
 
+def _one_line(error: BaseException) -> str:
+    """A library error's message on one line (huggingface_hub's validation errors span two)."""
+    return " ".join(str(error).split()).rstrip(".")
+
+
 def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
     """The transformers config of the run's model: `model.name_or_path`'s config.json with
     `model.architecture` over it, or a new one from `model.architecture`. Every architecture key must be
@@ -194,7 +199,8 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
     Raises ValueError naming the key or path and the fix; with `local_files_only`, a hub id that is not
     cached raises FileNotFoundError (the dry run then skips the checks that need it).
     """
-    from transformers import AutoConfig
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 configs: a value of the wrong type or
+    from transformers import AutoConfig  # shape (vocab_size "60", hidden size not a multiple of the heads)
 
     if cfg.name_or_path is not None:
         name = cfg.name_or_path
@@ -206,6 +212,10 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
             config, unused = AutoConfig.from_pretrained(resolved, trust_remote_code=cfg.trust_remote_code,
                                                         local_files_only=local_files_only, return_unused_kwargs=True,
                                                         **cfg.architecture)
+        except StrictDataclassError as error:
+            raise ValueError(f"the model config of {name!r} (model.name_or_path) is refused by transformers: "
+                             f"{_one_line(error)}; fix its config.json or override the key with model.architecture.KEY"
+                             ) from None
         except (OSError, ValueError) as error:
             if local_files_only and not os.path.exists(resolved):
                 raise FileNotFoundError(name) from None
@@ -219,6 +229,9 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
     model_type = arch.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **arch)
+    except StrictDataclassError as error:
+        raise ValueError(f"model.architecture ({model_type}) is refused by transformers: {_one_line(error)}; fix "
+                         f"that key") from None
     except ValueError as error:
         raise ValueError(f"model.architecture.model_type={model_type!r}: {error}") from None
     try:
