@@ -224,7 +224,7 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
         if unused:
             known = _known_config_keys(type(config), config)
             raise _unknown_architecture_key(sorted(unused)[0], known, config.model_type)
-        return config
+        return _check_vocab_size(config, f"the model config of {name!r} (model.name_or_path)")
     arch = dict(cfg.architecture)
     model_type = arch.pop("model_type")
     try:
@@ -244,6 +244,15 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
         # a key the constructor absorbed (a legacy name it converts) does not stay behind as an attribute
         if key not in known and key in stored:
             raise _unknown_architecture_key(key, known, model_type)
+    return _check_vocab_size(config, "model.architecture")
+
+
+def _check_vocab_size(config: Any, where: str) -> Any:
+    """`config`, unless its vocab_size is below 1 (transformers accepts -1, then the build fails on a negative size)."""
+    size = getattr(config, "vocab_size", None)
+    if isinstance(size, int) and size < 1:
+        raise ValueError(f"{where} has vocab_size={size}; set the model's vocabulary size (at least the tokenizer's "
+                         f"length), e.g. model.architecture.vocab_size=N")
     return config
 
 
