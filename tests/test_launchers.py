@@ -138,3 +138,16 @@ def test_config_given_twice_is_refused_in_one_line(monkeypatch, capsys, tmp_path
     spaced.write_text((REPO_ROOT / "configs" / "demo.yaml").read_text())
     assert cli.main(["--config", str(spaced), "--dry-run"]) == 0
     assert "dry run OK" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # bash launch/pretrain.sh: on a regression it starts DeepSpeed's launcher (refused by the config)
+def test_a_bad_cpu_process_count_is_refused_before_the_launcher_starts(tmp_path):
+    """NTL_CPU_PROCS=0 was a bash division by zero, `abc` an unbound variable, -1 started one process saying
+    "starting -1 CPU processes": each is one line naming the value and the fix, exit 2, nothing started."""
+    for procs in ("0", "abc", "-1", "2 2"):
+        result = run(["bash", "launch/pretrain.sh", "--config", "configs/demo.yaml", f"train.output_dir={tmp_path / 'run'}",
+                      "train.max_steps=-5"], env=launch_env(NTL_CPU_PROCS=procs), timeout=TIMEOUT)
+        assert result.returncode == 2, (procs, result.stderr[-2000:])
+        assert result.stderr.strip().splitlines() == [
+            f"error: NTL_CPU_PROCS='{procs}' is not a positive number of CPU processes; set NTL_CPU_PROCS=N (default 2)"]
+        assert not (tmp_path / "run").exists()
