@@ -118,6 +118,47 @@ def test_tool_rejects_unknown_settings(tmp_path: Path):
     assert args.overrides == ["arithmetic_n=2", "batch_size=4"] and args.output_dir == "out"
 
 
+def test_tool_refuses_an_incomplete_model_folder_in_one_line(tmp_path: Path, capsys, monkeypatch):
+    """An export without tokenizer files or without weights was a raw transformers traceback, and a tokenizer
+    without EOS with the default document prompts one from inside the evaluation, after the weights loaded."""
+    import shutil
+
+    import transformers
+    from helpers.models import char_tokenizer, eval_llama
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tool = _load_tool()
+    complete = tmp_path / "model"
+    eval_llama(len(char_tokenizer())).save_pretrained(complete)
+    char_tokenizer().save_pretrained(complete)
+    folders = {name: tmp_path / name for name in ("no_tokenizer", "no_weights", "no_eos")}
+    for folder in folders.values():
+        shutil.copytree(complete, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folders["no_tokenizer"] / name).unlink()
+        (folders["no_eos"] / name).unlink()
+    (folders["no_weights"] / "model.safetensors").unlink()
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate("0123456789+=")}}, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(folders["no_eos"])
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    expected = {"no_tokenizer": f"error: folder '{folders['no_tokenizer']}' holds no tokenizer",
+                "no_weights": f"error: cannot load the model weights of '{folders['no_weights']}': Error no file named "
+                              f"model.safetensors",
+                "no_eos": "error: eval.arithmetic_prompt_format=document puts the EOS token before each prompt, but "
+                          "the tokenizer has no EOS token; set eval.arithmetic_prompt_format=plain"}
+    for name, message in expected.items():
+        if name == "no_eos":  # refused before the weights load
+            monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                                classmethod(lambda cls, *a, **k: pytest.fail("loaded the weights first")))
+        assert tool.main(["--model", str(folders[name]), "arithmetic_n=2", "--output-dir", str(tmp_path / "out")]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+        assert len(errors) == 1 and errors[0].startswith(message), (name, errors)
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    assert not (tmp_path / "out").exists()
+
+
 TINY_RUN = """
 model:
   architecture: {model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,

@@ -99,16 +99,25 @@ def _accelerator_name() -> str:
     return get_accelerator().device_name()
 
 
-def load_hf_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """(model or engine, tokenizer, description) for an exported HF folder."""
+def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, str]:
+    """(model or engine, tokenizer, description) for an exported HF folder; the tokenizer is loaded and checked
+    against `cfg` first (a refusal before the weights load)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    from ntl_pretrain.eval.hooks import check_eval_tokenizer
+    from ntl_pretrain.tokenizer.loading import load_tokenizer
+
+    # the trainer's loader (folders our tools wrote load verbatim; a folder without tokenizer files is one line)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    check_eval_tokenizer(cfg, tokenizer)
     on_cpu = _accelerator_name() == "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if on_cpu else "bf16")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
+    except OSError as error:  # no weights file in the folder, a hub id that does not exist
+        raise ValueError(f"cannot load the model weights of {args.model!r}: {' '.join(str(error).split())}") from None
     world = _world_size()
     if world == 1 and args.tp == 1:
         if not on_cpu:
@@ -224,7 +233,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             validate_eval_inputs(cfg, max_position_embeddings=positions, read_hub=True)
             _notice(is_main, f"evaluation settings: {settings_source}")
             _notice(is_main, f"loading {args.model} on {_world_size()} process(es) ...")
-            model, tokenizer, description = load_hf_model(args)
+            model, tokenizer, description = load_hf_model(args, cfg)
             step = args.step if args.step is not None else 0
             output_dir = args.output_dir or default_output_dir(args.model)
         else:
