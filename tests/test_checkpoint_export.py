@@ -168,11 +168,12 @@ def test_links_and_folders_in_hf_are_never_copied(trained, tmp_path):
 def test_bad_shard_sizes_and_a_folder_inside_the_checkpoint_are_refused_before_it_is_read(trained, tmp_path,
                                                                                          monkeypatch):
     """huggingface_hub takes "0GB" and "-5GB" (every tensor in a file of its own) and refuses "1000000" (bytes, as
-    the docs allow); an export into the checkpoint folder succeeded and left the checkpoint refused by verification
-    (the run could not resume). Each is one line before anything is hashed; a plain byte count works."""
+    the docs allow); an export (or a universal conversion) into the checkpoint folder succeeded and left the
+    checkpoint refused by verification (the run could not resume). Each is one line before anything is hashed; a
+    plain byte count works."""
     import shutil
 
-    from ntl_pretrain.checkpoint import CheckpointError, export, list_checkpoints
+    from ntl_pretrain.checkpoint import CheckpointError, export, list_checkpoints, universal
 
     run_dir = tmp_path / "run"
     checkpoint = run_dir / "global_step2"
@@ -185,6 +186,8 @@ def test_bad_shard_sizes_and_a_folder_inside_the_checkpoint_are_refused_before_i
     for inside in (checkpoint / "hf_export", checkpoint / "hf" / "x", checkpoint):
         with pytest.raises(CheckpointError, match="inside the checkpoint|already exists"):
             export.export_hf(str(checkpoint), str(inside))
+    with pytest.raises(CheckpointError, match="universal folder .* is inside the checkpoint"):  # tools/reshard.py --output
+        universal.convert_to_universal(str(checkpoint), str(checkpoint / "universal"))
     assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
         p.name for p in (trained / "t1_zero1_untied" / "global_step2").iterdir())
     monkeypatch.setattr(export, "verify_checkpoint", verify)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..fs import apply_umask_modes, commit_directory, is_full_disk, write_json_atomic
-from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, folder_bytes
+from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, check_output_outside, folder_bytes
 from .integrity import verify_checkpoint
 from .safe_loading import safe_load
 from .staging import make_staging, remove_staging
@@ -461,10 +461,7 @@ def _check_export_folder(checkpoint_path: str, out_dir: str) -> None:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointError(f"export folder {out_dir!r} already exists and is not empty; choose another one "
                               f"(nothing was overwritten)")
-    checkpoint, target = os.path.realpath(checkpoint_path), os.path.realpath(out_dir)
-    if os.path.commonpath([checkpoint, target]) == checkpoint:
-        raise CheckpointError(f"export folder {out_dir!r} is inside the checkpoint {checkpoint_path!r}, whose "
-                              f"verification would then refuse it; export beside it (e.g. RUN/hf_export)")
+    check_output_outside(checkpoint_path, out_dir, "export")
 
 
 def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, max_shard_size: str | int = "5GB") -> dict:
