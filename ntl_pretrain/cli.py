@@ -50,11 +50,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def check_one_config(args: argparse.Namespace) -> None:
-    """One --config: given twice, argparse keeps the last one silently (runs on files the user may not expect)."""
+def check_arguments(args: argparse.Namespace) -> None:
+    """One --config (given twice, argparse keeps the last one silently) and a positive --world-size (0 was taken
+    as unset, -2 failed inside the dry run with "max() arg is an empty sequence")."""
     if len(args.configs_given) > 1:
         raise ConfigError(f"--config is given {len(args.configs_given)} times ({', '.join(args.configs_given)}); give "
                           f"one file and change single keys with key.sub=value overrides")
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size} is not a number of processes; give 1 or more")
 
 
 def _report_error(error: BaseException) -> None:
@@ -80,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             launcher.check_accelerate_launch()
             check_versions()
-            check_one_config(args)
+            check_arguments(args)
             cfg = load_config(args.config, args.overrides)
             if args.dry_run:
                 dry_run(cfg, args.world_size)

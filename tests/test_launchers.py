@@ -121,9 +121,9 @@ def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monke
     assert "RANK" not in os.environ  # refused before a world of one is set up
 
 
-def test_config_given_twice_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+def test_config_given_twice_and_a_bad_world_size_are_refused_in_one_line(monkeypatch, capsys, tmp_path):
     """`--config a.yaml --config b.yaml` ran b silently (argparse keeps the last); refused naming both, before any
-    file is read, and one file in a folder with spaces still works."""
+    file is read, and so is a --world-size below 1; one file in a folder with spaces still works."""
     from ntl_pretrain import cli
 
     monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
@@ -133,6 +133,10 @@ def test_config_given_twice_is_refused_in_one_line(monkeypatch, capsys, tmp_path
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["error: --config is given 2 times (configs/demo.yaml, configs/qwen2.5_0.5b_cpt.yaml); give one "
                      "file and change single keys with key.sub=value overrides"], lines
+    for size in ("0", "-2"):  # 0 was taken as unset (a world of 1), -2 failed with "max() arg is an empty sequence"
+        assert cli.main(["--config", "configs/demo.yaml", "--dry-run", "--world-size", size]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: --world-size {size} is not a number of processes; give 1 or more"]
     spaced = tmp_path / "my configs" / "demo copy.yaml"
     spaced.parent.mkdir()
     spaced.write_text((REPO_ROOT / "configs" / "demo.yaml").read_text())
