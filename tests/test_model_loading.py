@@ -72,12 +72,32 @@ def tokenizer_dir(tmp_path_factory, bpe_tokenizer) -> Path:
     return folder
 
 
-def test_sharded_checkpoint_loads_partitioned_with_the_files_values(tmp_path, tokenizer_dir, bpe_tokenizer):
+SCRATCH_ARCHITECTURE = {"model_type": "llama", **ARCH}
+
+
+@pytest.fixture(scope="module")
+def t1_loads(tmp_path_factory, tokenizer_dir, bpe_tokenizer) -> dict[str, tuple[Path | None, dict]]:
+    """The three T=1 builds on 2 ranks in one launch (one DeepSpeed start): {case: (model folder, worker result)}:
+    "sharded" (untied, several shards, no resize), "resized" (tied, 16 rows short of the tokenizer, grown while
+    reading), "scratch" (no model.name_or_path: SCRATCH_ARCHITECTURE built partitioned)."""
+    root = tmp_path_factory.mktemp("t1_loads")
+    folders = {"sharded": _save_model(root / "sharded", len(bpe_tokenizer), tied=False, max_shard_size="30KB"),
+               "resized": _save_model(root / "resized", len(bpe_tokenizer) - 16, tied=True), "scratch": None}
+    jobs = {"sharded": ["0"], "resized": ["1"], "scratch": ["0", "1", json.dumps(SCRATCH_ARCHITECTURE)]}
+    args: list[str] = []
+    for name, folder in folders.items():
+        (root / name / "out").mkdir(parents=True)
+        args += ["--"] * bool(args) + [str(folder or "-"), str(tokenizer_dir), str(root / name / "out" / "gathered.pt"),
+                                       "1", *(jobs[name] if name == "scratch" else [jobs[name][0], "1"])]
+    run_workers("model_loading.py", 2, args, timeout=TIMEOUT + 120)
+    return {name: (folder, torch.load(root / name / "out" / "gathered.pt")) for name, folder in folders.items()}
+
+
+def test_sharded_checkpoint_loads_partitioned_with_the_files_values(t1_loads):
     from transformers import AutoModelForCausalLM
 
-    model_dir = _save_model(tmp_path / "model", len(bpe_tokenizer), tied=False, max_shard_size="30KB")
+    model_dir, result = t1_loads["sharded"]
     assert (model_dir / "model.safetensors.index.json").is_file()  # several shards
-    result = _run(tmp_path, model_dir, tokenizer_dir, resize=False)
     files = _file_weights(model_dir)
     assert set(result["state"]) == set(files)
     for name, tensor in files.items():
@@ -88,14 +108,13 @@ def test_sharded_checkpoint_loads_partitioned_with_the_files_values(tmp_path, to
     torch.testing.assert_close(result["logits"], _logits(reference), rtol=1e-5, atol=1e-5)
 
 
-def test_resize_while_loading_equals_the_full_model_resize(tmp_path, tokenizer_dir, bpe_tokenizer):
+def test_resize_while_loading_equals_the_full_model_resize(t1_loads, bpe_tokenizer):
     from transformers import AutoModelForCausalLM
 
     from ntl_pretrain.tokenizer.resize import resize_model_embeddings
 
     old_rows = len(bpe_tokenizer) - 16
-    model_dir = _save_model(tmp_path / "model", old_rows, tied=True)
-    result = _run(tmp_path, model_dir, tokenizer_dir, resize=True)
+    model_dir, result = t1_loads["resized"]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     resize = resize_model_embeddings(reference, bpe_tokenizer, 64, init="mean")
     expected = dict(reference.named_parameters())
@@ -147,18 +166,15 @@ def test_autotp_load_reads_each_ranks_slices_with_the_resize(tmp_path, tokenizer
     _assert_held_the_tp_slices(result, {name for name in result["full"] if "proj" in name or "embed" in name})
 
 
-def test_from_scratch_build_is_partitioned_with_the_whole_builds_weights(tmp_path, tokenizer_dir, bpe_tokenizer):
+def test_from_scratch_build_is_partitioned_with_the_whole_builds_weights(t1_loads, bpe_tokenizer):
     """No model.name_or_path, ZeRO-3, T=1: each rank holds half of every parameter before initialize, and
-    the weights are those of the whole build (`build_model` without a DeepSpeed config) with the same seed."""
+    the weights are those of the whole build (`build_model` without a DeepSpeed config) with the same seed (the
+    launch's third job: the seed is the build's own, not the process's state after the two loads before it)."""
     from ntl_pretrain.config import ModelConfig
     from ntl_pretrain.model import build_model
 
-    architecture = {"model_type": "llama", **ARCH}
-    out = tmp_path / "gathered.pt"
-    run_workers("model_loading.py", 2, ["-", str(tokenizer_dir), str(out), "1", "0", "1", json.dumps(architecture)],
-                timeout=TIMEOUT)
-    result = torch.load(out)
-    whole, report = build_model(ModelConfig(architecture=architecture, dtype="fp32", attn_implementation="eager"),
+    _, result = t1_loads["scratch"]
+    whole, report = build_model(ModelConfig(architecture=SCRATCH_ARCHITECTURE, dtype="fp32", attn_implementation="eager"),
                                 bpe_tokenizer, 1)
     expected = dict(whole.named_parameters())
     assert set(result["state"]) == set(expected) and result["report"] == asdict(report)
