@@ -282,6 +282,34 @@ def test_a_damaged_download_is_named_before_the_model_is_built(tmp_path):
         assert "download" in str(info.value) or "fix the index" in str(info.value), label
 
 
+def test_an_untied_config_without_a_head_in_the_files_names_the_tie_setting(tmp_path):
+    """A tied checkpoint (no lm_head.weight in its files) under a config saying tie_word_embeddings=false: the
+    partitioned load told the user to set model.partitioned_load=false, whose from_pretrained then trains from a
+    randomly initialised head. It names the tie setting instead, and with it set the files serve every parameter."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ntl_pretrain.model_loading.reading import TensorReader, file_keys, safetensors_files
+
+    folder = _save_model(tmp_path / "model", vocab=64, tied=False)
+    weights = _file_weights(folder)
+    del weights["lm_head.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    for tied in (False, True):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=64, tie_word_embeddings=tied,
+                                                                      **ARCH))
+        with TensorReader(safetensors_files(str(folder))) as reader:
+            if tied:
+                keys, _ = file_keys(model, str(folder), reader.files, reader, None)
+                assert set(keys) == {name for name, _ in model.named_parameters()}
+                continue
+            with pytest.raises(ValueError) as info:
+                file_keys(model, str(folder), reader.files, reader, None)
+        assert "hold no output head (lm_head.weight) but the config has tie_word_embeddings=false" in str(info.value)
+        assert "model.architecture.tie_word_embeddings=true" in str(info.value)
+        assert "partitioned_load=false" not in str(info.value)
+
+
 def test_partitioned_load_applies_to_zero3_only():
     from ntl_pretrain.model_loading import partitioned_load_applies
 

@@ -298,6 +298,13 @@ def file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader
         keys.update({name: key for name, published in renamed.items()
                      if (key := _file_key(published, files, prefix)) is not None})
     missing = sorted(set(params) - set(keys))
+    head = model.get_output_embeddings()
+    if missing and head is not None and [name for name in missing if params[name] is head.weight] == missing:
+        # not a naming problem: transformers' own load would start the head from random values (with a report)
+        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no output head ({missing[0]}) "
+                         f"but the config has tie_word_embeddings=false; if the checkpoint ties its head to the "
+                         f"input embedding, set model.architecture.tie_word_embeddings=true, else the files are "
+                         f"incomplete (download them again)")
     if missing:
         raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
                          f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "
