@@ -322,8 +322,16 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
                                                                   attn_implementation=attn, dtype=dtype)
         source = cfg.name_or_path
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, attn_implementation=attn,
-                                                     dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path, config=config, attn_implementation=attn, dtype=dtype,
+            trust_remote_code=cfg.trust_remote_code, output_loading_info=True)
+        if loading.get("missing_keys"):  # transformers initialises them randomly and goes on (with a report)
+            missing = sorted(loading["missing_keys"])
+            hint = ("; if the checkpoint ties its head to the input embedding, set "
+                    "model.architecture.tie_word_embeddings=true" if any("lm_head" in k for k in missing) else "")
+            raise ValueError(f"model.name_or_path={cfg.name_or_path!r}: the checkpoint has no weights for "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, which would start from random "
+                             f"values{hint}; else the files are incomplete (download them again)")
         source = cfg.name_or_path
     model_vocab = model_loading.full_shape(model.get_input_embeddings().weight)[0]
     resized_from = resize.old_rows if resize is not None else None

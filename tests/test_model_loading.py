@@ -282,13 +282,16 @@ def test_a_damaged_download_is_named_before_the_model_is_built(tmp_path):
         assert "download" in str(info.value) or "fix the index" in str(info.value), label
 
 
-def test_an_untied_config_without_a_head_in_the_files_names_the_tie_setting(tmp_path):
+def test_an_untied_config_without_a_head_in_the_files_names_the_tie_setting(tmp_path, bpe_tokenizer):
     """A tied checkpoint (no lm_head.weight in its files) under a config saying tie_word_embeddings=false: the
-    partitioned load told the user to set model.partitioned_load=false, whose from_pretrained then trains from a
-    randomly initialised head. It names the tie setting instead, and with it set the files serve every parameter."""
+    partitioned load told the user to set model.partitioned_load=false, whose from_pretrained then trained from a
+    randomly initialised head (transformers only prints a report). Both loads name the tie setting instead, and
+    with it set the files serve every parameter."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ntl_pretrain.config import ModelConfig
+    from ntl_pretrain.model import build_model
     from ntl_pretrain.model_loading.reading import TensorReader, file_keys, safetensors_files
 
     folder = _save_model(tmp_path / "model", vocab=64, tied=False)
@@ -308,6 +311,12 @@ def test_an_untied_config_without_a_head_in_the_files_names_the_tie_setting(tmp_
         assert "hold no output head (lm_head.weight) but the config has tie_word_embeddings=false" in str(info.value)
         assert "model.architecture.tie_word_embeddings=true" in str(info.value)
         assert "partitioned_load=false" not in str(info.value)
+    with pytest.raises(ValueError, match=r"the checkpoint has no weights for \['lm_head.weight'\], which would start "
+                                         r"from random values; if the checkpoint ties its head .*tie_word_embeddings=true"):
+        build_model(ModelConfig(name_or_path=str(folder), dtype="fp32", resize_embeddings=True), bpe_tokenizer, 1)
+    model, _ = build_model(ModelConfig(name_or_path=str(folder), dtype="fp32", resize_embeddings=True,
+                                       architecture={"tie_word_embeddings": True}), bpe_tokenizer, 1)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
 def test_partitioned_load_applies_to_zero3_only():
