@@ -120,7 +120,8 @@ def test_tool_rejects_unknown_settings(tmp_path: Path):
 
 def test_tool_refuses_an_incomplete_model_folder_in_one_line(tmp_path: Path, capsys, monkeypatch):
     """An export without tokenizer files or without weights was a raw transformers traceback, and a tokenizer
-    without EOS with the default document prompts one from inside the evaluation, after the weights loaded."""
+    without EOS with the default document prompts one from inside the evaluation, after the weights loaded (as was
+    a --tp that does not divide the processes)."""
     import shutil
 
     import transformers
@@ -156,6 +157,11 @@ def test_tool_refuses_an_incomplete_model_folder_in_one_line(tmp_path: Path, cap
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
         assert len(errors) == 1 and errors[0].startswith(message), (name, errors)
         monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("loaded the weights before --tp was checked")))
+    for tp in ("0", "2"):  # one process: refused before the weights load (they loaded first)
+        assert tool.main(["--model", str(complete), "--tp", tp, "arithmetic_n=2"]) == 2
+        assert f"error: --tp {tp} does not divide the 1 processes launched" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

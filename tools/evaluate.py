@@ -108,6 +108,9 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
     from ntl_pretrain.eval.hooks import check_eval_tokenizer
     from ntl_pretrain.tokenizer.loading import load_tokenizer
 
+    world = _world_size()
+    if args.tp < 1 or world % args.tp != 0:  # before anything loads
+        raise ValueError(f"--tp {args.tp} does not divide the {world} processes launched; choose a divisor")
     # the trainer's loader (folders our tools wrote load verbatim; a folder without tokenizer files is one line)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     check_eval_tokenizer(cfg, tokenizer)
@@ -118,15 +121,12 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
     except OSError as error:  # no weights file in the folder, a hub id that does not exist
         raise ValueError(f"cannot load the model weights of {args.model!r}: {' '.join(str(error).split())}") from None
-    world = _world_size()
     if world == 1 and args.tp == 1:
         if not on_cpu:
             from deepspeed.accelerator import get_accelerator
 
             model = model.to(get_accelerator().current_device_name())
         return model.eval(), tokenizer, f"{args.model} ({dtype}, 1 process)"
-    if args.tp < 1 or world % args.tp != 0:
-        raise ValueError(f"--tp {args.tp} does not divide the {world} processes launched; choose a divisor")
     import deepspeed
 
     from ntl_pretrain.distributed import init_distributed
