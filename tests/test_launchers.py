@@ -41,9 +41,18 @@ def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tm
     torchrun = ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                 "launch/pretrain.sh", *demo_args(assets, runs["torchrun"], *extra)]
     assert "dp=1 tp=2 zero=3" in run_ok(torchrun, timeout=TIMEOUT).stdout
-    alone = run_ok([sys.executable, "launch/pretrain.sh", *demo_args(assets, runs["alone"], *extra)],
-                   env=_no_launcher_env(), timeout=TIMEOUT)
+    alone = run_ok([sys.executable, "launch/pretrain.sh", *demo_args(assets, runs["alone"], *extra[:1])],
+                   env=_no_launcher_env(), timeout=TIMEOUT)  # its final checkpoint is evaluated below
     assert "dp=1 tp=1 zero=3" in alone.stdout and "mpi4py" not in alone.stderr
+    # the evaluation tool on that run without a launcher: a world of one too (it was DeepSpeed's MPI discovery, a raw
+    # "No module named 'mpi4py'"), and a tag the run does not hold is one line
+    evaluated = run_ok([sys.executable, "tools/evaluate.py", "--run", str(runs["alone"]), "arithmetic_n=2",
+                        "arithmetic_max_new_tokens=2"], env=_no_launcher_env(), timeout=TIMEOUT)
+    assert "eval/arith/interpolation/n" in evaluated.stdout and "mpi4py" not in evaluated.stderr
+    missing = run([sys.executable, "tools/evaluate.py", "--run", str(runs["alone"]), "--tag", "global_step9"],
+                  env=_no_launcher_env(), timeout=TIMEOUT)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
+        "error: train.resume='global_step9': no such checkpoint"), missing.stderr[-2000:]
     for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/log_filter.py
         assert noise not in alone.stdout + alone.stderr, noise
     reference = read_scalars(runs["deepspeed"] / "tensorboard")

@@ -161,7 +161,7 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     """
     from deepspeed.accelerator import get_accelerator
 
-    from ntl_pretrain import distributed, lifecycle
+    from ntl_pretrain import distributed, launcher, lifecycle
     from ntl_pretrain.config import load_config
     from ntl_pretrain.model import load_tokenizer
     from ntl_pretrain.preflight import check_output_dir, number_vocab_for, preflight
@@ -173,6 +173,9 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     tag = _checkpoint_tag(args.run, args.tag)
     # the run folder where it is now, and the checkpoint to load, as a resume of the run would name them
     saved = load_config(config_path, [f"train.output_dir={args.run}", f"train.resume={tag}"])
+    # `python tools/evaluate.py --run` without a launcher: a world of one, as `python launch/pretrain.sh` alone
+    # (else DeepSpeed falls back to MPI discovery: a raw "No module named 'mpi4py'")
+    launcher.use_world_of_one()
     world = _world_size()
     checked = preflight(saved, world, get_accelerator().device_name() == "cpu", lifecycle.local_world_size())
     cfg = checked.run.cfg
