@@ -29,6 +29,11 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 procs="${NTL_CPU_PROCS:-2}"
+if ! [[ "$procs" =~ ^[0-9]+$ ]] || (( 10#$procs < 1 )); then  # 0 divided by zero below, -1 started 1 process
+    echo "error: NTL_CPU_PROCS='$procs' is not a positive number of CPU processes; set NTL_CPU_PROCS=N (default 2)" >&2
+    exit 2
+fi
+procs="$(( 10#$procs ))"
 # each CPU rank gets an equal share of the cores (oversubscribed BLAS threads make it crawl)
 cores="$(nproc)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / procs > 0 ? cores / procs : 1 ))}"

@@ -34,7 +34,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description="Continued pretraining / pretraining of a Hugging Face causal LM with CE + Number Token Loss "
                     "on DeepSpeed (ZeRO 0-3, AutoTP). Overrides: key.sub=value (values are YAML).",
         epilog="Configuration keys:\n" + help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML run configuration (e.g. configs/demo.yaml)")
+    parser.add_argument("--config", action="append", help="YAML run configuration (e.g. configs/demo.yaml)")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the configuration and print it with the DeepSpeed config; load nothing")
     parser.add_argument("--world-size", type=int, default=None,
@@ -45,7 +45,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by DeepSpeed's launcher (LOCAL_RANK is used)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
-    return parser.parse_intermixed_args(list(argv))
+    args = parser.parse_intermixed_args(list(argv))
+    args.configs_given, args.config = args.config or [], (args.config or [None])[-1]
+    return args
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """One --config (given twice, argparse keeps the last one silently) and a positive --world-size (0 was taken
+    as unset, -2 failed inside the dry run with "max() arg is an empty sequence")."""
+    if len(args.configs_given) > 1:
+        raise ConfigError(f"--config is given {len(args.configs_given)} times ({', '.join(args.configs_given)}); give "
+                          f"one file and change single keys with key.sub=value overrides")
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size} is not a number of processes; give 1 or more")
 
 
 def _report_error(error: BaseException) -> None:
@@ -71,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             launcher.check_accelerate_launch()
             check_versions()
+            check_arguments(args)
             cfg = load_config(args.config, args.overrides)
             if args.dry_run:
                 dry_run(cfg, args.world_size)

@@ -186,6 +186,11 @@ def _unknown_architecture_key(key: str, known: set[str], model_type: str) -> Val
                       f"as an unused attribute and copy it into the exported config.json){hint}")
 
 
+def _one_line(error: BaseException) -> str:
+    """A library error's message on one line (huggingface_hub's validation errors span two)."""
+    return " ".join(str(error).split()).rstrip(".")
+
+
 def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
     """The transformers config of the run's model: `model.name_or_path`'s config.json with
     `model.architecture` over it, or a new one from `model.architecture`. Every architecture key must be
@@ -194,7 +199,8 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
     Raises ValueError naming the key or path and the fix; with `local_files_only`, a hub id that is not
     cached raises FileNotFoundError (the dry run then skips the checks that need it).
     """
-    from transformers import AutoConfig
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 configs: a value of the wrong type or
+    from transformers import AutoConfig  # shape (vocab_size "60", hidden size not a multiple of the heads)
 
     if cfg.name_or_path is not None:
         name = cfg.name_or_path
@@ -206,6 +212,10 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
             config, unused = AutoConfig.from_pretrained(resolved, trust_remote_code=cfg.trust_remote_code,
                                                         local_files_only=local_files_only, return_unused_kwargs=True,
                                                         **cfg.architecture)
+        except StrictDataclassError as error:
+            raise ValueError(f"the model config of {name!r} (model.name_or_path) is refused by transformers: "
+                             f"{_one_line(error)}; fix its config.json or override the key with model.architecture.KEY"
+                             ) from None
         except (OSError, ValueError) as error:
             if local_files_only and not os.path.exists(resolved):
                 raise FileNotFoundError(name) from None
@@ -214,11 +224,14 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
         if unused:
             known = _known_config_keys(type(config), config)
             raise _unknown_architecture_key(sorted(unused)[0], known, config.model_type)
-        return config
+        return _check_vocab_size(config, f"the model config of {name!r} (model.name_or_path)")
     arch = dict(cfg.architecture)
     model_type = arch.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **arch)
+    except StrictDataclassError as error:
+        raise ValueError(f"model.architecture ({model_type}) is refused by transformers: {_one_line(error)}; fix "
+                         f"that key") from None
     except ValueError as error:
         raise ValueError(f"model.architecture.model_type={model_type!r}: {error}") from None
     try:
@@ -231,6 +244,15 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
         # a key the constructor absorbed (a legacy name it converts) does not stay behind as an attribute
         if key not in known and key in stored:
             raise _unknown_architecture_key(key, known, model_type)
+    return _check_vocab_size(config, "model.architecture")
+
+
+def _check_vocab_size(config: Any, where: str) -> Any:
+    """`config`, unless its vocab_size is below 1 (transformers accepts -1, then the build fails on a negative size)."""
+    size = getattr(config, "vocab_size", None)
+    if isinstance(size, int) and size < 1:
+        raise ValueError(f"{where} has vocab_size={size}; set the model's vocabulary size (at least the tokenizer's "
+                         f"length), e.g. model.architecture.vocab_size=N")
     return config
 
 
@@ -300,8 +322,16 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
                                                                   attn_implementation=attn, dtype=dtype)
         source = cfg.name_or_path
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, attn_implementation=attn,
-                                                     dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path, config=config, attn_implementation=attn, dtype=dtype,
+            trust_remote_code=cfg.trust_remote_code, output_loading_info=True)
+        if loading.get("missing_keys"):  # transformers initialises them randomly and goes on (with a report)
+            missing = sorted(loading["missing_keys"])
+            hint = ("; if the checkpoint ties its head to the input embedding, set "
+                    "model.architecture.tie_word_embeddings=true" if any("lm_head" in k for k in missing) else "")
+            raise ValueError(f"model.name_or_path={cfg.name_or_path!r}: the checkpoint has no weights for "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, which would start from random "
+                             f"values{hint}; else the files are incomplete (download them again)")
         source = cfg.name_or_path
     model_vocab = model_loading.full_shape(model.get_input_embeddings().weight)[0]
     resized_from = resize.old_rows if resize is not None else None

@@ -165,6 +165,39 @@ def test_links_and_folders_in_hf_are_never_copied(trained, tmp_path):
         assert not any(path.is_file() and b"PRIVATE KEY" in path.read_bytes() for path in written)
 
 
+def test_bad_shard_sizes_and_a_folder_inside_the_checkpoint_are_refused_before_it_is_read(trained, tmp_path,
+                                                                                         monkeypatch):
+    """huggingface_hub takes "0GB" and "-5GB" (every tensor in a file of its own) and refuses "1000000" (bytes, as
+    the docs allow); an export (or a universal conversion) into the checkpoint folder succeeded and left the
+    checkpoint refused by verification (the run could not resume). Each is one line before anything is hashed; a
+    plain byte count works."""
+    import shutil
+
+    from ntl_pretrain.checkpoint import CheckpointError, export, list_checkpoints, universal
+
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "global_step2"
+    shutil.copytree(trained / "t1_zero1_untied" / "global_step2", checkpoint)
+    verify = export.verify_checkpoint
+    monkeypatch.setattr(export, "verify_checkpoint", lambda path: pytest.fail("read before the arguments were checked"))
+    for size in ("0GB", "-5GB", "0", -1, "10XB", "5GiB", ""):
+        with pytest.raises(CheckpointError, match=r"max_shard_size=.* is not a size: give a positive number of bytes"):
+            export.export_hf(str(checkpoint), str(tmp_path / "out"), max_shard_size=size)
+    for inside in (checkpoint / "hf_export", checkpoint / "hf" / "x", checkpoint):
+        with pytest.raises(CheckpointError, match="inside the checkpoint|already exists"):
+            export.export_hf(str(checkpoint), str(inside))
+    with pytest.raises(CheckpointError, match="universal folder .* is inside the checkpoint"):  # tools/reshard.py --output
+        universal.convert_to_universal(str(checkpoint), str(checkpoint / "universal"))
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
+        p.name for p in (trained / "t1_zero1_untied" / "global_step2").iterdir())
+    monkeypatch.setattr(export, "verify_checkpoint", verify)
+    result = run_ok([sys.executable, "tools/export_hf.py", str(checkpoint), str(tmp_path / "out"),
+                     "--max-shard-size", "300000"], timeout=TIMEOUT)
+    assert "exported" in result.stdout and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert all(p.stat().st_size <= 300000 for p in (tmp_path / "out").glob("*.safetensors"))
+    assert [c.path for c in list_checkpoints(str(run_dir))] == [str(checkpoint)]  # still resumable
+
+
 def test_full_disk_during_the_export_says_no_space_left(trained, tmp_path, monkeypatch):
     """The disk fills while a shard is written (ENOSPC from the file system): one error naming the folder
     and its free space, no hint about another layout, and no partial export left."""

@@ -113,13 +113,21 @@ def test_real_gsm8k_gold_solutions_score_one_under_both_filters():
 
 
 def test_rows_without_a_final_answer_line_are_refused_naming_file_and_line(tmp_path: Path):
+    """A solution without "#### N", or whose N is no number either filter can return ("two", "18 eggs", text after
+    it): its gold could never be matched (the model's right answer scores 0), so the row is refused."""
     good = {"question": "1+1?", "answer": "1+1=2\n#### 2"}
-    for answer in ("1+1=2, so the answer is 2", "1+1=2\n####2", "1+1=2\n#### "):
+    for answer in ("1+1=2, so the answer is 2", "1+1=2\n####2", "1+1=2\n#### ", "1+1=2\n#### two",
+                   "1+1=2\n#### 2 apples", "1+1=2\n#### 2\nchecked by hand", "x\n#### -"):
         bad = {"question": "2+2?", "answer": answer}
-        assert score([answer], [gold_answer(answer)])[0] == {"strict-match": 0.0, "flexible-extract": 0.0}
+        right = "1+1=2\n#### 2"  # the model's right answer: the filters read 2, never the malformed gold
+        assert score([right], [gold_answer(answer)])[0] == {"strict-match": 0.0, "flexible-extract": 0.0}
         (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(row) for row in (good, good, bad)) + "\n")
         with pytest.raises(ValueError) as info:
             load_gsm8k(str(tmp_path / "test.jsonl"), "test")
-        assert f"GSM8K file {tmp_path / 'test.jsonl'} line 3: the answer has no final '#### N' line" in str(info.value)
-    (tmp_path / "test.jsonl").write_text(json.dumps(good) + "\n")
-    assert load_gsm8k(str(tmp_path / "test.jsonl"), "test") == [good]
+        assert f"GSM8K file {tmp_path / 'test.jsonl'} line 3: the answer does not end in a '#### N' line with a number N" \
+            in str(info.value)
+    fine = [good, {"question": "q", "answer": "x\n#### 1,000"}, {"question": "q", "answer": "x\n#### $-2.5."}]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in fine))
+    assert load_gsm8k(str(tmp_path / "test.jsonl"), "test") == fine
+    golds = [gold_answer(row["answer"]) for row in fine[1:]]
+    assert score(["#### 1000", "The total is -2.5"], golds)[0]["flexible-extract"] == 1.0

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 from helpers.distributed import free_port
-from helpers.launch import dry_run, launch_env, run
+from helpers.launch import launch_env, run
 
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.eval.config import EvalConfig
@@ -103,11 +102,23 @@ def test_benchmark_digits_must_match_the_generated_corpus():
     load_config(None, MINIMAL + [corpus, "eval.arithmetic_n=0"])  # no arithmetic benchmark: nothing to match
 
 
-def _dry_run(args: list[str]) -> subprocess.CompletedProcess:
-    return dry_run(*args)
+def test_dry_run_reads_the_gsm8k_files_and_names_a_broken_line(tmp_path, capsys, monkeypatch):
+    """Five dry runs of the trainer's command line (`cli.main --dry-run`), in this process: each started the
+    interpreter and its imports again as a subprocess (`helpers.launch.dry_run`, about 5 s each), for the same
+    exit code and lines."""
+    from types import SimpleNamespace
 
+    from ntl_pretrain import cli
 
-def test_dry_run_reads_the_gsm8k_files_and_names_a_broken_line(tmp_path):
+    monkeypatch.setattr("sys.argv", ["launch/pretrain.sh"])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def _dry_run(args: list[str]) -> SimpleNamespace:
+        returncode = cli.main(["--dry-run", *args])
+        captured = capsys.readouterr()
+        return SimpleNamespace(returncode=returncode, stdout=captured.out, stderr=captured.err)
+
     folder = _gsm8k_folder(tmp_path / "gsm8k", broken_line=3)
     room = "eval.gsm8k_max_new_tokens=64"
     result = _dry_run(["--config", "configs/demo.yaml", "--world-size", "2", f"eval.gsm8k_path={folder}", room])

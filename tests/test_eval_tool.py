@@ -100,6 +100,69 @@ def test_tool_rejects_unknown_settings(tmp_path: Path):
     with pytest.raises(ValueError, match="'a'.*twice|twice.*'a'"):
         tool.eval_config(tool.EvalConfig(), ["generate_options={a: 1, a: 2}"])
     assert tool.main(["--run", str(tmp_path)]) == 2  # not a run folder: an error message, exit code 2
+    # values are type-checked as the trainer checks eval.*: 1.5 problems, true, YAML 1.1's string '1e9' are refused
+    for override, message in (("arithmetic_n=1.5", "eval.arithmetic_n must be an integer, got float 1.5"),
+                              ("arithmetic_n=true", "eval.arithmetic_n must be an integer, got bool True"),
+                              ("arithmetic_n=1e9", "eval.arithmetic_n must be an integer, got str '1e9'"),
+                              ("gsm8k_path=5", "eval.gsm8k_path must be a string"),
+                              ("arithmetic_splits=[]", "eval.arithmetic_splits is empty but eval.arithmetic_n=200")):
+        with pytest.raises(ValueError) as info:
+            tool.eval_config(tool.EvalConfig(), [override])
+        assert message in str(info.value), (override, str(info.value))
+    assert tool.eval_config(tool.EvalConfig(), ["arithmetic_n=0", "arithmetic_splits=[]"]).arithmetic_n == 0
+    (tmp_path / "ntl_eval.json").write_text(json.dumps({"batch_size": "16"}))  # a run's saved settings, edited
+    with pytest.raises(ValueError, match=f"{tmp_path / 'ntl_eval.json'}: eval.batch_size must be an integer, got str"):
+        tool.eval_config(tool.model_eval_settings(tool.parse_args(["--model", str(tmp_path)]))[0], [])
+    # overrides before and after the options, as with the trainer's command line
+    args = tool.parse_args(["--model", "m", "arithmetic_n=2", "--output-dir", "out", "batch_size=4", "--dtype", "fp32"])
+    assert args.overrides == ["arithmetic_n=2", "batch_size=4"] and args.output_dir == "out"
+
+
+def test_tool_refuses_an_incomplete_model_folder_in_one_line(tmp_path: Path, capsys, monkeypatch):
+    """An export without tokenizer files or without weights was a raw transformers traceback, and a tokenizer
+    without EOS with the default document prompts one from inside the evaluation, after the weights loaded (as was
+    a --tp that does not divide the processes)."""
+    import shutil
+
+    import transformers
+    from helpers.models import char_tokenizer, eval_llama
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tool = _load_tool()
+    complete = tmp_path / "model"
+    eval_llama(len(char_tokenizer())).save_pretrained(complete)
+    char_tokenizer().save_pretrained(complete)
+    folders = {name: tmp_path / name for name in ("no_tokenizer", "no_weights", "no_eos")}
+    for folder in folders.values():
+        shutil.copytree(complete, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folders["no_tokenizer"] / name).unlink()
+        (folders["no_eos"] / name).unlink()
+    (folders["no_weights"] / "model.safetensors").unlink()
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate("0123456789+=")}}, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(folders["no_eos"])
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    expected = {"no_tokenizer": f"error: folder '{folders['no_tokenizer']}' holds no tokenizer",
+                "no_weights": f"error: cannot load the model weights of '{folders['no_weights']}': Error no file named "
+                              f"model.safetensors",
+                "no_eos": "error: eval.arithmetic_prompt_format=document puts the EOS token before each prompt, but "
+                          "the tokenizer has no EOS token; set eval.arithmetic_prompt_format=plain"}
+    for name, message in expected.items():
+        if name == "no_eos":  # refused before the weights load
+            monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                                classmethod(lambda cls, *a, **k: pytest.fail("loaded the weights first")))
+        assert tool.main(["--model", str(folders[name]), "arithmetic_n=2", "--output-dir", str(tmp_path / "out")]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+        assert len(errors) == 1 and errors[0].startswith(message), (name, errors)
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("loaded the weights before --tp was checked")))
+    for tp in ("0", "2"):  # one process: refused before the weights load (they loaded first)
+        assert tool.main(["--model", str(complete), "--tp", tp, "arithmetic_n=2"]) == 2
+        assert f"error: --tp {tp} does not divide the 1 processes launched" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 TINY_RUN = """

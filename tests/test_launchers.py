@@ -41,9 +41,18 @@ def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tm
     torchrun = ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                 "launch/pretrain.sh", *demo_args(assets, runs["torchrun"], *extra)]
     assert "dp=1 tp=2 zero=3" in run_ok(torchrun, timeout=TIMEOUT).stdout
-    alone = run_ok([sys.executable, "launch/pretrain.sh", *demo_args(assets, runs["alone"], *extra)],
-                   env=_no_launcher_env(), timeout=TIMEOUT)
+    alone = run_ok([sys.executable, "launch/pretrain.sh", *demo_args(assets, runs["alone"], *extra[:1])],
+                   env=_no_launcher_env(), timeout=TIMEOUT)  # its final checkpoint is evaluated below
     assert "dp=1 tp=1 zero=3" in alone.stdout and "mpi4py" not in alone.stderr
+    # the evaluation tool on that run without a launcher: a world of one too (it was DeepSpeed's MPI discovery, a raw
+    # "No module named 'mpi4py'"), and a tag the run does not hold is one line
+    evaluated = run_ok([sys.executable, "tools/evaluate.py", "--run", str(runs["alone"]), "arithmetic_n=2",
+                        "arithmetic_max_new_tokens=2"], env=_no_launcher_env(), timeout=TIMEOUT)
+    assert "eval/arith/interpolation/n" in evaluated.stdout and "mpi4py" not in evaluated.stderr
+    missing = run([sys.executable, "tools/evaluate.py", "--run", str(runs["alone"]), "--tag", "global_step9"],
+                  env=_no_launcher_env(), timeout=TIMEOUT)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
+        "error: train.resume='global_step9': no such checkpoint"), missing.stderr[-2000:]
     for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/log_filter.py
         assert noise not in alone.stdout + alone.stderr, noise
     reference = read_scalars(runs["deepspeed"] / "tensorboard")
@@ -119,3 +128,39 @@ def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monke
     assert f"{name} {fake or '(not installed)'} installed" in lines[0]
     assert all(f"{dist}{spec}" in lines[0] for dist, spec in versions.SUPPORTED.items())
     assert "RANK" not in os.environ  # refused before a world of one is set up
+
+
+def test_config_given_twice_and_a_bad_world_size_are_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    """`--config a.yaml --config b.yaml` ran b silently (argparse keeps the last); refused naming both, before any
+    file is read, and so is a --world-size below 1; one file in a folder with spaces still works."""
+    from ntl_pretrain import cli
+
+    monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
+    for variable in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert cli.main(["--config", "configs/demo.yaml", "--dry-run", "--config=configs/qwen2.5_0.5b_cpt.yaml"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: --config is given 2 times (configs/demo.yaml, configs/qwen2.5_0.5b_cpt.yaml); give one "
+                     "file and change single keys with key.sub=value overrides"], lines
+    for size in ("0", "-2"):  # 0 was taken as unset (a world of 1), -2 failed with "max() arg is an empty sequence"
+        assert cli.main(["--config", "configs/demo.yaml", "--dry-run", "--world-size", size]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: --world-size {size} is not a number of processes; give 1 or more"]
+    spaced = tmp_path / "my configs" / "demo copy.yaml"
+    spaced.parent.mkdir()
+    spaced.write_text((REPO_ROOT / "configs" / "demo.yaml").read_text())
+    assert cli.main(["--config", str(spaced), "--dry-run"]) == 0
+    assert "dry run OK" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # bash launch/pretrain.sh: on a regression it starts DeepSpeed's launcher (refused by the config)
+def test_a_bad_cpu_process_count_is_refused_before_the_launcher_starts(tmp_path):
+    """NTL_CPU_PROCS=0 was a bash division by zero, `abc` an unbound variable, -1 started one process saying
+    "starting -1 CPU processes": each is one line naming the value and the fix, exit 2, nothing started."""
+    for procs in ("0", "abc", "-1", "2 2"):
+        result = run(["bash", "launch/pretrain.sh", "--config", "configs/demo.yaml", f"train.output_dir={tmp_path / 'run'}",
+                      "train.max_steps=-5"], env=launch_env(NTL_CPU_PROCS=procs), timeout=TIMEOUT)
+        assert result.returncode == 2, (procs, result.stderr[-2000:])
+        assert result.stderr.strip().splitlines() == [
+            f"error: NTL_CPU_PROCS='{procs}' is not a positive number of CPU processes; set NTL_CPU_PROCS=N (default 2)"]
+        assert not (tmp_path / "run").exists()

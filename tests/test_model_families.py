@@ -313,3 +313,33 @@ def test_docs_table_is_the_registry():
     from ntl_pretrain.model_families import families_table
 
     assert families_table() in (REPO / "docs" / "training.md").read_text(encoding="utf-8")
+
+
+def test_a_config_json_transformers_refuses_is_one_line_naming_the_folder(tmp_path):
+    """transformers 5 validates configs strictly (huggingface_hub's StrictDataclassError, neither ValueError nor
+    OSError): a config.json with vocab_size "60", tie_word_embeddings null or 3 heads for hidden size 16, and the
+    same in model.architecture, were raw tracebacks from --dry-run and the trainer."""
+    from transformers import LlamaConfig
+
+    from ntl_pretrain.config import ModelConfig
+    from ntl_pretrain.model import load_model_config
+
+    good = LlamaConfig(vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2).to_dict()
+    for key, value, message in (("vocab_size", "60", "Field 'vocab_size' expected int, got str"),
+                                ("tie_word_embeddings", None, "Field 'tie_word_embeddings' expected bool"),
+                                ("num_attention_heads", 3, "hidden size (16) is not a multiple of the number of "
+                                                           "attention heads (3)"),
+                                ("vocab_size", -1, "has vocab_size=-1")):  # accepted, then a negative tensor size
+        folder = tmp_path / f"{key}_{value}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**good, key: value}))
+        with pytest.raises(ValueError) as info:
+            load_model_config(ModelConfig(name_or_path=str(folder)))
+        text = str(info.value)
+        assert f"the model config of '{folder}' (model.name_or_path)" in text, text
+        assert message in text and "\n" not in text and ("fix its config.json" in text or "vocabulary size" in text), text
+    with pytest.raises(ValueError) as info:
+        load_model_config(ModelConfig(architecture={"model_type": "llama", "hidden_size": 16, "num_attention_heads": 3}))
+    assert str(info.value).startswith("model.architecture (llama) is refused by transformers") and "\n" not in str(
+        info.value)

@@ -72,12 +72,32 @@ def tokenizer_dir(tmp_path_factory, bpe_tokenizer) -> Path:
     return folder
 
 
-def test_sharded_checkpoint_loads_partitioned_with_the_files_values(tmp_path, tokenizer_dir, bpe_tokenizer):
+SCRATCH_ARCHITECTURE = {"model_type": "llama", **ARCH}
+
+
+@pytest.fixture(scope="module")
+def t1_loads(tmp_path_factory, tokenizer_dir, bpe_tokenizer) -> dict[str, tuple[Path | None, dict]]:
+    """The three T=1 builds on 2 ranks in one launch (one DeepSpeed start): {case: (model folder, worker result)}:
+    "sharded" (untied, several shards, no resize), "resized" (tied, 16 rows short of the tokenizer, grown while
+    reading), "scratch" (no model.name_or_path: SCRATCH_ARCHITECTURE built partitioned)."""
+    root = tmp_path_factory.mktemp("t1_loads")
+    folders = {"sharded": _save_model(root / "sharded", len(bpe_tokenizer), tied=False, max_shard_size="30KB"),
+               "resized": _save_model(root / "resized", len(bpe_tokenizer) - 16, tied=True), "scratch": None}
+    jobs = {"sharded": ["0"], "resized": ["1"], "scratch": ["0", "1", json.dumps(SCRATCH_ARCHITECTURE)]}
+    args: list[str] = []
+    for name, folder in folders.items():
+        (root / name / "out").mkdir(parents=True)
+        args += ["--"] * bool(args) + [str(folder or "-"), str(tokenizer_dir), str(root / name / "out" / "gathered.pt"),
+                                       "1", *(jobs[name] if name == "scratch" else [jobs[name][0], "1"])]
+    run_workers("model_loading.py", 2, args, timeout=TIMEOUT + 120)
+    return {name: (folder, torch.load(root / name / "out" / "gathered.pt")) for name, folder in folders.items()}
+
+
+def test_sharded_checkpoint_loads_partitioned_with_the_files_values(t1_loads):
     from transformers import AutoModelForCausalLM
 
-    model_dir = _save_model(tmp_path / "model", len(bpe_tokenizer), tied=False, max_shard_size="30KB")
+    model_dir, result = t1_loads["sharded"]
     assert (model_dir / "model.safetensors.index.json").is_file()  # several shards
-    result = _run(tmp_path, model_dir, tokenizer_dir, resize=False)
     files = _file_weights(model_dir)
     assert set(result["state"]) == set(files)
     for name, tensor in files.items():
@@ -88,14 +108,13 @@ def test_sharded_checkpoint_loads_partitioned_with_the_files_values(tmp_path, to
     torch.testing.assert_close(result["logits"], _logits(reference), rtol=1e-5, atol=1e-5)
 
 
-def test_resize_while_loading_equals_the_full_model_resize(tmp_path, tokenizer_dir, bpe_tokenizer):
+def test_resize_while_loading_equals_the_full_model_resize(t1_loads, bpe_tokenizer):
     from transformers import AutoModelForCausalLM
 
     from ntl_pretrain.tokenizer.resize import resize_model_embeddings
 
     old_rows = len(bpe_tokenizer) - 16
-    model_dir = _save_model(tmp_path / "model", old_rows, tied=True)
-    result = _run(tmp_path, model_dir, tokenizer_dir, resize=True)
+    model_dir, result = t1_loads["resized"]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     resize = resize_model_embeddings(reference, bpe_tokenizer, 64, init="mean")
     expected = dict(reference.named_parameters())
@@ -147,18 +166,15 @@ def test_autotp_load_reads_each_ranks_slices_with_the_resize(tmp_path, tokenizer
     _assert_held_the_tp_slices(result, {name for name in result["full"] if "proj" in name or "embed" in name})
 
 
-def test_from_scratch_build_is_partitioned_with_the_whole_builds_weights(tmp_path, tokenizer_dir, bpe_tokenizer):
+def test_from_scratch_build_is_partitioned_with_the_whole_builds_weights(t1_loads, bpe_tokenizer):
     """No model.name_or_path, ZeRO-3, T=1: each rank holds half of every parameter before initialize, and
-    the weights are those of the whole build (`build_model` without a DeepSpeed config) with the same seed."""
+    the weights are those of the whole build (`build_model` without a DeepSpeed config) with the same seed (the
+    launch's third job: the seed is the build's own, not the process's state after the two loads before it)."""
     from ntl_pretrain.config import ModelConfig
     from ntl_pretrain.model import build_model
 
-    architecture = {"model_type": "llama", **ARCH}
-    out = tmp_path / "gathered.pt"
-    run_workers("model_loading.py", 2, ["-", str(tokenizer_dir), str(out), "1", "0", "1", json.dumps(architecture)],
-                timeout=TIMEOUT)
-    result = torch.load(out)
-    whole, report = build_model(ModelConfig(architecture=architecture, dtype="fp32", attn_implementation="eager"),
+    _, result = t1_loads["scratch"]
+    whole, report = build_model(ModelConfig(architecture=SCRATCH_ARCHITECTURE, dtype="fp32", attn_implementation="eager"),
                                 bpe_tokenizer, 1)
     expected = dict(whole.named_parameters())
     assert set(result["state"]) == set(expected) and result["report"] == asdict(report)
@@ -215,6 +231,92 @@ def test_a_folder_without_safetensors_names_the_fix(tmp_path):
 
     with pytest.raises(ValueError, match="model.partitioned_load=false"):
         safetensors_files(str(tmp_path))
+
+
+def _damaged(source: Path, folder: Path, damage) -> str:
+    import shutil
+
+    shutil.copytree(source, folder)
+    damage(folder)
+    return str(folder)
+
+
+def test_a_damaged_download_is_named_before_the_model_is_built(tmp_path):
+    """An index naming a shard that is absent, outside the folder or without the tensor; an index or a shard that
+    is not JSON / cut short: one ValueError naming the file (before: FileNotFoundError, JSONDecodeError, KeyError
+    or AttributeError from inside the build), raised by `safetensors_files`, which every rank calls first."""
+    from ntl_pretrain.model_loading import safetensors_files
+
+    source = _save_model(tmp_path / "model", vocab=64, tied=False, max_shard_size="40KB")
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and len(safetensors_files(str(source))) == len(index["weight_map"])
+
+    def with_map(change):
+        def damage(folder: Path) -> None:
+            (folder / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": change(
+                dict(index["weight_map"]))}))
+        return damage
+
+    def cut(name: str, keep: int):
+        return lambda folder: os.truncate(folder / name, keep)
+
+    cases = {
+        "missing shard": (lambda folder: (folder / shards[1]).unlink(), f"in '{shards[1]}', which is not in"),
+        "name outside": (with_map(lambda m: {**m, "lm_head.weight": "../model/" + shards[0]}),
+                         "'../model/" + shards[0] + "', which is not a file name inside the model folder"),
+        "absolute name": (with_map(lambda m: {**m, "lm_head.weight": "/etc/passwd"}), "'/etc/passwd', which is not"),
+        "tensor not in shard": (with_map(lambda m: {**m, "extra.weight": shards[0]}),
+                                f"puts 'extra.weight' (1 tensors) in '{shards[0]}', which does not hold it"),
+        "index not json": (lambda folder: (folder / "model.safetensors.index.json").write_text("{"),
+                           'is not a safetensors index (a JSON object whose "weight_map"'),
+        "weight_map list": (lambda folder: (folder / "model.safetensors.index.json").write_text('{"weight_map": []}'),
+                            "is not a safetensors index"),
+        "header cut": (cut(shards[0], 20), f"{shards[0]}' is not a complete safetensors file (20 bytes"),
+        "data cut": (cut(shards[0], (source / shards[0]).stat().st_size - 8), f"{shards[0]}' is truncated"),
+    }
+    for label, (damage, message) in cases.items():
+        with pytest.raises(ValueError) as info:
+            safetensors_files(_damaged(source, tmp_path / label.replace(" ", "_"), damage))
+        assert message in str(info.value), (label, str(info.value))
+        assert "download" in str(info.value) or "fix the index" in str(info.value), label
+
+
+def test_an_untied_config_without_a_head_in_the_files_names_the_tie_setting(tmp_path, bpe_tokenizer):
+    """A tied checkpoint (no lm_head.weight in its files) under a config saying tie_word_embeddings=false: the
+    partitioned load told the user to set model.partitioned_load=false, whose from_pretrained then trained from a
+    randomly initialised head (transformers only prints a report). Both loads name the tie setting instead, and
+    with it set the files serve every parameter."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ntl_pretrain.config import ModelConfig
+    from ntl_pretrain.model import build_model
+    from ntl_pretrain.model_loading.reading import TensorReader, file_keys, safetensors_files
+
+    folder = _save_model(tmp_path / "model", vocab=64, tied=False)
+    weights = _file_weights(folder)
+    del weights["lm_head.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    for tied in (False, True):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=64, tie_word_embeddings=tied,
+                                                                      **ARCH))
+        with TensorReader(safetensors_files(str(folder))) as reader:
+            if tied:
+                keys, _ = file_keys(model, str(folder), reader.files, reader, None)
+                assert set(keys) == {name for name, _ in model.named_parameters()}
+                continue
+            with pytest.raises(ValueError) as info:
+                file_keys(model, str(folder), reader.files, reader, None)
+        assert "hold no output head (lm_head.weight) but the config has tie_word_embeddings=false" in str(info.value)
+        assert "model.architecture.tie_word_embeddings=true" in str(info.value)
+        assert "partitioned_load=false" not in str(info.value)
+    with pytest.raises(ValueError, match=r"the checkpoint has no weights for \['lm_head.weight'\], which would start "
+                                         r"from random values; if the checkpoint ties its head .*tie_word_embeddings=true"):
+        build_model(ModelConfig(name_or_path=str(folder), dtype="fp32", resize_embeddings=True), bpe_tokenizer, 1)
+    model, _ = build_model(ModelConfig(name_or_path=str(folder), dtype="fp32", resize_embeddings=True,
+                                       architecture={"tie_word_embeddings": True}), bpe_tokenizer, 1)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
 def test_partitioned_load_applies_to_zero3_only():

@@ -106,6 +106,12 @@ def test_empty_corpus(gpt2_style, tmp_path):
     bad_jsonl.write_text('{"text": "1 2 3"}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl' line 2 is not valid JSON"):
         read_corpus(bad_jsonl)
+    with pytest.raises(ValueError, match="is not a regular file; give a .txt or .jsonl file"):  # was "does not exist"
+        split_digits(gpt2_style, tmp_path / "out", corpus=tmp_path)
+    no_text = tmp_path / "numbers.jsonl"  # rows whose fields are no strings: named as such, not just "empty"
+    no_text.write_text('{"text": 5}\n[1, 2]\nnull\n')
+    with pytest.raises(ValueError, match="is empty.*JSON lines give their string fields text, content"):
+        read_corpus(no_text)
     assert not (tmp_path / "out").exists() and not (tmp_path / "spm").exists()
 
 

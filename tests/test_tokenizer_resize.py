@@ -187,3 +187,19 @@ def test_resize_model_command(tokenizers_before_after, tmp_path):
     assert json.loads((out / "resize_report.json").read_text())["copied_from"] == {"7": "▁7"}
     # an existing output folder is refused without --force
     assert tool["main"](["resize-model", str(tmp_path / "model"), str(root / "split"), str(out)]) == 2
+
+
+def test_resize_model_refuses_its_arguments_before_loading_the_model(tokenizers_before_after, tmp_path, monkeypatch,
+                                                                      capsys):
+    """`resize-model --pad-to-multiple-of 0` loaded the whole model (minutes for an 8B one) before refusing."""
+    import transformers
+
+    _before, _after, root = tokenizers_before_after
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("the model was loaded before the arguments")))
+    tool = runpy.run_path(str(REPO / "tools" / "tokenizer.py"))
+    for bad in ("0", "-64"):
+        assert tool["main"](["resize-model", str(tmp_path / "no_model"), str(root / "split"), str(tmp_path / "out"),
+                             "--pad-to-multiple-of", bad]) == 2
+        assert f"error: pad_to_multiple_of={bad} must be a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -57,7 +57,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     parser.add_argument("overrides", nargs="*", help="EvalConfig settings as key=value (e.g. arithmetic_n=500)")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
 
 
 def eval_config(base: EvalConfig, overrides: Sequence[str]) -> EvalConfig:
@@ -99,25 +99,34 @@ def _accelerator_name() -> str:
     return get_accelerator().device_name()
 
 
-def load_hf_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """(model or engine, tokenizer, description) for an exported HF folder."""
+def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, str]:
+    """(model or engine, tokenizer, description) for an exported HF folder; the tokenizer is loaded and checked
+    against `cfg` first (a refusal before the weights load)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    from ntl_pretrain.eval.hooks import check_eval_tokenizer
+    from ntl_pretrain.tokenizer.loading import load_tokenizer
+
+    world = _world_size()
+    if args.tp < 1 or world % args.tp != 0:  # before anything loads
+        raise ValueError(f"--tp {args.tp} does not divide the {world} processes launched; choose a divisor")
+    # the trainer's loader (folders our tools wrote load verbatim; a folder without tokenizer files is one line)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    check_eval_tokenizer(cfg, tokenizer)
     on_cpu = _accelerator_name() == "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if on_cpu else "bf16")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
-    world = _world_size()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
+    except OSError as error:  # no weights file in the folder, a hub id that does not exist
+        raise ValueError(f"cannot load the model weights of {args.model!r}: {' '.join(str(error).split())}") from None
     if world == 1 and args.tp == 1:
         if not on_cpu:
             from deepspeed.accelerator import get_accelerator
 
             model = model.to(get_accelerator().current_device_name())
         return model.eval(), tokenizer, f"{args.model} ({dtype}, 1 process)"
-    if args.tp < 1 or world % args.tp != 0:
-        raise ValueError(f"--tp {args.tp} does not divide the {world} processes launched; choose a divisor")
     import deepspeed
 
     from ntl_pretrain.distributed import init_distributed
@@ -152,7 +161,7 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     """
     from deepspeed.accelerator import get_accelerator
 
-    from ntl_pretrain import distributed, lifecycle
+    from ntl_pretrain import distributed, launcher, lifecycle
     from ntl_pretrain.config import load_config
     from ntl_pretrain.model import load_tokenizer
     from ntl_pretrain.preflight import check_output_dir, number_vocab_for, preflight
@@ -164,6 +173,9 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     tag = _checkpoint_tag(args.run, args.tag)
     # the run folder where it is now, and the checkpoint to load, as a resume of the run would name them
     saved = load_config(config_path, [f"train.output_dir={args.run}", f"train.resume={tag}"])
+    # `python tools/evaluate.py --run` without a launcher: a world of one, as `python launch/pretrain.sh` alone
+    # (else DeepSpeed falls back to MPI discovery: a raw "No module named 'mpi4py'")
+    launcher.use_world_of_one()
     world = _world_size()
     checked = preflight(saved, world, get_accelerator().device_name() == "cpu", lifecycle.local_world_size())
     cfg = checked.run.cfg
@@ -224,7 +236,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             validate_eval_inputs(cfg, max_position_embeddings=positions, read_hub=True)
             _notice(is_main, f"evaluation settings: {settings_source}")
             _notice(is_main, f"loading {args.model} on {_world_size()} process(es) ...")
-            model, tokenizer, description = load_hf_model(args)
+            model, tokenizer, description = load_hf_model(args, cfg)
             step = args.step if args.step is not None else 0
             output_dir = args.output_dir or default_output_dir(args.model)
         else:

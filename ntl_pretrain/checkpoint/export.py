@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..fs import apply_umask_modes, commit_directory, is_full_disk, write_json_atomic
-from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, folder_bytes
+from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, check_output_outside, folder_bytes
 from .integrity import verify_checkpoint
 from .safe_loading import safe_load
 from .staging import make_staging, remove_staging
@@ -434,6 +434,36 @@ def published_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str
     return layout
 
 
+def max_shard_bytes(size: str | int) -> int:
+    """`max_shard_size` in bytes: a positive number of bytes (an int or a string of digits) or a number with one of
+    the units KB, MB, GB, TB (huggingface_hub's reading, as `save_pretrained` reads it). Refused otherwise: a size
+    below one byte ("0GB", "-5GB", which huggingface_hub accepts) would put every tensor in a file of its own."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if isinstance(size, str) and size.strip().isdigit():
+        size = int(size)
+    if isinstance(size, int) and not isinstance(size, bool):
+        size_bytes = size
+    else:
+        try:
+            size_bytes = parse_size_to_int(size)
+        except (ValueError, OverflowError, TypeError, AttributeError):
+            size_bytes = 0
+    if size_bytes < 1:
+        raise CheckpointError(f"max_shard_size={size!r} is not a size: give a positive number of bytes or a number "
+                              f"with one of the units KB, MB, GB, TB (e.g. 5GB, 500MB)")
+    return size_bytes
+
+
+def _check_export_folder(checkpoint_path: str, out_dir: str) -> None:
+    """Refuse an export folder that exists with content or lies inside the checkpoint (the export would add an
+    unlisted folder to it, and verification then refuses the checkpoint: the run could not resume from it)."""
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise CheckpointError(f"export folder {out_dir!r} already exists and is not empty; choose another one "
+                              f"(nothing was overwritten)")
+    check_output_outside(checkpoint_path, out_dir, "export")
+
+
 def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, max_shard_size: str | int = "5GB") -> dict:
     """Export a checkpoint folder (any ZeRO stage 1-3, any TP size; CPU only) as a Hugging Face model folder.
 
@@ -445,7 +475,7 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
         checkpoint_path: `RUN/global_stepN` (or its universal form).
         out_dir: the new Hugging Face folder.
         dtype: bf16 | fp16 | fp32; default: the training dtype recorded in the checkpoint's config.json.
-        max_shard_size: largest shard, e.g. "5GB" or a number of bytes.
+        max_shard_size: largest shard, e.g. "5GB" or a number of bytes (`max_shard_bytes`).
     Returns:
         {"seconds", "bytes", "parameters", "files"} of the export.
     """
@@ -455,15 +485,14 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
     started = time.perf_counter()
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    shard_bytes = max_shard_bytes(max_shard_size)  # the arguments first: before a checkpoint is hashed
+    _check_export_folder(checkpoint_path, out_dir)
     manifest = verify_checkpoint(checkpoint_path)
     assets = os.path.join(checkpoint_path, HF_DIR)
     config_file = os.path.join(assets, "config.json")
     if os.path.islink(assets) or os.path.islink(config_file) or not os.path.isfile(config_file):
         raise CheckpointError(f"checkpoint {checkpoint_path!r} has no {HF_DIR}/config.json (a regular file, not a "
                               f"symbolic link) to export with")
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise CheckpointError(f"export folder {out_dir!r} already exists and is not empty; choose another one "
-                              f"(nothing was overwritten)")
     config = AutoConfig.from_pretrained(assets)
     saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     target = EXPORT_DTYPES[dtype] if dtype else (saved_dtype if isinstance(saved_dtype, torch.dtype) else
@@ -486,11 +515,8 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
     layout = published_layout(reference, {name: expected[name] for name in names})
     shapes = {published: shape for published, (_, shape) in layout.items()}
     plan = {published: torch.empty(shape, dtype=target, device="meta") for published, shape in shapes.items()}
-    try:
-        split = split_torch_state_dict_into_shards(plan, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=max_shard_size)
-    except ValueError as error:
-        raise CheckpointError(f"max_shard_size={max_shard_size!r} is not a size such as 5GB or 500MB ({error})") from None
+    split = split_torch_state_dict_into_shards(plan, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=shard_bytes)
 
     def full(name: str) -> torch.Tensor:
         tensor = source.full(name)

@@ -185,6 +185,15 @@ def check_manifest(manifest: Any, path: str) -> None:
                               f"{tag_for_step(manifest['step'])} or remove it")
 
 
+def check_output_outside(checkpoint_path: str, output_path: str, what: str) -> None:
+    """Refuse an output folder inside the checkpoint: it would add an unlisted folder to the checkpoint, and
+    verification then refuses the checkpoint (the run could no longer resume from it)."""
+    checkpoint, output = os.path.realpath(checkpoint_path), os.path.realpath(output_path)
+    if os.path.commonpath([checkpoint, output]) == checkpoint:
+        raise CheckpointError(f"{what} folder {output_path!r} is inside the checkpoint {checkpoint_path!r}, whose "
+                              f"verification would then refuse it; write it beside the checkpoint")
+
+
 def folder_bytes(path: str) -> int:
     """Bytes of all files under a folder."""
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)

@@ -103,6 +103,9 @@ class EvalConfig:
         bad_splits = [s for s in self.arithmetic_splits if s not in SPLITS or s == "train"]
         if bad_splits:
             raise ValueError(f"eval.arithmetic_splits has {bad_splits}; use 'interpolation' and/or 'extrapolation'")
+        if self.arithmetic_n > 0 and not self.arithmetic_splits:  # else "arithmetic on" evaluates nothing, silently
+            raise ValueError(f"eval.arithmetic_splits is empty but eval.arithmetic_n={self.arithmetic_n}; name "
+                             f"interpolation and/or extrapolation, or set eval.arithmetic_n=0 to skip arithmetic")
         bad_ops = [op for op in self.arithmetic_ops if op not in ALL_OPS]
         if bad_ops or not self.arithmetic_ops:
             raise ValueError(f"eval.arithmetic_ops={list(self.arithmetic_ops)} must be a non-empty list of {list(ALL_OPS)}")
@@ -133,14 +136,17 @@ class EvalConfig:
 
 
 def eval_config_from_dict(values: dict[str, Any], where: str = "eval") -> EvalConfig:
-    """An EvalConfig from a mapping; an unknown key is an error naming the nearest valid one."""
+    """An EvalConfig from a mapping; an unknown key is an error naming the nearest valid one, and every value is
+    type-checked as the trainer's config checks `eval.*` (`arithmetic_n=1.5` or `true` is refused, not used)."""
+    from ntl_pretrain.config.parsing import _build  # the run config's typed build; imported here (config imports us)
+
     names = [f.name for f in dataclasses.fields(EvalConfig)]
     for key in values:
         if key not in names:
             nearest = difflib.get_close_matches(str(key), names, n=1, cutoff=0.0)
             raise ValueError(f"unknown evaluation setting {key!r} in {where}; did you mean {nearest[0]!r}? "
                              f"Valid keys: {', '.join(names)}")
-    return EvalConfig(**values)
+    return _build(EvalConfig, dict(values), "eval.")
 
 
 def save_eval_settings(folder: str, cfg: EvalConfig) -> str:
@@ -160,7 +166,11 @@ def load_eval_settings(folder: str) -> EvalConfig | None:
         raise ValueError(f"{path} is not valid JSON ({error}); delete it to evaluate with default settings") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a mapping of evaluation settings")
-    return eval_config_from_dict(values, where=path)
+    try:
+        return eval_config_from_dict(values, where=path)
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if path in message else f"{path}: {message}") from None
 
 
 def check_corpus_digits(cfg: EvalConfig, corpora: Iterable[tuple[str, dict[str, Any]]]) -> None:

@@ -94,11 +94,14 @@ def extract_answer(text: str, mode: str = "strict", variant: str = "gsm8k") -> s
 
 
 _FINAL_ANSWER = re.compile(r"#### \S")  # what normalize() strips up to; without it the gold is the whole solution
+# What either filter can return once normalised (digits, '.', a leading '-'): a gold of any other form ("#### two",
+# "#### 18 eggs", "#### 18\nmore text") is never matched, so such a row would only lower the accuracy.
+_MATCHABLE_GOLD = re.compile(r"-?[0-9.]*[0-9][0-9.]*")
 
 
 def has_final_answer(solution: str) -> bool:
-    """Whether a GSM8K solution ends in the "#### N" line its gold answer is read from."""
-    return _FINAL_ANSWER.search(solution) is not None
+    """Whether a GSM8K solution ends in a "#### N" line with a number N, the gold answer the filters can match."""
+    return _FINAL_ANSWER.search(solution) is not None and _MATCHABLE_GOLD.fullmatch(gold_answer(solution)) is not None
 
 
 def gold_answer(solution: str) -> str:
@@ -136,8 +139,8 @@ def _read_jsonl(data_file: str) -> list[dict[str, Any]]:
                     raise ValueError(f"GSM8K file {data_file} line {number} is not an object with string 'question' "
                                      f"and 'answer' fields: fix or remove that line")
                 if not has_final_answer(row["answer"]):
-                    raise ValueError(f"GSM8K file {data_file} line {number}: the answer has no final '#### N' line, so "
-                                     f"its gold answer could never be matched: fix or remove that line")
+                    raise ValueError(f"GSM8K file {data_file} line {number}: the answer does not end in a '#### N' line with "
+                                     f"a number N, so its gold answer could never be matched: fix or remove that line")
                 rows.append(row)
     except UnicodeDecodeError as error:
         raise ValueError(f"GSM8K file {data_file} is not UTF-8 text (byte {error.start}): convert it to UTF-8") from None
@@ -182,7 +185,7 @@ def _load_split(path: str, split: str, dataset_config: str) -> tuple[dict[str, s
     for index, row in enumerate(rows):
         if not (isinstance(row["question"], str) and isinstance(row["answer"], str) and has_final_answer(row["answer"])):
             raise ValueError(f"GSM8K data at {path!r} ({split}) row {index}: not a string question and an answer ending "
-                             f"in a '#### N' line, so it could never be scored; fix or filter that row")
+                             f"in a '#### N' line with a number N, so it could never be scored; fix or filter that row")
     return rows
 
 

@@ -72,6 +72,14 @@ def _progress(show: bool, label: str, what: str, model: Any, dp_group: Any) -> G
     return GenerationProgress(label)
 
 
+def check_eval_tokenizer(cfg: EvalConfig, tokenizer: Any) -> None:
+    """Refuse settings the tokenizer cannot serve (checked by tools/evaluate.py before the weights load)."""
+    if cfg.arithmetic_n > 0 and cfg.arithmetic_splits and cfg.arithmetic_prompt_format == "document" \
+            and tokenizer.eos_token_id is None:
+        raise ValueError("eval.arithmetic_prompt_format=document puts the EOS token before each prompt, but the "
+                         "tokenizer has no EOS token; set eval.arithmetic_prompt_format=plain")
+
+
 def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group: Any = None,
                         tp_group: Any = None,
                         show_progress: bool = False) -> tuple[dict[str, float], list[dict[str, Any]], int, float, int]:
@@ -88,9 +96,7 @@ def evaluate_arithmetic(model: Any, tokenizer: Any, cfg: EvalConfig, *, dp_group
     # Packed training puts every document right after the previous one's EOS and adds no special tokens
     # (data.sources), so "document" prompts are encoded that way: the model sees what it was trained on.
     as_document = cfg.arithmetic_prompt_format == "document"
-    if as_document and tokenizer.eos_token_id is None:
-        raise ValueError("eval.arithmetic_prompt_format=document puts the EOS token before each prompt, but the "
-                         "tokenizer has no EOS token; set eval.arithmetic_prompt_format=plain")
+    check_eval_tokenizer(cfg, tokenizer)
     progress = _progress(show_progress, "arith", f"{len(problems)} problems ({', '.join(cfg.arithmetic_splits)}), "
                          f"batch size {cfg.batch_size}, up to {cfg.arithmetic_max_new_tokens} new tokens each", model,
                          dp_group)

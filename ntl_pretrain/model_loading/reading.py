@@ -24,18 +24,75 @@ READ_CHUNK_BYTES = 64 * 2**20  # the largest read at once: bounds the transient 
 
 
 
+def read_safetensors_header(path: str) -> tuple[int, dict]:
+    """(offset of the data, header) of a safetensors file: its 8-byte header length, then a JSON mapping of tensor
+    name to dtype, shape and data offsets. A file too short for its header, or a header that is not such a mapping,
+    is a ValueError naming the file (a truncated download, or not a safetensors file)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if size < 8 or not 2 <= length <= size - 8:
+            raise ValueError(f"{path!r} is not a complete safetensors file ({size} bytes, header length {length}); "
+                             f"download it again")
+        try:
+            header = json.loads(handle.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+    if not isinstance(header, dict) or not all(isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= set(entry)
+                                               for name, entry in header.items() if name != "__metadata__"):
+        raise ValueError(f"{path!r} has no valid safetensors header (truncated or not a safetensors file); download "
+                         f"it again")
+    data_bytes = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
+                     default=0)
+    if 8 + length + data_bytes > size:
+        raise ValueError(f"{path!r} is truncated ({size} bytes, its header describes {8 + length + data_bytes}); "
+                         f"download it again")
+    return 8 + length, header
+
+
+def _index_weight_map(index: str) -> dict[str, str]:
+    """The `weight_map` of a sharded checkpoint's index: tensor name -> a file name inside the model folder."""
+    try:
+        with open(index, encoding="utf-8") as handle:
+            weight_map = json.load(handle).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) and isinstance(file, str) for name, file in weight_map.items()):
+        raise ValueError(f"{index!r} is not a safetensors index (a JSON object whose \"weight_map\" maps tensor names "
+                         f"to file names); download it again or set model.partitioned_load=false")
+    for file in set(weight_map.values()):
+        parts = file.replace("\\", "/").split("/")
+        if os.path.isabs(file) or not file or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"{index!r} names the file {file!r}, which is not a file name inside the model folder; "
+                             f"fix the index (its weight_map names shards beside it)")
+    return weight_map
+
+
 def safetensors_files(folder: str) -> dict[str, str]:
-    """{tensor name: file path} of a local model folder's safetensors weights (sharded or not)."""
+    """{tensor name: file path} of a local model folder's safetensors weights (sharded or not).
+
+    Every file the index names is checked now, on every rank and before the model is built: it exists, its header
+    is whole, and it holds the tensors the index puts in it (else one ValueError naming the file and the fix)."""
     index = os.path.join(folder, SAFETENSORS_INDEX)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            weight_map = json.load(handle)["weight_map"]
+        weight_map = _index_weight_map(index)
+        names_by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            names_by_file.setdefault(file, []).append(name)
+        for file, names in sorted(names_by_file.items()):
+            path = os.path.join(folder, file)
+            if not os.path.isfile(path):
+                raise ValueError(f"{index!r} puts {len(names)} tensors (e.g. {names[0]!r}) in {file!r}, which is not "
+                                 f"in {folder!r}: the download is incomplete; download the missing shard again")
+            missing = [name for name in names if name not in read_safetensors_header(path)[1]]
+            if missing:
+                raise ValueError(f"{index!r} puts {missing[0]!r} ({len(missing)} tensors) in {file!r}, which does not "
+                                 f"hold it: the index and the shards are from different downloads; download them again")
         return {name: os.path.join(folder, file) for name, file in weight_map.items()}
     single = os.path.join(folder, SAFETENSORS_SINGLE)
     if os.path.isfile(single):
-        with open(single, "rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        return {name: single for name in header if name != "__metadata__"}
+        return {name: single for name in read_safetensors_header(single)[1] if name != "__metadata__"}
     raise ValueError(f"model.name_or_path={folder!r} holds no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}: the "
                      f"partitioned ZeRO-3 load reads safetensors weights; convert the checkpoint (save_pretrained "
                      f"with safe_serialization) or set model.partitioned_load=false")
@@ -78,10 +135,8 @@ class TensorReader:
     def _entry(self, name: str) -> tuple[Any, int, dict]:
         path = self.files[name]
         if path not in self.handles:
-            handle = self.stack.enter_context(open(path, "rb"))
-            length = int.from_bytes(handle.read(8), "little")
-            self.handles[path] = handle
-            self.headers[path] = (8 + length, json.loads(handle.read(length)))
+            self.headers[path] = read_safetensors_header(path)
+            self.handles[path] = self.stack.enter_context(open(path, "rb"))
         data_start, header = self.headers[path]
         return self.handles[path], data_start, header[name]
 
@@ -243,6 +298,13 @@ def file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader
         keys.update({name: key for name, published in renamed.items()
                      if (key := _file_key(published, files, prefix)) is not None})
     missing = sorted(set(params) - set(keys))
+    head = model.get_output_embeddings()
+    if missing and head is not None and [name for name in missing if params[name] is head.weight] == missing:
+        # not a naming problem: transformers' own load would start the head from random values (with a report)
+        raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no output head ({missing[0]}) "
+                         f"but the config has tie_word_embeddings=false; if the checkpoint ties its head to the "
+                         f"input embedding, set model.architecture.tie_word_embeddings=true, else the files are "
+                         f"incomplete (download them again)")
     if missing:
         raise ValueError(f"model.name_or_path={folder!r}: the safetensors files hold no tensor for the model's "
                          f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}; this checkpoint needs "

@@ -66,6 +66,8 @@ def read_corpus(path: str | os.PathLike, max_samples: int = 2000, lines_per_samp
     string values). Samples keep their newlines so that newline handling is verified too.
     """
     path = Path(path)
+    if path.exists() and not path.is_file():  # a folder (or a FIFO) was "does not exist"
+        raise ValueError(f"corpus file {str(path)!r} is not a regular file; give a .txt or .jsonl file")
     if not path.is_file():
         raise FileNotFoundError(f"corpus file {str(path)!r} does not exist")
     if max_samples < 1 or lines_per_sample < 1:
@@ -84,7 +86,9 @@ def read_corpus(path: str | os.PathLike, max_samples: int = 2000, lines_per_samp
     if block and len(samples) < max_samples:
         samples.append("\n".join(block))
     if not samples:
-        raise ValueError(f"corpus file {str(path)!r} is empty: it holds no non-blank text to verify or train on")
+        raise ValueError(f"corpus file {str(path)!r} is empty: it holds no non-blank text to verify or train on"
+                         + (f" (JSON lines give their string fields {', '.join(TEXT_FIELDS_JSONL)}, else every string "
+                            f"field)" if path.suffix == ".jsonl" else ""))
     return samples
 
 

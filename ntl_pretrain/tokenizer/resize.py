@@ -130,12 +130,17 @@ class RowPlan:
         return report
 
 
-def plan_new_rows(tokenizer, old_rows: int, pad_to_multiple_of: int,
-                  new_token_ids: Iterable[int] | None = None) -> RowPlan:
-    """The rows that growing `old_rows` embedding rows to hold `tokenizer` adds (see `resize_model_embeddings`)."""
+def check_pad_to_multiple_of(pad_to_multiple_of: int) -> None:
+    """Refuse a row multiple that is not a positive integer (before a model is loaded to be resized)."""
     if not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer (e.g. 64, or a "
                          f"multiple of the tensor-parallel size)")
+
+
+def plan_new_rows(tokenizer, old_rows: int, pad_to_multiple_of: int,
+                  new_token_ids: Iterable[int] | None = None) -> RowPlan:
+    """The rows that growing `old_rows` embedding rows to hold `tokenizer` adds (see `resize_model_embeddings`)."""
+    check_pad_to_multiple_of(pad_to_multiple_of)
     tokenizer_size = len(tokenizer)
     target_rows = _round_up(max(old_rows, tokenizer_size), pad_to_multiple_of)
     inside = sorted(set(int(i) for i in (new_token_ids or ())))
@@ -254,6 +259,9 @@ def resize_model(model_path: str | os.PathLike, tokenizer_path: str | os.PathLik
 
     from ntl_pretrain.tokenizer.loading import atomic_output_dir, check_output_dir, load_tokenizer, save_verbatim
 
+    check_pad_to_multiple_of(pad_to_multiple_of)  # the arguments first: the model may take minutes to load
+    if init not in INIT_METHODS:
+        raise ValueError(f"init={init!r} is not supported; use one of {INIT_METHODS}")
     check_output_dir(out_dir, force, sources=(model_path, tokenizer_path))
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     try:

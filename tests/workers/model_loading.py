@@ -5,13 +5,16 @@ of a fixed batch (the TP ranks' vocabulary shards concatenated), the model repor
 each parameter each rank held before `deepspeed.initialize` and after it, and how many elements ZeRO-3
 partitioned while the model was built (a tied head's own weight, replaced by `tie_weights`, must not be).
 
-    model_loading.py MODEL_DIR|- TOKENIZER_DIR OUT.pt PARTITIONED(0|1) RESIZE(0|1) TP(1|2) [ARCH_JSON]
+    model_loading.py MODEL_DIR|- TOKENIZER_DIR OUT.pt PARTITIONED(0|1) RESIZE(0|1) TP(1|2) [ARCH_JSON] [-- JOB ...]
 
-MODEL_DIR "-" builds from ARCH_JSON (model.architecture) instead of loading.
+MODEL_DIR "-" builds from ARCH_JSON (model.architecture) instead of loading. Several jobs separated by "--" run one
+after the other in the same process group (one DeepSpeed start; the same TP size for all, as DeepSpeed keeps its
+groups for the process).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -38,10 +41,24 @@ def _held(model: torch.nn.Module) -> dict[str, int]:
 
 
 def main() -> None:
-    model_dir, tokenizer_dir, out_path, partitioned, resize, tp = sys.argv[1:7]
-    architecture = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
-    tp_size = int(tp)
+    jobs: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--":
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    if len({job[5] for job in jobs}) != 1:
+        raise SystemExit("every job of one launch must have the same TP size")
     deepspeed.init_distributed(dist_backend="gloo")
+    for job in jobs:
+        run_job(*job)
+        gc.collect()
+
+
+def run_job(model_dir: str, tokenizer_dir: str, out_path: str, partitioned: str, resize: str, tp: str,
+            architecture_json: str = "{}") -> None:
+    architecture = json.loads(architecture_json)
+    tp_size = int(tp)
     rank = torch.distributed.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = ModelConfig(name_or_path=None if model_dir == "-" else model_dir, architecture=architecture, dtype="fp32",
