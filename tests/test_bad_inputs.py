@@ -82,17 +82,27 @@ def test_did_you_mean_points_at_the_key_meant(override, nearest):
 
 
 def test_shard_sizes_are_read_as_the_export_reads_them():
-    from huggingface_hub.serialization._base import parse_size_to_int  # what save_torch_state_dict parses with
+    from ntl_pretrain.checkpoint import CheckpointError
+    from ntl_pretrain.checkpoint.export import max_shard_bytes
 
-    for size in ("abc", "0MB", "nanGB", "5 GiB"):
-        with pytest.raises((ValueError, OverflowError)):
-            if parse_size_to_int(size) < 1:
-                raise ValueError(size)
+    for size in ("abc", "0MB", "nanGB", "5 GiB", "-5GB", "0"):
+        with pytest.raises(CheckpointError):
+            max_shard_bytes(size)
         with pytest.raises(ConfigError, match="is not a size"):
             load_config(None, MINIMAL + [f"checkpoint.export_max_shard_size={size}"])
-    for size in ("500MB", "5GB", "1.5 GB"):
-        assert parse_size_to_int(size) > 0
+    for size in ("500MB", "5GB", "1.5 GB", "300000"):  # a plain byte count too, as the export reads it
+        assert max_shard_bytes(size) > 0
         assert load_config(None, MINIMAL + [f"checkpoint.export_max_shard_size={size}"])
+
+
+def test_an_export_folder_where_the_export_would_be_refused_is_refused_at_load(tmp_path):
+    run = tmp_path / "run"
+    for export_dir, why in ((run, "is the run folder"), (run / "global_step4" / "hf", "is inside the checkpoint "
+                                                                                      "global_step4")):
+        with pytest.raises(ConfigError, match=f"checkpoint.export_dir=.* {why}"):
+            load_config(None, MINIMAL + [f"train.output_dir={run}", f"checkpoint.export_dir={export_dir}"])
+    for export_dir in (run / "export", tmp_path / "elsewhere"):
+        assert load_config(None, MINIMAL + [f"train.output_dir={run}", f"checkpoint.export_dir={export_dir}"])
 
 
 def test_unreadable_config_files_are_named(tmp_path):

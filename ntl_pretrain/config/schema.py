@@ -268,7 +268,8 @@ class CheckpointConfig:
         "checkpoint (converted once, beside it)", default=True)
     export_hf_at_end: bool = _doc("after the final checkpoint, export it as a Hugging Face folder", default=False)
     export_dir: str | None = _doc("folder of that export; null uses train.output_dir/hf_export", default=None)
-    export_max_shard_size: str = _doc("largest safetensors shard of an export (e.g. 5GB, 500MB)", default="5GB")
+    export_max_shard_size: str | int = _doc("largest safetensors shard of an export (e.g. 5GB, 500MB, or bytes)",
+                                            default="5GB")
     resume_lr_schedule: ResumeLRSchedule = _doc(
         "a resume whose learning-rate schedule differs from the checkpoint's (e.g. another train.max_steps): "
         "error | keep (continue the saved schedule; its final lr past its end) | replan (this run's schedule "

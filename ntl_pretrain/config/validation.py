@@ -4,6 +4,7 @@ loading)."""
 from __future__ import annotations
 
 import math
+import os
 import signal
 from typing import Any
 
@@ -99,9 +100,8 @@ def validate(config: Config) -> None:
 def _check_run_folder(config: Config) -> None:
     """train.output_dir, train.resume and checkpoint.export_max_shard_size: what the checkpoint code would
     refuse only when it reads or exports a checkpoint (after the build, or after the whole run)."""
-    from huggingface_hub.serialization._base import parse_size_to_int  # what save_torch_state_dict parses it with
-
-    from ..checkpoint.format import step_of_tag
+    from ..checkpoint.export import max_shard_bytes
+    from ..checkpoint.format import CheckpointError, step_of_tag
 
     if not config.train.output_dir.strip():
         raise ConfigError("train.output_dir is empty; name the run folder, e.g. train.output_dir=runs/my_run")
@@ -111,12 +111,19 @@ def _check_run_folder(config: Config) -> None:
                           f"(global_stepN, e.g. global_step300); to resume another run, point train.output_dir at it")
     size = config.checkpoint.export_max_shard_size
     try:
-        size_bytes = parse_size_to_int(size)
-    except (ValueError, OverflowError):
-        size_bytes = 0
-    if size_bytes < 1:
-        raise ConfigError(f"checkpoint.export_max_shard_size={size!r} is not a size: give a positive number and one of "
-                          f"the units KB, MB, GB, TB (e.g. 5GB, 500MB)")
+        max_shard_bytes(size)  # the export's own reading of it
+    except CheckpointError:
+        raise ConfigError(f"checkpoint.export_max_shard_size={size!r} is not a size: give a positive number of bytes "
+                          f"or a number with one of the units KB, MB, GB, TB (e.g. 5GB, 500MB)") from None
+    export_dir = config.checkpoint.export_dir
+    if export_dir:
+        run, out = os.path.realpath(config.train.output_dir), os.path.realpath(export_dir)
+        inside = os.path.relpath(out, run).split(os.sep) if os.path.commonpath([run, out]) == run else None
+        if inside == ["."] or (inside and step_of_tag(inside[0]) is not None):
+            where = "is the run folder" if inside == ["."] else f"is inside the checkpoint {inside[0]}"
+            raise ConfigError(f"checkpoint.export_dir={export_dir!r} {where} (train.output_dir="
+                              f"{config.train.output_dir!r}), where the export would be refused after the run; "
+                              f"leave it null (train.output_dir/hf_export) or name a folder beside the checkpoints")
 
 
 # (key, low, high or None, low allowed, high allowed, what it means): the range of every float key
