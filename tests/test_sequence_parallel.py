@@ -69,7 +69,8 @@ def test_sequence_parallel_equals_one_process(world_size):
     outputs = run_workers("sp_objective.py", world_size, ["--sp", "2"], timeout=900)
     for rank, out in enumerate(outputs):
         cases = [line.split()[1] for line in out.splitlines() if line.startswith("OK ")]
-        assert cases == ["ce", "was", "mse", "mae", "huber", "number_level", "number_level_float"], out[-3000:]
+        assert cases == ["ce", "was", "mse", "mae", "huber", "number_level", "number_level_float",
+                         "number_level_chunked"], out[-3000:]
         assert "COLLECTIVES numbers {'all_reduce': 2}" in out and "COLLECTIVES no_numbers {'all_reduce': 2}" in out
         crossing = int(out.split("CROSSING ")[1].split()[0])
         assert crossing == (0 if rank % 2 == 0 else 3), (rank, crossing)  # rows 0, 1, 3 of the batch

@@ -5,11 +5,11 @@ AdamW step, for CE alone and each NTL variant (number-level with numbers across 
 Every rank first computes the reference on the whole global batch with a plain `LlamaForCausalLM` (sdpa) and
 `torch.optim.AdamW`, BEFORE DeepSpeed's Ulysses attention replaces sdpa in this process. Then, per case, a
 fresh DeepSpeed ZeRO-3 engine (`sequence_parallel_size`, the mpu of `register_ulysses_attention`) runs this
-rank's rows (data-parallel rank = rank // sp) on its sequence slice, normalises with the global counts
-(`count_step` on the slice's term positions, summed over all sp x dp ranks) and the scale DeepSpeed divides
-the gradient by (the sequence-data-parallel world size), and steps. Prints `OK <case> loss=.. grad=.. weights=..`
-(the largest relative errors) per case, `CROSSING n` (numbers across a boundary in the batch) and the number of
-all-reduces of one number-level objective call.
+rank's rows (data-parallel rank = rank // sp) on its sequence slice, normalises with the global counts (the
+slice's tokens and term positions, summed over all sp x dp ranks) and the scale DeepSpeed divides the gradient
+by (the sequence-data-parallel world size), and steps; one case runs the chunked head. Prints
+`OK <case> loss=.. grad=.. weights=.. update=..` (the largest relative errors) per case, `CROSSING n` (numbers
+continuing from the previous slice into this rank's) and the all-reduces of one number-level objective call.
 
     sp_objective.py --sp N   (WORLD_SIZE = N * dp processes; tests/helpers/distributed.py)
 """
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.models import char_tokenizer, tiny_llama_config  # noqa: E402
 from helpers.numeric import relative_error  # noqa: E402
 from ntl_pretrain import distributed  # noqa: E402
-from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, scaled_micro_batch_loss  # noqa: E402
+from ntl_pretrain.loss import (NTLSettings, ce_ntl_sums, chunked_model_ce_ntl_sums,  # noqa: E402
+                               scaled_micro_batch_loss)
 from ntl_pretrain.loss.normalize import StepCounts  # noqa: E402
 from ntl_pretrain.loss.sequence_shard import shard_number_spans, shard_term_positions  # noqa: E402
 from ntl_pretrain.numbers import NumberVocab  # noqa: E402
@@ -48,7 +49,9 @@ NTL_WEIGHT = 0.5
 CASES = {"ce": None, "was": NTLSettings(variant="was"), "mse": NTLSettings(variant="mse"),
          "mae": NTLSettings(variant="mae"), "huber": NTLSettings(variant="huber", reweigh=True),
          "number_level": NTLSettings(variant="number_level"),
-         "number_level_float": NTLSettings(variant="number_level", float_level=True, reweigh=True)}
+         "number_level_float": NTLSettings(variant="number_level", float_level=True, reweigh=True),
+         "number_level_chunked": NTLSettings(variant="number_level", float_level=True)}
+CHUNK_TOKENS = {"number_level_chunked": 7}  # the chunked head (loss.chunk_tokens), chunks not aligned with shards
 
 
 def global_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +93,7 @@ def reference(model, input_ids, labels, vocab: NumberVocab, settings: NTLSetting
     return loss.item(), grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def sharded(model, input_ids, labels, vocab, settings, sp: int, mpu):
+def sharded(model, input_ids, labels, vocab, settings, sp: int, mpu, chunk_tokens: int = 0):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -107,9 +110,14 @@ def sharded(model, input_ids, labels, vocab, settings, sp: int, mpu):
     ntl = settings or NTLSettings()
     row_labels = labels[mine]
     inputs = shard_inputs(input_ids[mine], shard)
-    logits = engine(**inputs.as_kwargs()).logits
     spans = shard_number_spans(row_labels, shard, vocab, ntl) if ntl.variant == "number_level" else None
-    sums = ce_ntl_sums(logits, shard.split(row_labels), vocab, ntl, with_ntl=settings is not None, spans=spans)
+    if chunk_tokens:
+        sums = chunked_model_ce_ntl_sums(engine, engine.module.get_output_embeddings(), inputs.as_kwargs(),
+                                         shard.split(row_labels), vocab, ntl, chunk_tokens=chunk_tokens,
+                                         with_ntl=settings is not None, spans=spans)
+    else:
+        logits = engine(**inputs.as_kwargs()).logits
+        sums = ce_ntl_sums(logits, shard.split(row_labels), vocab, ntl, with_ntl=settings is not None, spans=spans)
     counts = global_counts(shard.split(row_labels), shard_term_positions(row_labels, shard, vocab, ntl), ntl)
     divisor = engine.seq_dp_world_size  # what ZeRO-3 divides the summed gradient by (sp x dp)
     assert divisor == world, (divisor, world)
@@ -172,7 +180,7 @@ def main() -> None:
 
     for name, settings in CASES.items():
         ref_loss, ref_grads, ref_weights = references[name]
-        loss, grads, weights = sharded(model, input_ids, labels, vocab, settings, sp, mpu)
+        loss, grads, weights = sharded(model, input_ids, labels, vocab, settings, sp, mpu, CHUNK_TOKENS.get(name, 0))
         loss_error = abs(loss - ref_loss) / abs(ref_loss)
         grad_error = max(relative_error(grads[k], ref_grads[k]) for k in ref_grads)
         assert set(grads) == set(ref_grads), (set(grads) ^ set(ref_grads))
