@@ -18,8 +18,9 @@ The loss of a slice is `loss/sequence_shard.py`'s.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -52,14 +53,37 @@ def check_sequence_parallel(sp_size: int, seq_len: int | None = None, attention_
                           f"that divides or is a multiple of {kv_heads}")
 
 
-def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int, disable_in_eval: bool = False):
-    """Put DeepSpeed's Ulysses attention in place of `model`'s attention backend (process-wide: transformers'
-    attention table) and create DeepSpeed's sequence-parallel groups; returns DeepSpeed's `parallel_state_sp`
-    module, the `mpu` to pass to `deepspeed.initialize`. Call once per process, before `deepspeed.initialize`.
+@dataclass
+class UlyssesAttention:
+    """DeepSpeed's Ulysses attention registered for a model (`register_ulysses_attention`): its groups and the way
+    back to the plain attention for generation."""
 
-    `disable_in_eval`: in `model.eval()` attention runs unsharded on each rank's whole input (DeepSpeed's
-    switch): what generation needs, whose inputs are not split."""
+    mpu: Any  # DeepSpeed's `parallel_state_sp` module: pass as `deepspeed.initialize(mpu=...)`
+    shard: SequenceShard  # this rank's slice of every sequence
+    implementation: str  # the transformers attention key the Ulysses wrapper replaced ("sdpa", ...)
+    plain: Callable  # the attention function it replaced
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Inside: the model's own attention on each rank's whole input (generation: prompts are not split, and
+        DeepSpeed's wrapper drops the attention mask, which left-padded batches need, even with its
+        `disable_in_eval`). The Ulysses wrapper is back on exit."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        wrapper = ALL_ATTENTION_FUNCTIONS[self.implementation]
+        ALL_ATTENTION_FUNCTIONS[self.implementation] = self.plain
+        try:
+            yield
+        finally:
+            ALL_ATTENTION_FUNCTIONS[self.implementation] = wrapper
+
+
+def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) -> UlyssesAttention:
+    """Put DeepSpeed's Ulysses attention in place of `model`'s attention backend (process-wide: transformers'
+    attention table) and create DeepSpeed's sequence-parallel groups. Call once per process, before
+    `deepspeed.initialize` (pass it the returned `mpu`)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = getattr(model.config, "_attn_implementation", None)
     if attention not in ULYSSES_ATTENTION:
@@ -69,9 +93,11 @@ def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int, 
     text = model.config.get_text_config()
     check_sequence_parallel(sp_size, None, text.num_attention_heads,
                             getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    return UlyssesSPAttentionHF.register_with_transformers(
+    plain = ALL_ATTENTION_FUNCTIONS[attention]
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=sp_size,
-        micro_batch_size=micro_batch_size, seq_length_is_variable=True, disable_in_eval=disable_in_eval)
+        micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+    return UlyssesAttention(mpu=mpu, shard=sequence_shard(mpu), implementation=attention, plain=plain)
 
 
 def sequence_shard(mpu: Any | None) -> SequenceShard:

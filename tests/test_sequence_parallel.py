@@ -65,12 +65,14 @@ def test_slices_of_the_spans_tile_the_whole_row(word_tokenizer):
 def test_sequence_parallel_equals_one_process(world_size):
     """sp=2 on 2 ranks and sp=2 x dp=2 on 4: loss, gradients and AdamW weights of CE and every NTL variant equal
     plain transformers on the whole batch (number-level with numbers across the boundary), and the number-level
-    exchange is one all-reduce forward and one backward whether or not a number crosses."""
+    exchange is one all-reduce forward and one backward whether or not a number crosses; greedy generation with
+    the attention unsharded gives plain transformers' tokens."""
     outputs = run_workers("sp_objective.py", world_size, ["--sp", "2"], timeout=900)
     for rank, out in enumerate(outputs):
         cases = [line.split()[1] for line in out.splitlines() if line.startswith("OK ")]
         assert cases == ["ce", "was", "mse", "mae", "huber", "number_level", "number_level_float",
                          "number_level_chunked"], out[-3000:]
         assert "COLLECTIVES numbers {'all_reduce': 2}" in out and "COLLECTIVES no_numbers {'all_reduce': 2}" in out
+        assert "GENERATED [" in out, out[-3000:]  # generation with the plain attention equals plain transformers
         crossing = int(out.split("CROSSING ")[1].split()[0])
         assert crossing == (0 if rank % 2 == 0 else 3), (rank, crossing)  # rows 0, 1, 3 of the batch

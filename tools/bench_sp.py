@@ -56,9 +56,9 @@ def child(args) -> None:
 
     from ntl_pretrain.loss import NTLSettings, ce_ntl_sums, scaled_micro_batch_loss
     from ntl_pretrain.loss.normalize import StepCounts
-    from ntl_pretrain.loss.sequence_shard import shard_term_positions
+    from ntl_pretrain.loss.sequence_shard import SequenceShard, shard_term_positions
     from ntl_pretrain.numbers import NumberVocab
-    from ntl_pretrain.sequence_parallel import register_ulysses_attention, sequence_shard, shard_inputs
+    from ntl_pretrain.sequence_parallel import register_ulysses_attention, shard_inputs
 
     torch.set_num_threads(args.threads)
     deepspeed.init_distributed("gloo")
@@ -73,8 +73,8 @@ def child(args) -> None:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    mpu = register_ulysses_attention(model, args.sp, micro_batch_size=1) if args.sp > 1 else None
-    shard = sequence_shard(mpu)
+    ulysses = register_ulysses_attention(model, args.sp, micro_batch_size=1) if args.sp > 1 else None
+    mpu, shard = (ulysses.mpu, ulysses.shard) if ulysses else (None, SequenceShard())
     engine, *_ = deepspeed.initialize(model=model, mpu=mpu, config={
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "sequence_parallel_size": args.sp})

@@ -33,7 +33,8 @@ from ntl_pretrain.loss import (NTLSettings, ce_ntl_sums, chunked_model_ce_ntl_su
 from ntl_pretrain.loss.normalize import StepCounts  # noqa: E402
 from ntl_pretrain.loss.sequence_shard import shard_number_spans, shard_term_positions  # noqa: E402
 from ntl_pretrain.numbers import NumberVocab  # noqa: E402
-from ntl_pretrain.sequence_parallel import register_ulysses_attention, sequence_shard, shard_inputs  # noqa: E402
+from ntl_pretrain.eval.generate import greedy_generate  # noqa: E402
+from ntl_pretrain.sequence_parallel import register_ulysses_attention, shard_inputs  # noqa: E402
 
 SEQ_LEN = 24
 # Rows of the global batch; with sp=2 the boundary falls between labels 11 and 12 (text characters 12 and 13),
@@ -51,6 +52,7 @@ CASES = {"ce": None, "was": NTLSettings(variant="was"), "mse": NTLSettings(varia
          "number_level": NTLSettings(variant="number_level"),
          "number_level_float": NTLSettings(variant="number_level", float_level=True, reweigh=True),
          "number_level_chunked": NTLSettings(variant="number_level", float_level=True)}
+PROMPTS = ["1+2=", "12+345=", "7", "98-76=1"]  # several lengths: a left-padded batch
 CHUNK_TOKENS = {"number_level_chunked": 7}  # the chunked head (loss.chunk_tokens), chunks not aligned with shards
 
 
@@ -93,7 +95,14 @@ def reference(model, input_ids, labels, vocab: NumberVocab, settings: NTLSetting
     return loss.item(), grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def sharded(model, input_ids, labels, vocab, settings, sp: int, mpu, chunk_tokens: int = 0):
+def deepspeed_config(rows: int, sp: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 3}, "sequence_parallel_size": sp,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": WEIGHT_DECAY, "torch_adam": True}}}
+
+
+def sharded(model, input_ids, labels, vocab, settings, sp: int, ulysses, chunk_tokens: int = 0):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -101,12 +110,9 @@ def sharded(model, input_ids, labels, vocab, settings, sp: int, mpu, chunk_token
     dp, dp_rank = world // sp, dist.get_rank() // sp
     rows = input_ids.shape[0] // dp
     mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-    config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 3}, "sequence_parallel_size": sp,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                        "weight_decay": WEIGHT_DECAY, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model).train(), config=config, mpu=mpu)
-    shard = sequence_shard(mpu)
+    config = deepspeed_config(rows, sp)
+    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model).train(), config=config, mpu=ulysses.mpu)
+    shard = ulysses.shard
     ntl = settings or NTLSettings()
     row_labels = labels[mine]
     inputs = shard_inputs(input_ids[mine], shard)
@@ -161,8 +167,11 @@ def main() -> None:
     model = make_model(len(tokenizer))
     references = {name: reference(model, input_ids, labels, vocab, settings) for name, settings in CASES.items()}
 
-    mpu = register_ulysses_attention(model, sp, micro_batch_size=input_ids.shape[0] // (dist.get_world_size() // sp))
-    shard = sequence_shard(mpu)
+    generated = greedy_generate(copy.deepcopy(model), tokenizer, PROMPTS, max_new_tokens=6, batch_size=len(PROMPTS))
+
+    rows = input_ids.shape[0] // (dist.get_world_size() // sp)
+    ulysses = register_ulysses_attention(model, sp, micro_batch_size=rows)
+    shard = ulysses.shard
     assert shard.size == sp and shard.rank == dist.get_rank() % sp, shard
     spans = shard_number_spans(labels, shard, vocab, NTLSettings(variant="number_level"))
     crossing = int((~spans.is_start & (spans.segment >= 0)).view(labels.shape[0], -1)[:, 0].sum())
@@ -172,15 +181,16 @@ def main() -> None:
     settings = CASES["number_level"]
     logits = torch.randn(labels.shape[0], SEQ_LEN // sp, len(tokenizer), requires_grad=True)
     no_numbers = torch.full_like(labels, 20)  # a letter everywhere: no number at all
-    for name, rows in (("numbers", labels), ("no_numbers", no_numbers)):
-        counted = count_collectives(lambda: ce_ntl_sums(  # noqa: B023
-            logits, shard.split(rows), vocab, settings, spans=shard_number_spans(rows, shard, vocab, settings),  # noqa: B023
-            check_inputs=False).ntl_sum.backward())
-        print(f"COLLECTIVES {name} {counted}", flush=True)
+    def objective_call(rows: torch.Tensor) -> None:
+        spans = shard_number_spans(rows, shard, vocab, settings)
+        ce_ntl_sums(logits, shard.split(rows), vocab, settings, spans=spans, check_inputs=False).ntl_sum.backward()
+
+    for name, batch_labels in (("numbers", labels), ("no_numbers", no_numbers)):
+        print(f"COLLECTIVES {name} {count_collectives(lambda: objective_call(batch_labels))}", flush=True)  # noqa: B023
 
     for name, settings in CASES.items():
         ref_loss, ref_grads, ref_weights = references[name]
-        loss, grads, weights = sharded(model, input_ids, labels, vocab, settings, sp, mpu, CHUNK_TOKENS.get(name, 0))
+        loss, grads, weights = sharded(model, input_ids, labels, vocab, settings, sp, ulysses, CHUNK_TOKENS.get(name, 0))
         loss_error = abs(loss - ref_loss) / abs(ref_loss)
         grad_error = max(relative_error(grads[k], ref_grads[k]) for k in ref_grads)
         assert set(grads) == set(ref_grads), (set(grads) ^ set(ref_grads))
@@ -196,6 +206,18 @@ def main() -> None:
             name, loss_error, grad_error, weight_error, update_error)
         print(f"OK {name} loss={loss_error:.1e} grad={grad_error:.1e} weights={weight_error:.1e} "
               f"update={update_error:.1e}", flush=True)
+
+
+    # generation runs with the plain attention on whole prompts (ulysses.unsharded), each rank its share of the
+    # prompts, under the same ZeRO-3 engine: the same greedy tokens as plain transformers
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=deepspeed_config(rows, sp), mpu=ulysses.mpu)
+    with ulysses.unsharded():
+        sharded_generated = greedy_generate(engine, tokenizer, PROMPTS, max_new_tokens=6, batch_size=len(PROMPTS),
+                                            dp_group=dist.group.WORLD)
+    assert sharded_generated.texts == generated.texts, (sharded_generated.texts, generated.texts)
+    print(f"GENERATED {sharded_generated.texts}", flush=True)
 
 
 if __name__ == "__main__":
