@@ -10,10 +10,11 @@ slice (gathered over the group, they must read 0..S-1 per row, as the unsharded 
 
 DeepSpeed builds its groups itself (`parallel_state_sp.initialize_sequence_parallel`, once per process):
 sequence-parallel groups of `sp` CONSECUTIVE ranks, so global rank g has sp rank g % sp and data-parallel rank
-g // sp; ZeRO partitions and averages the gradients over all `sp x dp` ranks (the "sequence data parallel"
-group; see docs/training.md, "Long context").
+g // sp; ZeRO-3 partitions the weights over all `sp x dp` ranks (the "sequence data parallel" group) and divides
+the summed gradients by `sp x dp` (`check_deepspeed_config`; docs/training.md, "Long context").
 
-The loss of a slice is `loss/sequence_shard.py`'s.
+The loss of a slice is `loss/sequence_shard.py`'s. Generation runs the plain attention on whole prompts
+(`UlyssesAttention.unsharded`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,30 @@ def check_sequence_parallel(sp_size: int, seq_len: int | None = None, attention_
         raise ConfigError(f"the model's num_key_value_heads={kv_heads} and parallel.sp_size={sp_size} do not "
                           f"divide one another (Ulysses splits or replicates kv heads): choose a parallel.sp_size "
                           f"that divides or is a multiple of {kv_heads}")
+
+
+def check_deepspeed_config(ds_config: dict, sp_size: int) -> None:
+    """Raise (ConfigError) when the DeepSpeed config averages gradients in a way the trainer does not undo
+    under sequence parallelism.
+
+    DeepSpeed 0.19.8 sums each gradient over all dp x sp ranks, then divides differently by path: ZeRO-3 with
+    `reduce_scatter` (its default) by dp x sp (`reduce_scatter_coalesced` over the partition group);
+    ZeRO-3 without it and ZeRO 0-2 by dp = (dp x sp) / sp (`__avg_scatter_contiguous_grads`, `allreduce_bucket`).
+    The trainer multiplies back by dp x sp (`ParallelLayout.grad_average_size`), measured against plain
+    transformers in tests/test_sequence_parallel.py, so only the first path is accepted."""
+    from .config import ConfigError
+
+    if sp_size == 1:
+        return
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage", 0) != 3:
+        raise ConfigError(f"parallel.sp_size={sp_size} runs with ZeRO-3 only (parallel.zero_stage="
+                          f"{zero.get('stage', 0)}): DeepSpeed 0.19.8 divides the gradients of stages 0-2 by dp, not "
+                          f"dp x sp as under ZeRO-3; set parallel.zero_stage=3")
+    if zero.get("reduce_scatter", True) is False:
+        raise ConfigError(f"parallel.sp_size={sp_size} needs zero_optimization.reduce_scatter (DeepSpeed's default): "
+                          f"without it DeepSpeed 0.19.8 divides the gradients by dp, not dp x sp; remove "
+                          f"reduce_scatter: false from the DeepSpeed JSON (deepspeed.config)")
 
 
 @dataclass

@@ -76,3 +76,17 @@ def test_sequence_parallel_equals_one_process(world_size):
         assert "GENERATED [" in out, out[-3000:]  # generation with the plain attention equals plain transformers
         crossing = int(out.split("CROSSING ")[1].split()[0])
         assert crossing == (0 if rank % 2 == 0 else 3), (rank, crossing)  # rows 0, 1, 3 of the batch
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("zero,message", [
+    ({"stage": 2}, r"parallel.sp_size=2 runs with ZeRO-3 only \(parallel.zero_stage=2\)"),
+    ({"stage": 3, "reduce_scatter": False}, r"needs zero_optimization.reduce_scatter"),
+])
+def test_deepspeed_configs_whose_averaging_is_not_undone_are_refused(zero, message):
+    from ntl_pretrain.sequence_parallel import check_deepspeed_config
+
+    with pytest.raises(ConfigError, match=message):
+        check_deepspeed_config({"zero_optimization": zero}, 2)
+    check_deepspeed_config({"zero_optimization": {"stage": 3}}, 2)
+    check_deepspeed_config({"zero_optimization": zero}, 1)
