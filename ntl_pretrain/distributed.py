@@ -1,8 +1,8 @@
-"""Process groups and rank helpers for DeepSpeed's data- and tensor-parallel layout.
+"""Start-up and tear-down of torch.distributed, the size checks of the parallel layout, and errors agreed
+over every rank.
 
-DeepSpeed's AutoTP lays the world out as a (data_parallel, tensor_parallel) mesh with the TP ranks of a
-group contiguous: global rank g has tp_rank = g % T and dp_rank = g // T. All TP ranks of a group must see
-identical batches, so data is sharded by DATA-parallel rank only.
+The layout itself (which rank holds what, and which group each reduction uses) is
+`parallel_layout.ParallelLayout` / `ParallelGroups`; `layout` builds this process's from the environment.
 """
 
 from __future__ import annotations
@@ -15,34 +15,18 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Callable, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import model_families
+from .parallel_layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from .config import ParallelConfig
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Where this process sits in the (data_parallel, tensor_parallel) mesh: the one layout type (the
-    columns of the vocabulary this rank's LM head holds are `loss.VocabShard`, found by `loss.vocab_shard_of`)."""
-
-    world_size: int  # all processes
-    rank: int  # global rank
-    local_rank: int  # rank on this node
-    tp_size: int  # tensor-parallel group size
-    tp_rank: int  # rank inside the tensor-parallel group
-    dp_size: int  # data-parallel size = world_size / tp_size
-    dp_rank: int  # data-parallel rank (which shard of the data)
-
-    @property
-    def is_main(self) -> bool:
-        """Global rank 0: the one that logs and writes run-level files."""
-        return self.rank == 0
 
 
 def _on_cpu() -> bool:
@@ -93,23 +77,27 @@ def resolve_tp_size(cfg, world_size: int, local_world_size: int | None = None) -
     node = local_world_size or world_size
     heads = _attention_heads(cfg.model)
     limit = model_families.tp_limit(cfg) or node  # a family that cannot run with tensor parallelism: 1
+    limit = 1 if cfg.parallel.sp_size > 1 else limit  # sequence parallelism runs without tensor parallelism
     size = max(t for t in range(1, min(node, limit) + 1)
                if world_size % t == 0 and node % t == 0 and all(h % t == 0 for h in heads))
     cfg.parallel.tp_size = size
     why = f"the model's heads {heads}" if heads else "no head count known (model.architecture has none)"
-    why += "; its family runs only at tp_size=1 with this load (docs/training.md)" if limit == 1 else ""
+    if cfg.parallel.sp_size > 1:
+        why += f"; parallel.sp_size={cfg.parallel.sp_size} runs with tp_size=1"
+    elif limit == 1:
+        why += "; its family runs only at tp_size=1 with this load (docs/training.md)"
     return (f"parallel.tp_size=auto: using tp_size={size} for world size {world_size} "
-            f"({node} processes per node, {why}); dp={world_size // size}")
+            f"({node} processes per node, {why}); dp={world_size // (size * cfg.parallel.sp_size)}")
 
 
-def layout(tp_size: int) -> ParallelLayout:
-    """The layout implied by the launcher's environment (valid before DeepSpeed builds its groups)."""
+def layout(parallel: ParallelConfig) -> ParallelLayout:
+    """This process's layout for the resolved `parallel` section (tp_size a number), from the launcher's
+    environment (valid before DeepSpeed builds its groups; `ParallelGroups.from_deepspeed` then holds them)."""
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    check_tp_divides(world_size, tp_size)
-    return ParallelLayout(world_size=world_size, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                          tp_size=tp_size, tp_rank=rank % tp_size, dp_size=world_size // tp_size,
-                          dp_rank=rank // tp_size)
+    check_tp_divides(world_size, parallel.tp_size)
+    return ParallelLayout.of(world_size, rank, int(os.environ.get("LOCAL_RANK", "0")), parallel.tp_size,
+                             parallel.sp_size)
 
 
 def init_distributed(timeout_minutes: float) -> None:
@@ -229,31 +217,6 @@ def run_process(main: Callable[[], int | None], lost_peer_hint: str = "") -> NoR
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
-
-
-def deepspeed_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(tp_group, dp_group) as DeepSpeed built them; call after `deepspeed.initialize`.
-
-    Without tensor parallelism there is no TP group (None) and the data-parallel group is the world.
-    """
-    if tp_size == 1:
-        return None, dist.group.WORLD
-    from deepspeed.utils import groups
-
-    return groups.get_tensor_model_parallel_group(), groups.get_data_parallel_group()
-
-
-def check_layout_matches_deepspeed(expected: ParallelLayout) -> None:
-    """Fail loudly if DeepSpeed's mesh differs from the layout our data sharding assumed."""
-    if expected.tp_size == 1:
-        return
-    from deepspeed.utils import groups
-
-    actual = (groups.get_tensor_model_parallel_rank(), groups.get_data_parallel_rank(),
-              groups.get_data_parallel_world_size())
-    if actual != (expected.tp_rank, expected.dp_rank, expected.dp_size):
-        raise RuntimeError(f"DeepSpeed's (tp_rank, dp_rank, dp_size) = {actual} differs from the assumed "
-                           f"{(expected.tp_rank, expected.dp_rank, expected.dp_size)}; data would be sharded wrongly")
 
 
 class AgreedError(ValueError):

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import distributed
 from .checkpoint import resolve_resume
-from .config import Config, to_yaml
+from .config import Config, ConfigError, to_yaml
 from .data import DataError, resolve_files
 from .ds_config import ResolvedRun, resolve_run
 from .eval.config import validate_eval_inputs
@@ -22,6 +22,7 @@ from .model_families import check_family
 from .model_loading import partitioned_load_applies
 from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
 from .numbers import NumberVocab, digit_hiding_added_tokens
+from .parallel_layout import ParallelLayout, check_sequence_parallel
 from .training_objective import Objective
 
 logger = logging.getLogger("ntl_pretrain")
@@ -39,10 +40,14 @@ class Preflight:
 def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int | None = None,
               local_files_only: bool = False) -> Preflight:
     """Every check that needs neither data, weights nor communication: the DeepSpeed config and its batch
-    sizes, the tensor-parallel size, the objective's settings, the model config (architecture keys, model
+    sizes, the tensor- and sequence-parallel sizes, the objective's settings, the model config (architecture keys, model
     path, data.seq_len within its positions). Raises ConfigError/ValueError naming the key and the fix."""
     run = resolve_run(cfg, on_cpu, world_size, local_world_size)
     distributed.check_tp_divides(world_size, run.cfg.parallel.tp_size)
+    check_sequence_parallel(world_size, run.cfg.parallel.tp_size, run.cfg.parallel.sp_size)
+    if run.cfg.parallel.sp_size > 1:
+        raise ConfigError(f"parallel.sp_size={run.cfg.parallel.sp_size}: sequence parallelism arrives with issue 28 "
+                          f"item 2; set parallel.sp_size=1")
     objective = Objective.from_config(run.cfg.loss)
     try:
         model_config = load_model_config(run.cfg.model, local_files_only=local_files_only)
@@ -153,8 +158,8 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
     # a dry run may run on another machine than the job (a laptop, a login node): a warning, not a refusal
     problem = output_problems(resolved)
     eval_inputs = check_eval_inputs(resolved, checked.model_config, read_hub=False)
-    dp = world // resolved.parallel.tp_size
-    global_batch = resolved.data.micro_batch_size * resolved.train.grad_accum_steps * dp
+    layout = ParallelLayout.of(world, 0, 0, resolved.parallel.tp_size, resolved.parallel.sp_size)
+    global_batch = resolved.data.micro_batch_size * resolved.train.grad_accum_steps * layout.data_size
     print(to_yaml(resolved))
     print("# DeepSpeed config")
     print(json.dumps(checked.run.ds_config, indent=1))
@@ -163,7 +168,8 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
     if checked.run.tp_note:
         print(f"# {checked.run.tp_note}")
     print(f"# {checked.objective.describe()}")
-    print(f"# dry run OK: world {world} = dp {dp} x tp {resolved.parallel.tp_size}; global batch {global_batch} "
-          f"sequences = {global_batch * resolved.data.seq_len} tokens per step")
+    print(f"# layout: {layout.describe()}")
+    print(f"# dry run OK: global batch {global_batch} sequences = {global_batch * resolved.data.seq_len} tokens "
+          f"per step")
     if problem is not None:
         print(f"warning: {problem} (here; the trainer refuses to start where this holds)", file=sys.stderr)

@@ -3,7 +3,7 @@ normalisation, LR and NTL-weight schedules, validation, checkpoint and evaluatio
 
 Started once per rank by DeepSpeed's launcher (`deepspeed launch/pretrain.sh --config X.yaml k=v ...`).
 One optimizer step: fetch this rank's `grad_accum_steps` micro-batches -> count the step's tokens and
-NTL positions over the data-parallel group (one all-reduce) -> per micro-batch: local logits -> CE/NTL
+NTL positions over the loss group (`ParallelGroups.loss_group`, one all-reduce) -> per micro-batch: local logits -> CE/NTL
 sums -> loss scaled so the update is CE_mean + lambda * NTL_mean of the GLOBAL batch -> backward ->
 `engine.step()` (DeepSpeed clips and steps at the accumulation boundary) -> on a logging step
 (`train.log_every_n_steps`), read the figures and log; no other step reads the device.
@@ -37,6 +37,7 @@ from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
 from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
 from .model import load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib, purge_tensorboard_after
+from .parallel_layout import ParallelGroups
 from .nonfinite import (NonfiniteGuard, TrainingDiverged, check_weights_finite, describe_figures, finite_step,
                         nan_gradient_if_nonfinite, unpartitioned_grad_norm, update_skipped)
 from .preemption import PreemptionHandler
@@ -121,7 +122,7 @@ class Trainer:
                                    f"rendezvous of {world_size} processes at {os.environ.get('MASTER_ADDR', '?')}:"
                                    f"{os.environ.get('MASTER_PORT', '?')})"):
             distributed.init_distributed(cfg.train.dist_timeout_minutes)
-        self.layout = distributed.layout(cfg.parallel.tp_size)
+        self.layout = distributed.layout(cfg.parallel)  # sizes and ranks; the groups come with the engine
         _setup_logging(self.layout.is_main)
         if checked.run.tp_note:
             logger.info(checked.run.tp_note)
@@ -158,8 +159,8 @@ class Trainer:
         number_vocab = number_vocab_for(cfg, self.objective, self.tokenizer)
         with self.watchdog.waiting("local rank 0 of each node to tokenize and pack the data (then the others)"):
             self.data = collective_call(
-                lambda: PretrainingData.build(cfg.data, self.tokenizer, dp_rank=self.layout.dp_rank,
-                                              dp_size=self.layout.dp_size),
+                lambda: PretrainingData.build(cfg.data, self.tokenizer, dp_rank=self.layout.data_rank,
+                                              dp_size=self.layout.data_size),
                 first=self.layout.local_rank == 0)
         collective_call(lambda: check_training_digits(  # a bounded sample, the same on every rank: reported once
             self.tokenizer, number_vocab, self.data, source=tokenizer_source(cfg.tokenizer, cfg.model),
@@ -177,8 +178,7 @@ class Trainer:
         if derived != (cfg.data.micro_batch_size, cfg.train.grad_accum_steps):  # resolved as DeepSpeed does
             raise RuntimeError(f"DeepSpeed derived (micro batch, accumulation) = {derived}, the resolved config "
                                f"{(cfg.data.micro_batch_size, cfg.train.grad_accum_steps)}")
-        distributed.check_layout_matches_deepspeed(self.layout)
-        self.tp_group, self.dp_group = distributed.deepspeed_groups(cfg.parallel.tp_size)
+        self.groups = ParallelGroups.from_deepspeed(self.layout)  # every group a reduction uses (checked here)
         self.vocab_shard = vocab_shard_of(self.engine)  # this rank's columns of the LM head
         self.device = torch.device(self.accelerator.current_device_name())
         # The layout checks that need the host run here, once; the step then calls the loss with
@@ -257,11 +257,11 @@ class Trainer:
         step, objective, accumulation = self.step + 1, self.objective, self.cfg.train.grad_accum_steps
         micro_batches = self.data.next_step(accumulation)
         counts = objective.count([mb.labels.to(self.device, non_blocking=True) for mb in micro_batches],
-                                 self.number_vocab, self.dp_group)
+                                 self.number_vocab, self.groups)
         totals = torch.zeros(SUMS_WIDTH, dtype=torch.float64, device=self.device)
         for index, batch in enumerate(micro_batches):
             sums = self._forward_sums(batch, objective.ntl_on)
-            loss = objective.micro_batch_loss(sums, counts, step, self.layout.dp_size, accumulation)
+            loss = objective.micro_batch_loss(sums, counts, step, self.layout, accumulation)
             self.engine.backward(nan_gradient_if_nonfinite(loss))
             totals += sums.stack().double()  # ObjectiveSums order: the order StepFigures reads back
             if index < len(micro_batches) - 1:
@@ -269,7 +269,7 @@ class Trainer:
         lr = float(self.engine.get_lr()[0])  # what this step's update uses (the schedule moves with the step)
         figures, grad_norm = self._optimizer_step(totals, step)
         self.step = step
-        step_tokens = sum(mb.input_ids.numel() for mb in micro_batches) * self.layout.dp_size
+        step_tokens = sum(mb.input_ids.numel() for mb in micro_batches) * self.layout.data_size
         self.tokens_seen += step_tokens
         self.window.add(step_tokens)
         if not self.logs_at(step):
@@ -312,10 +312,10 @@ class Trainer:
         return None, self.engine.get_global_grad_norm()
 
     def _step_figures(self, totals: torch.Tensor, grad_norm: Any) -> StepFigures:
-        """The step's global sums (summed over data-parallel ranks; every rank calls this at the same step)
+        """The step's global sums (summed over the loss group; every rank calls this at the same step)
         and the gradient norm, read to the host in ONE transfer."""
-        if self.layout.dp_size > 1:
-            torch.distributed.all_reduce(totals, group=self.dp_group)
+        if self.layout.loss_size > 1:
+            torch.distributed.all_reduce(totals, group=self.groups.loss_group)
         if torch.is_tensor(grad_norm):
             return StepFigures(*torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]).tolist())
         return StepFigures(*totals.tolist(), None if grad_norm is None else float(grad_norm))
@@ -329,7 +329,7 @@ class Trainer:
             with torch.no_grad():  # forward only (the chunked head would otherwise prepare gradients)
                 totals += self._forward_sums(batch, self.objective.ntl_on).stack().double()
         self.engine.train()
-        figures = StepFigures(*distributed.all_reduce_sum(totals.tolist(), self.dp_group, self.device))
+        figures = StepFigures(*distributed.all_reduce_sum(totals.tolist(), self.groups.loss_group, self.device))
         loss, ce, ntl = self.objective.losses(figures, max(self.step, 1))
         return {"val/loss": loss, "val/ce": ce, "val/ntl": ntl}
 
@@ -375,7 +375,7 @@ class Trainer:
 
         results = run_evaluation(self.engine, self.tokenizer, self.cfg.eval, step=self.step,
                                  output_dir=self.cfg.train.output_dir, writer=self.monitor.writer,
-                                 tp_group=self.tp_group, dp_group=self.dp_group, final=final)
+                                 tp_group=self.groups.tp_group, dp_group=self.groups.dp_group, final=final)
         headline = {k: v for k, v in results.items()
                     if isinstance(v, (int, float)) and k.rsplit("/", 1)[-1] in ("accuracy", "mae", "time_s")
                     and k.count("/") <= 3}  # the headline figures; TensorBoard and the predictions file have all
@@ -390,8 +390,9 @@ class Trainer:
             self.monitor.message(f"nothing to do: the run is at step {self.step} and train.max_steps={cfg.train.max_steps}")
             self._finish()
             return
+        sp = f"sp={self.layout.sp_size} " if self.layout.sp_size > 1 else ""  # the dp x tp line as before without sp
         self.monitor.message(f"training steps {self.step + 1}..{cfg.train.max_steps}: dp={self.layout.dp_size} "
-                             f"tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
+                             f"{sp}tp={self.layout.tp_size} zero={cfg.parallel.zero_stage} micro_batch="
                              f"{cfg.data.micro_batch_size} grad_accum={cfg.train.grad_accum_steps} seq_len={cfg.data.seq_len}")
         saved_at = None
         # from here a stop signal saves at the next step boundary (the supervisor forwards it to the started

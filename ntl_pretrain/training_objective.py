@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .config import ConfigError, LossConfig, NTLScheduleName
 from .loss import NTLSettings, ObjectiveSums, StepCounts, count_step, scaled_micro_batch_loss
 from .numbers import NumberVocab
+from .parallel_layout import ParallelGroups, ParallelLayout
 
 
 class StepFigures(NamedTuple):
@@ -75,16 +75,17 @@ class Objective:
                 if self.chunk_tokens else "full logits")
         return f"objective: {loss}, {head}"
 
-    def count(self, labels: Sequence[torch.Tensor], number_vocab: NumberVocab,
-              dp_group: dist.ProcessGroup | None) -> StepCounts:
-        """The step's tokens and NTL terms over its micro-batches and data-parallel ranks (one all-reduce)."""
-        return count_step(labels, number_vocab, self.settings, dp_group)
+    def count(self, labels: Sequence[torch.Tensor], number_vocab: NumberVocab, groups: ParallelGroups) -> StepCounts:
+        """The step's tokens and NTL terms over its micro-batches and every rank holding other tokens
+        (`groups.loss_group`: one all-reduce)."""
+        return count_step(labels, number_vocab, self.settings, groups.loss_group)
 
-    def micro_batch_loss(self, sums: ObjectiveSums, counts: StepCounts, step: int, dp_size: int,
+    def micro_batch_loss(self, sums: ObjectiveSums, counts: StepCounts, step: int, layout: ParallelLayout,
                          grad_accum_steps: int) -> torch.Tensor:
         """The micro-batch's loss for `engine.backward`: the step's update is that of CE_mean +
-        lambda * NTL_mean over the GLOBAL batch (see `loss.normalize`)."""
-        return scaled_micro_batch_loss(sums, counts, self.ntl_lambda(step), dp_size, grad_accum_steps)
+        lambda * NTL_mean over the GLOBAL batch (see `loss.normalize`; DeepSpeed's gradient averaging over
+        `layout.grad_average_size` ranks undone)."""
+        return scaled_micro_batch_loss(sums, counts, self.ntl_lambda(step), layout.grad_average_size, grad_accum_steps)
 
     def losses(self, figures: StepFigures, step: int) -> tuple[float, float, float]:
         """(loss, CE, NTL): the global means of a step's or a validation's figures, weighted for `step`."""

@@ -269,7 +269,7 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
 
     from ntl_pretrain.checkpoint import CheckpointError, CheckpointManager, fingerprint, resolve_resume
     from ntl_pretrain.config import CheckpointConfig
-    from ntl_pretrain.distributed import ParallelLayout
+    from ntl_pretrain.parallel_layout import ParallelLayout
     from ntl_pretrain.numbers import NumberVocab
 
     out = tmp_path / "run"
@@ -291,7 +291,7 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
     assets = out / "global_step5" / "hf"
     config, tokenizer = AutoConfig.from_pretrained(assets), AutoTokenizer.from_pretrained(assets)
     numbers = NumberVocab.load(assets)
-    t2 = ParallelLayout(world_size=2, rank=0, local_rank=0, tp_size=2, tp_rank=0, dp_size=1, dp_rank=0)
+    t2 = ParallelLayout.of(2, 0, 0, tp_size=2)
     same = CheckpointManager(CheckpointConfig(), str(out), t2, 3, fingerprint(config, tokenizer, numbers), seed=1)
     assert same.plan_resume("global_step5") == "global_step5"
     other_tokenizer = CheckpointManager(CheckpointConfig(), str(out), t2, 3, fingerprint(config, bpe_tokenizer, numbers), seed=1)
@@ -301,7 +301,7 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
     other_model = CheckpointManager(CheckpointConfig(), str(out), t2, 3, fingerprint(bigger, tokenizer, numbers), seed=1)
     with pytest.raises(CheckpointError, match="saved with a different model"):
         other_model.plan_resume("global_step5")
-    t1 = ParallelLayout(world_size=2, rank=0, local_rank=0, tp_size=1, tp_rank=0, dp_size=2, dp_rank=0)
+    t1 = ParallelLayout.of(2, 0, 0, tp_size=1)
     no_reshard = CheckpointManager(CheckpointConfig(reshard_on_resume=False), str(out), t1, 3,
                                    fingerprint(config, tokenizer, numbers), seed=1)
     with pytest.raises(CheckpointError, match=r"saved with world 2 = dp 1 x tp 2, ZeRO-3; this run has world 2 = dp 2 "

@@ -195,12 +195,12 @@ def test_weights_only_loads_override_deepspeeds_own_unsafe_calls(tmp_path):
 def test_another_max_steps_stops_unless_the_schedule_choice_is_given(run, assets, tmp_path):
     from ntl_pretrain.checkpoint import CheckpointManager, data_description, lr_schedule_description
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.distributed import ParallelLayout
+    from ntl_pretrain.parallel_layout import ParallelLayout
     from ntl_pretrain.ds_config import deepspeed_config
 
     out = _copy(run, tmp_path)
     saved = json.loads((out / "global_step3" / MANIFEST_NAME).read_text())
-    layout = ParallelLayout(world_size=2, rank=0, local_rank=0, tp_size=1, tp_rank=0, dp_size=2, dp_rank=0)
+    layout = ParallelLayout.of(2, 0, 0, tp_size=1)
 
     def manager(*overrides: str) -> CheckpointManager:
         cfg = load_config(str(REPO / "configs" / "demo.yaml"), _args(assets, out, *overrides)[2:])

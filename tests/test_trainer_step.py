@@ -5,7 +5,9 @@ two data-parallel ranks, gradient accumulation, the full and the chunked head (c
 tokens, micro-batches without a number token), NTL-WAS and the reweighed number-level NTL.
 
 The global batch is fixed: data-parallel rank 0 gets only rows without number tokens, rank 1 the number-rich
-rows (no hang, same update). The cases of one world size share one launch (tests/workers/trainer_step.py).
+rows (no hang, same update). Each Trainer's groups (`ParallelGroups`: loss, tp, dp, vocabulary) are checked
+against those DeepSpeed's engine reduces over, at T=2 and dp=2 (tests/workers/trainer_step.py `check_groups`).
+The cases of one world size share one launch (tests/workers/trainer_step.py).
 """
 
 from __future__ import annotations

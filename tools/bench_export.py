@@ -65,7 +65,7 @@ def make_checkpoint(run_dir: str, arch: str, layers: int | None, tp_size: int) -
 
     from ntl_pretrain.checkpoint import CheckpointManager
     from ntl_pretrain.config.schema import CheckpointConfig
-    from ntl_pretrain.distributed import ParallelLayout
+    from ntl_pretrain.parallel_layout import ParallelLayout
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,8 +82,7 @@ def make_checkpoint(run_dir: str, arch: str, layers: int | None, tp_size: int) -
     loss = engine(input_ids=torch.arange(8).unsqueeze(0)).logits.float().mean()
     engine.backward(loss)
     engine.step()
-    layout = ParallelLayout(world_size=world, rank=rank, local_rank=rank, tp_size=tp_size, tp_rank=rank % tp_size,
-                            dp_size=world // tp_size, dp_rank=rank // tp_size)
+    layout = ParallelLayout.of(world, rank, rank, tp_size)
     manager = CheckpointManager(CheckpointConfig(), run_dir, layout, 3, {"bench": arch}, seed=0)
 
     def write_hf(folder: str) -> None:

@@ -107,7 +107,7 @@ def main() -> int:
             "config": args.config, "overrides": args.overrides, "world_size": trainer.layout.world_size,
             "tp_size": trainer.layout.tp_size, "zero_stage": cfg.parallel.zero_stage, "measured_steps": args.steps,
             "tokens_per_step": cfg.data.seq_len * cfg.data.micro_batch_size * cfg.train.grad_accum_steps
-            * trainer.layout.dp_size,
+            * trainer.layout.data_size,
             "median_step_time_s_ntl_on": on, "median_step_time_s_ntl_off": off,
             "median_tokens_per_s_ntl_on": statistics.median(rates[True]),
             "median_tokens_per_s_ntl_off": statistics.median(rates[False]),

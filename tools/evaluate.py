@@ -171,7 +171,7 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     check_output_dir(cfg)  # every rank: the checkpoint's files checked in shares, the result agreed
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
     built = build_engine(cfg, checked.run.ds_config, tokenizer, number_vocab_for(cfg, checked.objective, tokenizer),
-                         distributed.layout(cfg.parallel.tp_size), resume_tag=tag)
+                         distributed.layout(cfg.parallel), resume_tag=tag)
     built.checkpoints.load(built.engine, built.load_tag)
     description = f"{os.path.join(args.run, tag)} ({world} processes, tp={cfg.parallel.tp_size})"
     return built.engine, tokenizer, description, cfg.eval, tag, checked.model_config

@@ -581,7 +581,7 @@ def measure_generation(trainer: Any, sizes: Sizes, output_dir: Path) -> dict:
                      arithmetic_train_digits=[1, 2], arithmetic_extrapolation_digits=[3, 3],
                      arithmetic_max_new_tokens=8, samples_to_log=0)
     metrics = run_evaluation(trainer.engine, trainer.tokenizer, cfg, step=trainer.step, output_dir=str(output_dir),
-                             tp_group=trainer.tp_group, dp_group=trainer.dp_group, final=True)
+                             tp_group=trainer.groups.tp_group, dp_group=trainer.groups.dp_group, final=True)
     return {"prompts": sizes.eval_prompts, "max_new_tokens": cfg.arithmetic_max_new_tokens,
             "batch_size": cfg.batch_size, "generated_tokens": metrics["eval/generation/tokens"],
             "tokens_per_s": metrics["eval/generation/tokens_per_s"], "time_s": metrics["eval/time_s"],

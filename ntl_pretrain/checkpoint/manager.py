@@ -147,7 +147,7 @@ class CheckpointManager:
     Args:
         cfg: the `checkpoint` section (keep_last, keep_every_n_steps, reshard_on_resume, ...).
         output_dir: the run folder.
-        layout: this run's `distributed.ParallelLayout`.
+        layout: this run's `parallel_layout.ParallelLayout`.
         zero_stage: this run's ZeRO stage.
         run_fingerprint: `fingerprint(...)` of this run's model, tokenizer and number vocabulary.
         seed: train.seed (re-seeds RNGs when a resume changes the world size).

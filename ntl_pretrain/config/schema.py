@@ -193,11 +193,13 @@ class LossConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallelism (DeepSpeed ZeRO and AutoTP)."""
+    """Parallelism (DeepSpeed ZeRO, AutoTP and Ulysses sequence parallelism)."""
 
     tp_size: int | Literal["auto"] = _doc("tensor-parallel size (DeepSpeed tensor_parallel.autotp_size); divides the world "
                               "size; auto: the largest that divides the world size and the model's heads, "
                               "within one node (the choice is logged)", default=1)
+    sp_size: int = _doc("sequence-parallel (Ulysses) size: the consecutive ranks that split one sample's sequence; "
+                        "divides world size / tp_size; > 1 needs tp_size=1", default=1)
     zero_stage: ZeroStage = _doc("ZeRO stage 0-3 (DeepSpeed zero_optimization.stage)", default=3)
     offload_optimizer: OffloadDevice = _doc("none | cpu | nvme (zero_optimization.offload_optimizer.device)", default="none")
     offload_param: OffloadDevice = _doc("none | cpu | nvme (zero_optimization.offload_param.device, stage 3)", default="none")

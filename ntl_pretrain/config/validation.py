@@ -24,6 +24,8 @@ def validate(config: Config) -> None:
     tp_size = config.parallel.tp_size
     if isinstance(tp_size, int) and tp_size < 1:
         raise ConfigError(f"parallel.tp_size must be >= 1 or auto, got {tp_size!r}")
+    if config.parallel.sp_size < 1:
+        raise ConfigError(f"parallel.sp_size must be >= 1, got {config.parallel.sp_size}")
     if not config.train.startup_timeout_s > 0:
         raise ConfigError(f"train.startup_timeout_s must be > 0, got {config.train.startup_timeout_s}")
     if config.parallel.offload_param != "none" and config.parallel.zero_stage != 3:

@@ -3,8 +3,9 @@
 An optimizer step sums over `dp * grad_accum` micro-batches. CE must be the mean over all
 non-ignored tokens of the global batch and NTL the mean over all NTL terms of the global batch,
 whatever the split. So the trainer counts both for the whole step first (one all-reduce over the
-DATA-parallel group), then scales each micro-batch's sums so that DeepSpeed's division by the
-accumulation steps and its averaging over data-parallel ranks give exactly the global means.
+ranks holding different tokens: `ParallelGroups.loss_group`, the data-parallel group without sequence
+parallelism), then scales each micro-batch's sums so that DeepSpeed's division by the accumulation steps
+and its gradient averaging (`ParallelLayout.grad_average_size`) give exactly the global means.
 
 The counts stay on the device (0-d tensors): nothing here reads a tensor value on the host.
 """
@@ -25,18 +26,18 @@ from .shard import group_size
 
 @dataclass(frozen=True)
 class StepCounts:
-    """Counts of one optimizer step, summed over its micro-batches and all data-parallel ranks."""
+    """Counts of one optimizer step, summed over its micro-batches and the ranks of the loss group."""
 
     tokens: torch.Tensor  # 0-d float64: non-ignored label positions (the CE normaliser)
     ntl_positions: torch.Tensor  # 0-d float64: NTL terms, weighted by loss weights (the NTL normaliser)
 
 
 def count_step(labels: Sequence[torch.Tensor], number_vocab: NumberVocab, settings: NTLSettings,
-               dp_group: dist.ProcessGroup | None = None,
+               loss_group: dist.ProcessGroup | None = None,
                loss_weights: Sequence[torch.Tensor] | None = None) -> StepCounts:
-    """Count the step's tokens and NTL terms over all micro-batches and data-parallel ranks.
+    """Count the step's tokens and NTL terms over all micro-batches and the ranks of `loss_group`.
 
-    Runs exactly one all-reduce (SUM, 2 floats) over `dp_group` on every call, also when this rank's
+    Runs exactly one all-reduce (SUM, 2 floats) over `loss_group` on every call, also when this rank's
     micro-batches hold no number token, so ranks never wait on each other. No host sync: the counts
     are returned as device tensors.
     """
@@ -53,22 +54,24 @@ def count_step(labels: Sequence[torch.Tensor], number_vocab: NumberVocab, settin
         else:
             weights = loss_weights[index].reshape(-1).to(device=counts.device, dtype=torch.float64)
             counts[1] += torch.where(positions, weights, 0.0).sum()
-    if group_size(dp_group) > 1:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
+    if group_size(loss_group) > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=loss_group)
     return StepCounts(tokens=counts[0], ntl_positions=counts[1])
 
 
-def scaled_micro_batch_loss(sums: ObjectiveSums, counts: StepCounts, ntl_weight: float, dp_world_size: int,
+def scaled_micro_batch_loss(sums: ObjectiveSums, counts: StepCounts, ntl_weight: float, grad_average_size: int,
                             grad_accum_steps: int) -> torch.Tensor:
     """The loss of one micro-batch to hand to `engine.backward`.
 
-    DeepSpeed divides each micro-batch loss by `grad_accum_steps` and averages gradients over the
-    `dp_world_size` data-parallel ranks; multiplying by both undoes that, so the step's gradient is
-    that of `CE_sum_global / tokens + ntl_weight * NTL_sum_global / ntl_positions`.
+    DeepSpeed divides each micro-batch loss by `grad_accum_steps` and the summed gradients by
+    `grad_average_size` (the data-parallel size, `ParallelLayout.grad_average_size`); multiplying by both
+    undoes that, so the step's gradient is that of `CE_sum_global / tokens + ntl_weight * NTL_sum_global /
+    ntl_positions`.
     """
-    if dp_world_size < 1 or grad_accum_steps < 1:
-        raise ValueError(f"dp_world_size ({dp_world_size}) and grad_accum_steps ({grad_accum_steps}) must be >= 1")
-    scale = float(dp_world_size * grad_accum_steps)
+    if grad_average_size < 1 or grad_accum_steps < 1:
+        raise ValueError(f"grad_average_size ({grad_average_size}) and grad_accum_steps ({grad_accum_steps}) "
+                         f"must be >= 1")
+    scale = float(grad_average_size * grad_accum_steps)
     dtype = sums.ce_sum.dtype
     loss = sums.ce_sum * (scale / counts.tokens.clamp_min(1.0)).to(dtype)
     if ntl_weight != 0:

@@ -29,9 +29,9 @@ def run(out_file: str, config: str, overrides: list[str]) -> None:
     trainer.engine.eval()
     with torch.no_grad():
         local = trainer.engine(input_ids=input_ids.to(trainer.device)).logits.float().cpu()
-    if trainer.tp_group is not None:  # the vocabulary-parallel head returns this rank's columns
-        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(trainer.tp_group))]
-        dist.all_gather(shards, local.contiguous(), group=trainer.tp_group)
+    if trainer.groups.tp_group is not None:  # the vocabulary-parallel head returns this rank's columns
+        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(trainer.groups.tp_group))]
+        dist.all_gather(shards, local.contiguous(), group=trainer.groups.tp_group)
         logits = torch.cat(shards, dim=-1)
     else:
         logits = local

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ntl_pretrain.checkpoint import CheckpointError, CheckpointManager, fingerprint
 from ntl_pretrain.checkpoint import manager, universal
 from ntl_pretrain.config import CheckpointConfig
-from ntl_pretrain.distributed import ParallelLayout
+from ntl_pretrain.parallel_layout import ParallelLayout
 from ntl_pretrain.numbers import NumberVocab
 
 FAILURE = "injected conversion failure"
@@ -46,8 +46,7 @@ def main(run_dir: str, tag: str, timeout_s: float, delay_s: float) -> None:
     assets = os.path.join(run_dir, tag, "hf")
     run_fingerprint = fingerprint(AutoConfig.from_pretrained(assets), AutoTokenizer.from_pretrained(assets),
                                   NumberVocab.load(assets))
-    layout = ParallelLayout(world_size=world, rank=rank, local_rank=rank, tp_size=1, tp_rank=0, dp_size=world,
-                            dp_rank=rank)
+    layout = ParallelLayout.of(world, rank, rank, tp_size=1)
     plans = CheckpointManager(CheckpointConfig(), run_dir, layout, 3, run_fingerprint, seed=1)
     outcomes = []
     for _ in range(2):

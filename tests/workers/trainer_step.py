@@ -7,7 +7,8 @@ splits a step), and runs steps on that same batch until one has a learning rate 
 trainer starts the schedule at iteration 1; a schedule that started at lr 0 would make every step until then
 see the initial weights and the last one update them, Adam's moments holding that one gradient once a step).
 Rank 0 writes `OUT/<case>/result.json` (each step's figures and the lr its update used) and
-`OUT/<case>/weights.pt` (the weights after the last step, gathered over ZeRO-3 and TP).
+`OUT/<case>/weights.pt` (the weights after the last step, gathered over ZeRO-3 and TP). Each Trainer's
+`ParallelGroups` are first checked against the groups DeepSpeed's engine built (`check_groups`).
 
     trainer_step.py OUT BATCH.pt CONFIG.yaml CASES.json   (once per rank; tests/helpers/distributed.py)
 
@@ -33,7 +34,7 @@ from ntl_pretrain.train import Trainer
 def fixed_batch(trainer: Trainer, batch: dict):
     """A `next_step` that hands this rank its micro-batches of `batch` (the same split as the data stream)."""
     micro, accumulation = trainer.cfg.data.micro_batch_size, trainer.cfg.train.grad_accum_steps
-    dp_rank, dp_size = trainer.layout.dp_rank, trainer.layout.dp_size
+    dp_rank, dp_size = trainer.layout.data_rank, trainer.layout.data_size
     assert batch["input_ids"].shape[0] == micro * accumulation * dp_size, "the batch does not fill one step"
 
     def next_step(grad_accum_steps: int) -> list[MicroBatch]:
@@ -52,8 +53,30 @@ def gathered_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
+def check_groups(trainer: Trainer) -> None:
+    """The layout's groups are the ones DeepSpeed's engine uses: losses and counts are summed over the group it
+    reduces gradients over, the loss scaling undoes its divisor, the vocabulary group is the LM head's."""
+    from deepspeed.utils import groups as ds_groups
+
+    def ranks(group) -> list[int]:
+        return sorted(dist.get_process_group_ranks(group))
+
+    engine, groups, layout = trainer.engine, trainer.groups, trainer.layout
+    assert ranks(groups.loss_group) == ranks(engine.seq_data_parallel_group), "losses summed off the gradient group"
+    assert layout.grad_average_size == engine.seq_dp_world_size // engine.sequence_parallel_size
+    assert (layout.data_rank, layout.data_size) == (engine.seq_data_parallel_group.rank(), engine.seq_dp_world_size)
+    if layout.tp_size > 1:
+        assert ranks(groups.tp_group) == ranks(ds_groups.get_tensor_model_parallel_group())
+        assert ranks(groups.vocab_group) == ranks(trainer.vocab_shard.tp_group)
+        assert ranks(groups.dp_group) == ranks(ds_groups.get_data_parallel_group())
+    else:
+        assert groups.tp_group is None and trainer.vocab_shard.tp_group is None
+        assert ranks(groups.dp_group) == list(range(dist.get_world_size()))
+
+
 def run_case(out: Path, batch: dict, config: str, name: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(config, [*overrides, f"train.output_dir={out / name / 'run'}"]))
+    check_groups(trainer)
     trainer.data.next_step = fixed_batch(trainer, batch)
     head = trainer.engine.module.get_output_embeddings().weight
     if trainer.cfg.parallel.zero_stage == 3:  # partitioned like a real head: the step must gather it
