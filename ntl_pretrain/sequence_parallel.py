@@ -30,7 +30,7 @@ from .loss.sequence_shard import SequenceShard
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-def check_sequence_parallel(sp_size: int, seq_len: int | None = None, attention_heads: int | None = None,
+def check_sequence_split(sp_size: int, seq_len: int | None = None, attention_heads: int | None = None,
                             kv_heads: int | None = None) -> None:
     """Raise (ConfigError) naming the keys when `sp_size` cannot split this sequence or these heads: Ulysses
     needs `seq_len % sp == 0`, `heads % sp == 0`, and kv heads a multiple or a divisor of sp (DeepSpeed
@@ -103,12 +103,22 @@ class UlyssesAttention:
             ALL_ATTENTION_FUNCTIONS[self.implementation] = wrapper
 
 
+_registered: list[UlyssesAttention] = []  # the registration in force in this process (at most one)
+
+
 def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) -> UlyssesAttention:
     """Put DeepSpeed's Ulysses attention in place of `model`'s attention backend (process-wide: transformers'
-    attention table) and create DeepSpeed's sequence-parallel groups. Call once per process, before
-    `deepspeed.initialize` (pass it the returned `mpu`)."""
+    attention table) and create DeepSpeed's sequence-parallel groups (a collective: every rank calls it), before
+    `deepspeed.initialize` (pass it the returned `mpu`). A second call (another engine in the same process)
+    first undoes the previous one: DeepSpeed keeps one set of groups per process and bakes the micro batch in."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    while _registered:
+        previous = _registered.pop()
+        ALL_ATTENTION_FUNCTIONS[previous.implementation] = previous.plain
+        parallel_state_sp._release_sequence_parallel_groups()
 
     attention = getattr(model.config, "_attn_implementation", None)
     if attention not in ULYSSES_ATTENTION:
@@ -116,13 +126,14 @@ def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) 
                          f"{', '.join(ULYSSES_ATTENTION)} (DeepSpeed's Ulysses wraps it), got {attention!r}: set "
                          f"model.attn_implementation=sdpa")
     text = model.config.get_text_config()
-    check_sequence_parallel(sp_size, None, text.num_attention_heads,
+    check_sequence_split(sp_size, None, text.num_attention_heads,
                             getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     plain = ALL_ATTENTION_FUNCTIONS[attention]
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=sp_size,
         micro_batch_size=micro_batch_size, seq_length_is_variable=True)
-    return UlyssesAttention(mpu=mpu, shard=sequence_shard(mpu), implementation=attention, plain=plain)
+    _registered.append(UlyssesAttention(mpu=mpu, shard=sequence_shard(mpu), implementation=attention, plain=plain))
+    return _registered[-1]
 
 
 def sequence_shard(mpu: Any | None) -> SequenceShard:

@@ -12,7 +12,7 @@ from ntl_pretrain.loss import NTLSettings
 from ntl_pretrain.loss.ntl import number_spans, term_positions
 from ntl_pretrain.loss.sequence_shard import SequenceShard, shard_number_spans, shard_term_positions
 from ntl_pretrain.numbers import NumberVocab
-from ntl_pretrain.sequence_parallel import check_sequence_parallel, shard_inputs
+from ntl_pretrain.sequence_parallel import check_sequence_split, shard_inputs
 
 
 @pytest.mark.fast
@@ -34,8 +34,8 @@ def test_shard_inputs_give_each_rank_its_slice_and_global_positions():
 ])
 def test_refusals_name_the_keys(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        check_sequence_parallel(**kwargs)
-    check_sequence_parallel(sp_size=4, seq_len=512, attention_heads=8, kv_heads=2)  # kv heads replicated: fine
+        check_sequence_split(**kwargs)
+    check_sequence_split(sp_size=4, seq_len=512, attention_heads=8, kv_heads=2)  # kv heads replicated: fine
 
 
 @pytest.mark.fast
