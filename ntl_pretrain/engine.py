@@ -13,7 +13,7 @@ from .config import Config
 from .ds_config import resumed_deepspeed_config
 from .model import ModelReport, build_model
 from .numbers import NumberVocab
-from .sequence_parallel import UlyssesAttention, register_ulysses_attention
+from .sequence_parallel import UlyssesAttention, register_ulysses_attention, release_ulysses_attention
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -57,6 +57,8 @@ def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: Num
     ulysses = None
     if cfg.parallel.sp_size > 1:  # Ulysses attention and DeepSpeed's sequence-parallel groups, before the engine
         ulysses = register_ulysses_attention(model, cfg.parallel.sp_size, cfg.data.micro_batch_size)
+    else:
+        release_ulysses_attention()  # an earlier engine's, in this process (tests build several)
     with (watchdog.waiting("every rank to set up the DeepSpeed engine (deepspeed.initialize)") if watchdog
           else contextlib.nullcontext()):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,

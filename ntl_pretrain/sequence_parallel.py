@@ -31,7 +31,7 @@ ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_att
 
 
 def check_sequence_split(sp_size: int, seq_len: int | None = None, attention_heads: int | None = None,
-                            kv_heads: int | None = None) -> None:
+                         kv_heads: int | None = None) -> None:
     """Raise (ConfigError) naming the keys when `sp_size` cannot split this sequence or these heads: Ulysses
     needs `seq_len % sp == 0`, `heads % sp == 0`, and kv heads a multiple or a divisor of sp (DeepSpeed
     replicates kv heads when sp exceeds them)."""
@@ -106,19 +106,28 @@ class UlyssesAttention:
 _registered: list[UlyssesAttention] = []  # the registration in force in this process (at most one)
 
 
-def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) -> UlyssesAttention:
-    """Put DeepSpeed's Ulysses attention in place of `model`'s attention backend (process-wide: transformers'
-    attention table) and create DeepSpeed's sequence-parallel groups (a collective: every rank calls it), before
-    `deepspeed.initialize` (pass it the returned `mpu`). A second call (another engine in the same process)
-    first undoes the previous one: DeepSpeed keeps one set of groups per process and bakes the micro batch in."""
+def release_ulysses_attention() -> None:
+    """Undo `register_ulysses_attention` in this process, if any (the model's own attention back in transformers'
+    table, DeepSpeed's sequence-parallel groups forgotten): an engine without sequence parallelism built after
+    one with it (tests, tools) must not run through the Ulysses wrapper. No collective."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     while _registered:
         previous = _registered.pop()
         ALL_ATTENTION_FUNCTIONS[previous.implementation] = previous.plain
         parallel_state_sp._release_sequence_parallel_groups()
+
+
+def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) -> UlyssesAttention:
+    """Put DeepSpeed's Ulysses attention in place of `model`'s attention backend (process-wide: transformers'
+    attention table) and create DeepSpeed's sequence-parallel groups (a collective: every rank calls it), before
+    `deepspeed.initialize` (pass it the returned `mpu`). A second call (another engine in the same process)
+    first undoes the previous one: DeepSpeed keeps one set of groups per process and bakes the micro batch in."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    release_ulysses_attention()
 
     attention = getattr(model.config, "_attn_implementation", None)
     if attention not in ULYSSES_ATTENTION:
@@ -127,7 +136,7 @@ def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) 
                          f"model.attn_implementation=sdpa")
     text = model.config.get_text_config()
     check_sequence_split(sp_size, None, text.num_attention_heads,
-                            getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+                         getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     plain = ALL_ATTENTION_FUNCTIONS[attention]
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=sp_size,

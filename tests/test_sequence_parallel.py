@@ -90,3 +90,34 @@ def test_deepspeed_configs_whose_averaging_is_not_undone_are_refused(zero, messa
         check_deepspeed_config({"zero_optimization": zero}, 2)
     check_deepspeed_config({"zero_optimization": {"stage": 3}}, 2)
     check_deepspeed_config({"zero_optimization": zero}, 1)
+
+
+@pytest.mark.fast
+def test_dry_run_refuses_sequence_with_tensor_parallelism_and_says_why():
+    from helpers.launch import dry_run
+
+    result = dry_run("--config", "configs/long_context_cpt.yaml", "--world-size", "16", "parallel.tp_size=2")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "parallel.sp_size=8 with parallel.tp_size=2" in result.stderr
+    assert "Ulysses groups, parallel_state_sp, have no tensor-parallel dimension" in result.stderr
+    accepted = dry_run("--config", "configs/long_context_cpt.yaml", "--world-size", "8")
+    assert accepted.returncode == 0, accepted.stderr[-2000:]
+    assert "world 8 = dp 1 x sp 8 x tp 1" in accepted.stdout and '"sequence_parallel_size": 8' in accepted.stdout
+
+
+@pytest.mark.fast
+def test_a_checkpoint_of_another_sp_size_over_the_same_ranks_loads_directly():
+    """DeepSpeed partitions ZeRO-3 over dp x sp ranks and names its files by that rank (Ulysses counts as
+    model-parallel size 1): another sp size over the same ranks reads the same files (the e2e resume runs it)."""
+    from ntl_pretrain.checkpoint.format import SavedLayout, needs_reshard
+
+    def manifest(**layout) -> dict:
+        return {"tag": "global_step4", "layout": layout}
+
+    sp2 = manifest(world_size=2, dp_size=1, tp_size=1, zero_stage=3, sp_size=2)
+    older = manifest(world_size=2, dp_size=2, tp_size=1, zero_stage=3)  # saved before sp_size existed: sp 1
+    for saved in (sp2, older):
+        assert not needs_reshard(saved, SavedLayout(world_size=2, dp_size=2, tp_size=1, zero_stage=3))
+        assert not needs_reshard(saved, SavedLayout(world_size=2, dp_size=1, tp_size=1, zero_stage=3, sp_size=2))
+        assert needs_reshard(saved, SavedLayout(world_size=4, dp_size=2, tp_size=1, zero_stage=3, sp_size=2))
+    assert SavedLayout(2, 1, 1, 3, sp_size=2).describe() == "world 2 = dp 1 x sp 2 x tp 1, ZeRO-3"
