@@ -9,8 +9,10 @@ same functions the trainer calls (`ntl_pretrain.sequence_parallel`, `loss.sequen
 
 Memory is the process's peak resident set (RSS, VmHWM, reset before the measured step: torch's CPU allocator
 keeps no statistics) above its RSS just before that step, on the step after one untimed warm-up step, with
-glibc's mmap threshold fixed at 64 KiB so freed tensors leave the resident set: the step's activations,
-gradients and temporaries. The largest rank's is reported. Time is the median of `--steps` measured steps after
+glibc's mmap threshold fixed at 64 KiB so freed tensors leave the resident set: through forward + backward
+(activations, logits, the gradients being reduced and the temporaries: what sequence parallelism splits) and
+through the whole step (also AdamW's temporaries over this rank's ZeRO partition). The largest rank's is
+reported. Time is the median of `--steps` measured steps after
 the warm-up; tokens/s counts the whole row (seq_len) per step, so sp ranks sharing one row is a speed-up only
 where they run in parallel (each rank here has `--threads` threads; the machine's cores bound it).
 
@@ -91,27 +93,33 @@ def child(args) -> None:
         dist.all_reduce(counts, group=shard.group)
     counts = StepCounts(tokens=counts[0], ntl_positions=counts[1])
 
-    def step() -> float:
+    peaks: list[float] = []  # of the measured step: [forward + backward, the whole step] above its start
+
+    def step(baseline: int | None = None) -> float:
         start = time.perf_counter()
         logits = engine(**inputs.as_kwargs()).logits
         sums = ce_ntl_sums(logits, local_labels, vocab, settings, check_inputs=False)
         del logits
         engine.backward(scaled_micro_batch_loss(sums, counts, 0.3, engine.seq_dp_world_size, 1))
+        if baseline is not None:
+            peaks.append((_rss_kib("VmHWM:") - baseline) / 1024)
         engine.step()
+        if baseline is not None:
+            peaks.append((_rss_kib("VmHWM:") - baseline) / 1024)
         return time.perf_counter() - start
 
     step()  # warm-up: one-time allocations (optimizer states, gloo buffers) are not the step's
     baseline = _rss_kib()
     _reset_peak_rss()
-    times = [step()]
-    peak_mib = (_rss_kib("VmHWM:") - baseline) / 1024
+    times = [step(baseline)]
     times += [step() for _ in range(args.steps - 1)]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, peak_mib)
+    dist.all_gather_object(gathered, peaks)
     if dist.get_rank() == 0:
         median = statistics.median(times)
         print("RESULT " + json.dumps({
-            "seq_len": args.seq_len, "sp": args.sp, "peak_step_mib": max(gathered), "peak_step_mib_per_rank": gathered,
+            "seq_len": args.seq_len, "sp": args.sp, "peak_fwd_bwd_mib": max(p[0] for p in gathered),
+            "peak_step_mib": max(p[1] for p in gathered), "peaks_per_rank": gathered,
             "step_s": median, "step_s_min": min(times), "step_s_max": max(times),
             "tokens_per_s": args.seq_len / median, "threads_per_rank": args.threads}), flush=True)
 
@@ -159,15 +167,17 @@ def main() -> None:
         child(args)
         return
     results = []
-    print(f"{'seq_len':>8} {'sp':>3} {'peak MiB/rank':>14} {'vs sp=1':>8} {'step s':>8} {'tokens/s':>9} {'vs sp=1':>8}")
+    print(f"{'seq_len':>8} {'sp':>3} {'fwd+bwd MiB':>12} {'vs sp=1':>8} {'step MiB':>9} {'vs sp=1':>8} "
+          f"{'step s':>7} {'tokens/s':>9} {'vs sp=1':>8}")
     for seq_len in args.seq_len:
         base = None
         for sp in args.sp:
             result = launch(args, seq_len, sp)
             results.append(result)
             base = base or result
-            print(f"{seq_len:>8} {sp:>3} {result['peak_step_mib']:>14.0f} "
-                  f"{result['peak_step_mib'] / base['peak_step_mib']:>8.2f} {result['step_s']:>8.2f} "
+            print(f"{seq_len:>8} {sp:>3} {result['peak_fwd_bwd_mib']:>12.0f} "
+                  f"{result['peak_fwd_bwd_mib'] / base['peak_fwd_bwd_mib']:>8.2f} {result['peak_step_mib']:>9.0f} "
+                  f"{result['peak_step_mib'] / base['peak_step_mib']:>8.2f} {result['step_s']:>7.2f} "
                   f"{result['tokens_per_s']:>9.0f} {result['tokens_per_s'] / base['tokens_per_s']:>8.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
