@@ -67,6 +67,8 @@ def generated_deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
     }
     if cfg.parallel.tp_size > 1:
         ds["tensor_parallel"] = {"autotp_size": cfg.parallel.tp_size, "vocab_parallel_lm_head": True}
+    if cfg.parallel.sp_size > 1:
+        ds["sequence_parallel_size"] = cfg.parallel.sp_size  # Ulysses (sequence_parallel.py)
     return ds
 
 
@@ -116,6 +118,10 @@ def _read_user_json(path: str) -> dict:
 
 def _tp_size(ds: dict) -> int:
     return int(ds.get("tensor_parallel", {}).get("autotp_size", 0) or 1)
+
+
+def _sp_size(ds: dict) -> int:
+    return int(ds.get("sequence_parallel_size", 0) or 1)
 
 
 def deepspeed_config(cfg: Config, on_cpu: bool, world_size: int | None = None) -> dict:
@@ -198,14 +204,14 @@ def _resolve_batch_sizes(ds: dict, user: dict, path: str | None, world_size: int
         ds.pop("train_micro_batch_size_per_gpu", None)
     elif "gradient_accumulation_steps" not in given:
         ds.pop("gradient_accumulation_steps", None)
-    tp_size = _tp_size(ds)
-    if world_size is None or world_size % tp_size:
+    tp_size, sp_size = _tp_size(ds), _sp_size(ds)
+    if world_size is None or world_size % (tp_size * sp_size):
         return  # DeepSpeed derives the missing one (a dry run without --world-size leaves it open)
-    dp = world_size // tp_size
+    dp = world_size // (tp_size * sp_size)  # sequence-parallel peers share their samples
     micro, accum = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps")
     where = (f"deepspeed.config={path!r}: train_batch_size={total} must equal "
              f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size "
-             f"(world {world_size} / parallel.tp_size {tp_size} = {dp})")
+             f"(world {world_size} / parallel.tp_size {tp_size} / parallel.sp_size {sp_size} = {dp})")
     if micro is not None and accum is not None:
         if micro * accum * dp != total:
             raise ConfigError(f"{where}, but {micro} x {accum} x {dp} = {micro * accum * dp}; set train_batch_size "
@@ -222,6 +228,7 @@ def _read_back(cfg: Config, ds: dict) -> Config:
     """A copy of `cfg` whose keys that DeepSpeed owns say what DeepSpeed will do with `ds`."""
     resolved = copy.deepcopy(cfg)
     resolved.parallel.tp_size = _tp_size(ds)
+    resolved.parallel.sp_size = _sp_size(ds)
     resolved.parallel.zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
     resolved.data.micro_batch_size = int(ds.get("train_micro_batch_size_per_gpu", cfg.data.micro_batch_size))
     resolved.train.grad_accum_steps = int(ds.get("gradient_accumulation_steps", cfg.train.grad_accum_steps))

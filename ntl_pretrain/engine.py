@@ -13,6 +13,7 @@ from .config import Config
 from .ds_config import resumed_deepspeed_config
 from .model import ModelReport, build_model
 from .numbers import NumberVocab
+from .sequence_parallel import UlyssesAttention, register_ulysses_attention, release_ulysses_attention
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -27,6 +28,7 @@ class BuiltEngine:
     checkpoints: CheckpointManager
     ds_config: dict  # as handed to deepspeed.initialize (a resume's schedule and universal load included)
     load_tag: str | None  # the checkpoint to load into `engine` (`checkpoints.load`), None: a fresh start
+    ulysses: UlyssesAttention | None = None  # DeepSpeed's Ulysses attention (parallel.sp_size > 1), else None
 
 
 def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: NumberVocab, layout: Any,
@@ -52,8 +54,14 @@ def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: Num
         ds_config = resumed_deepspeed_config(ds_config, kept, load_universal=load_tag != resume_tag)
     import deepspeed
 
+    ulysses = None
+    if cfg.parallel.sp_size > 1:  # Ulysses attention and DeepSpeed's sequence-parallel groups, before the engine
+        ulysses = register_ulysses_attention(model, cfg.parallel.sp_size, cfg.data.micro_batch_size)
+    else:
+        release_ulysses_attention()  # an earlier engine's, in this process (tests build several)
     with (watchdog.waiting("every rank to set up the DeepSpeed engine (deepspeed.initialize)") if watchdog
           else contextlib.nullcontext()):
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                               mpu=ulysses.mpu if ulysses else None)
     return BuiltEngine(engine=engine, model_report=report, number_vocab=number_vocab, checkpoints=checkpoints,
-                       ds_config=ds_config, load_tag=load_tag)
+                       ds_config=ds_config, load_tag=load_tag, ulysses=ulysses)

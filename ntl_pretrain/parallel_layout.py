@@ -37,7 +37,9 @@ def check_sequence_parallel(world_size: int, tp_size: int, sp_size: int) -> None
         raise ConfigError(f"parallel.sp_size must be >= 1, got {sp_size}")
     if sp_size > 1 and tp_size > 1:
         raise ConfigError(f"parallel.sp_size={sp_size} with parallel.tp_size={tp_size}: sequence parallelism "
-                          f"together with tensor parallelism is not supported; set one of them to 1")
+                          f"together with tensor parallelism is not supported by DeepSpeed 0.19.8 (its Ulysses groups, "
+                          f"parallel_state_sp, have no tensor-parallel dimension: ZeRO would partition and average "
+                          f"over every rank, mixing AutoTP's different weight shards); set one of them to 1")
     if world_size % (tp_size * sp_size):
         fits = [s for s in range(1, world_size + 1) if world_size % (tp_size * s) == 0]
         raise ConfigError(f"parallel.sp_size={sp_size} does not divide the world size {world_size} "
@@ -93,14 +95,17 @@ class ParallelLayout:
 
     @property
     def grad_average_size(self) -> int:
-        """What DeepSpeed 0.19.8 divides the summed gradients by (`loss.scaled_micro_batch_loss` multiplies it back).
+        """What DeepSpeed 0.19.8 divides the summed gradients by (`loss.scaled_micro_batch_loss` multiplies it back):
+        dp x sp.
 
-        DeepSpeed all-reduces gradients over its sequence-data-parallel group (dp x sp ranks; the dp group when
-        sp = 1) and divides by that group's size / sp_size (zero/stage3.py `__avg_scatter_contiguous_grads` and
-        `allreduce_bucket`, zero/stage_1_and_2.py, engine.py `_reduce_non_expert_gradients`): by dp_size, with
-        or without sp. So the gradient is the SUM over sp peers and the MEAN over dp ranks.
+        DeepSpeed sums the gradients over its sequence-data-parallel group (dp x sp ranks; the dp group when sp = 1).
+        ZeRO-3 with `reduce_scatter` (its default) divides by that group's size, dp x sp (zero/stage3.py
+        `__avg_scatter_grads` -> `reduce_scatter_coalesced`; measured: tests/test_sequence_parallel.py). ZeRO 0-2
+        and ZeRO-3 without reduce_scatter divide by (dp x sp) / sp = dp (`__avg_scatter_contiguous_grads`,
+        `allreduce_bucket`): the trainer refuses sp > 1 there (`sequence_parallel.check_deepspeed_config`), so
+        both agree whenever this is used.
         """
-        return self.dp_size
+        return self.dp_size * self.sp_size
 
     def global_rank(self, dp_rank: int, sp_rank: int, tp_rank: int) -> int:
         """The global rank at mesh coordinates (dp_rank, sp_rank, tp_rank)."""

@@ -23,6 +23,7 @@ from .model_loading import partitioned_load_applies
 from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
 from .numbers import NumberVocab, digit_hiding_added_tokens
 from .parallel_layout import ParallelLayout, check_sequence_parallel
+from .sequence_parallel import check_deepspeed_config, check_sequence_split
 from .training_objective import Objective
 
 logger = logging.getLogger("ntl_pretrain")
@@ -44,10 +45,13 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
     path, data.seq_len within its positions). Raises ConfigError/ValueError naming the key and the fix."""
     run = resolve_run(cfg, on_cpu, world_size, local_world_size)
     distributed.check_tp_divides(world_size, run.cfg.parallel.tp_size)
-    check_sequence_parallel(world_size, run.cfg.parallel.tp_size, run.cfg.parallel.sp_size)
-    if run.cfg.parallel.sp_size > 1:
-        raise ConfigError(f"parallel.sp_size={run.cfg.parallel.sp_size}: sequence parallelism arrives with issue 28 "
-                          f"item 2; set parallel.sp_size=1")
+    sp_size = run.cfg.parallel.sp_size
+    check_sequence_parallel(world_size, run.cfg.parallel.tp_size, sp_size)
+    check_deepspeed_config(run.ds_config, sp_size)
+    check_sequence_split(sp_size, run.cfg.data.seq_len)
+    if sp_size > 1 and run.cfg.model.attn_implementation == "eager":
+        raise ConfigError(f"parallel.sp_size={sp_size} needs model.attn_implementation sdpa, flash_attention_2 or "
+                          f"auto: DeepSpeed's Ulysses attention wraps those (eager materialises the [S, S] mask)")
     objective = Objective.from_config(run.cfg.loss)
     try:
         model_config = load_model_config(run.cfg.model, local_files_only=local_files_only)
@@ -58,6 +62,10 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
     else:
         check_sequence_length(model_config, run.cfg.data.seq_len)
         check_model_family(run, model_config)
+        if sp_size > 1:
+            text = model_config.get_text_config()
+            check_sequence_split(sp_size, run.cfg.data.seq_len, text.num_attention_heads,
+                                 getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     return Preflight(run=run, objective=objective, model_config=model_config)
 
 

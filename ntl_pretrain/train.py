@@ -15,6 +15,7 @@ step optimises), `nonfinite` (the step's guard); `cli` is the command line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from .eval.config import save_eval_settings
 from .fs import write_json_atomic
 from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
 from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
+from .loss.sequence_shard import SequenceShard, shard_number_spans
 from .model import load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
 from .monitor import Monitor, memory_gib, purge_tensorboard_after
 from .parallel_layout import ParallelGroups
@@ -43,6 +45,7 @@ from .nonfinite import (NonfiniteGuard, TrainingDiverged, check_weights_finite, 
 from .preemption import PreemptionHandler
 from .preflight import (check_data_files, check_eval_inputs, check_output_dir, number_vocab_for,
                         output_problems, preflight)
+from .sequence_parallel import shard_inputs
 from .supervisor import COMMAND_START_ENV
 from .throughput import ThroughputWindow, model_flops_per_token, peak_tflops_per_device
 from .tokenizer.coverage import check_training_digits
@@ -174,6 +177,8 @@ class Trainer:
                              watchdog=self.watchdog)
         self.engine, self.model_report, self.number_vocab = built.engine, built.model_report, built.number_vocab
         self.checkpoints, self.ds_config = built.checkpoints, built.ds_config
+        self.ulysses = built.ulysses  # None without sequence parallelism
+        self.sequence = built.ulysses.shard if built.ulysses else SequenceShard()  # this rank's slice of every row
         derived = (self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps())
         if derived != (cfg.data.micro_batch_size, cfg.train.grad_accum_steps):  # resolved as DeepSpeed does
             raise RuntimeError(f"DeepSpeed derived (micro batch, accumulation) = {derived}, the resolved config "
@@ -228,16 +233,24 @@ class Trainer:
         # micro-batch; on every one only to debug (loss.check_every_step)
         check = self.cfg.loss.check_every_step or not self._inputs_checked
         self._inputs_checked = True
+        inputs, spans = {"input_ids": input_ids}, None
+        if self.sequence.size > 1:
+            # sequence parallelism: this rank's slice with its global positions; the labels' slice, and the
+            # whole rows' number spans for number-level NTL (sequence_parallel.py, loss/sequence_shard.py)
+            inputs = shard_inputs(input_ids, self.sequence).as_kwargs()
+            if with_ntl and self.objective.settings.variant == "number_level":
+                spans = shard_number_spans(labels, self.sequence, self.number_vocab, self.objective.settings)
+            labels = self.sequence.split(labels)
         if self.objective.chunk_tokens:
             # the head + loss over chunks of tokens: the full logits never exist (docs/chunked.md)
             return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
-                                             {"input_ids": input_ids}, labels, self.number_vocab, self.objective.settings,
+                                             inputs, labels, self.number_vocab, self.objective.settings,
                                              chunk_tokens=self.objective.chunk_tokens, shard=self.vocab_shard,
                                              with_ntl=with_ntl, check_inputs=check,
-                                             backward=self.objective.chunk_backward)
-        logits = self.engine(input_ids=input_ids).logits
+                                             backward=self.objective.chunk_backward, spans=spans)
+        logits = self.engine(**inputs).logits
         return ce_ntl_sums(logits, labels, self.number_vocab, self.objective.settings, shard=self.vocab_shard,
-                           with_ntl=with_ntl, check_inputs=check)
+                           with_ntl=with_ntl, check_inputs=check, spans=spans)
 
     def logs_at(self, step: int) -> bool:
         """Whether optimizer step `step` reads its figures to the host and logs them: the first, every
@@ -257,7 +270,7 @@ class Trainer:
         step, objective, accumulation = self.step + 1, self.objective, self.cfg.train.grad_accum_steps
         micro_batches = self.data.next_step(accumulation)
         counts = objective.count([mb.labels.to(self.device, non_blocking=True) for mb in micro_batches],
-                                 self.number_vocab, self.groups)
+                                 self.number_vocab, self.groups, self.sequence)
         totals = torch.zeros(SUMS_WIDTH, dtype=torch.float64, device=self.device)
         for index, batch in enumerate(micro_batches):
             sums = self._forward_sums(batch, objective.ntl_on)
@@ -373,9 +386,14 @@ class Trainer:
             return
         from .eval.hooks import run_evaluation
 
-        results = run_evaluation(self.engine, self.tokenizer, self.cfg.eval, step=self.step,
-                                 output_dir=self.cfg.train.output_dir, writer=self.monitor.writer,
-                                 tp_group=self.groups.tp_group, dp_group=self.groups.dp_group, final=final)
+        # generation: whole prompts with the plain attention on every rank, prompts split over all dp x sp ranks
+        # under sequence parallelism (UlyssesAttention.unsharded); the dp group otherwise
+        unsharded = self.ulysses.unsharded() if self.ulysses else contextlib.nullcontext()
+        prompts_group = self.groups.loss_group if self.ulysses else self.groups.dp_group
+        with unsharded:
+            results = run_evaluation(self.engine, self.tokenizer, self.cfg.eval, step=self.step,
+                                     output_dir=self.cfg.train.output_dir, writer=self.monitor.writer,
+                                     tp_group=self.groups.tp_group, dp_group=prompts_group, final=final)
         headline = {k: v for k, v in results.items()
                     if isinstance(v, (int, float)) and k.rsplit("/", 1)[-1] in ("accuracy", "mae", "time_s")
                     and k.count("/") <= 3}  # the headline figures; TensorBoard and the predictions file have all

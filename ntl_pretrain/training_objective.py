@@ -17,6 +17,7 @@ import torch
 from .config import ConfigError, LossConfig, NTLScheduleName
 from .loss import NTLSettings, ObjectiveSums, StepCounts, count_step, scaled_micro_batch_loss
 from .numbers import NumberVocab
+from .loss.sequence_shard import SequenceShard
 from .parallel_layout import ParallelGroups, ParallelLayout
 
 
@@ -75,10 +76,11 @@ class Objective:
                 if self.chunk_tokens else "full logits")
         return f"objective: {loss}, {head}"
 
-    def count(self, labels: Sequence[torch.Tensor], number_vocab: NumberVocab, groups: ParallelGroups) -> StepCounts:
+    def count(self, labels: Sequence[torch.Tensor], number_vocab: NumberVocab, groups: ParallelGroups,
+              shard: SequenceShard | None = None) -> StepCounts:
         """The step's tokens and NTL terms over its micro-batches and every rank holding other tokens
-        (`groups.loss_group`: one all-reduce)."""
-        return count_step(labels, number_vocab, self.settings, groups.loss_group)
+        (`groups.loss_group`: one all-reduce); `shard`: this rank's sequence slice of the rows."""
+        return count_step(labels, number_vocab, self.settings, groups.loss_group, shard=shard)
 
     def micro_batch_loss(self, sums: ObjectiveSums, counts: StepCounts, step: int, layout: ParallelLayout,
                          grad_accum_steps: int) -> torch.Tensor:

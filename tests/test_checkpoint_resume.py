@@ -143,7 +143,7 @@ def test_keep_last_k_and_permanent_checkpoints(reference):
     assert (reference / "latest").read_text() == "global_step6"
     manifest = verify_checkpoint(str(reference / "global_step4"))
     assert manifest["permanent"] and manifest["step"] == 4 and manifest["tokens_seen"] == 4 * 8 * 128
-    assert manifest["layout"] == {"world_size": 2, "dp_size": 1, "tp_size": 2, "zero_stage": 3}
+    assert manifest["layout"] == {"world_size": 2, "dp_size": 1, "tp_size": 2, "zero_stage": 3, "sp_size": 1}
     files = manifest["files"]
     assert {"rng_state_0.pt", "rng_state_1.pt", "hf/config.json", "hf/tokenizer.json", "hf/number_vocab.json"} <= set(files)
     assert any("mp_rank_00" in f for f in files) and any("mp_rank_01" in f for f in files)

@@ -65,13 +65,13 @@ def test_sequence_parallel_ranks_are_deepspeeds_ulysses_groups(fake_comm, world:
         # sp peers read the same samples (each its slice of the sequence); the dp group: one rank per sequence slice
         assert layout.peers("dp") == tuple(range(rank % sp, world, sp))
         assert (layout.data_rank, layout.data_size, layout.loss_size) == (rank // sp, world // sp, world)
-        # DeepSpeed divides the sum over dp x sp by (dp x sp) / sp: the loss scaling multiplies by dp, as without sp
-        assert layout.grad_average_size == len(loss_group) // sp
+        # ZeRO-3 divides the sum over dp x sp by dp x sp (tests/test_sequence_parallel.py measures it)
+        assert layout.grad_average_size == len(loss_group)
         assert layout.peers("tp") == (rank,)
 
 
 @pytest.mark.parametrize("world,tp,sp,match", [
-    (4, 2, 2, r"parallel.sp_size=2 with parallel.tp_size=2: .*not supported; set one of them to 1"),
+    (4, 2, 2, r"parallel.sp_size=2 with parallel.tp_size=2: .*DeepSpeed 0.19.8 .*no tensor-parallel dimension"),
     (4, 1, 3, r"parallel.sp_size=3 does not divide the world size 4 .*one of 1, 2, 4"),
     (6, 3, 4, r"parallel.sp_size=4 with parallel.tp_size=3"),
     (2, 1, 0, r"parallel.sp_size must be >= 1, got 0"),
@@ -83,16 +83,16 @@ def test_sequence_parallel_sizes_that_do_not_fit_are_refused(world: int, tp: int
         ParallelLayout.of(world, 0, 0, tp_size=tp, sp_size=sp)
 
 
-def test_sp_size_is_a_config_key_refused_until_ulysses_lands(tmp_path):
+def test_sp_size_is_a_config_key_and_tp_beside_it_is_refused(tmp_path):
     from ntl_pretrain.config import load_config
     from ntl_pretrain.preflight import preflight
 
     cfg = load_config("configs/demo.yaml", [f"train.output_dir={tmp_path}", "parallel.sp_size=2"])
-    assert cfg.parallel.sp_size == 2 and cfg.parallel.tp_size == "auto"  # auto: tp 1 beside sp, then refused
-    with pytest.raises(ConfigError, match=r"^parallel.sp_size=2: sequence parallelism arrives with issue 28 item 2"):
-        preflight(cfg, 2, on_cpu=True, local_files_only=True)
+    assert cfg.parallel.sp_size == 2 and cfg.parallel.tp_size == "auto"  # auto: tp 1 beside sp
+    checked = preflight(cfg, 2, on_cpu=True, local_files_only=True)
+    assert (checked.run.cfg.parallel.tp_size, checked.run.ds_config["sequence_parallel_size"]) == (1, 2)
     tp2 = load_config("configs/demo.yaml", [f"train.output_dir={tmp_path}", "parallel.sp_size=2", "parallel.tp_size=2"])
-    with pytest.raises(ConfigError, match=r"parallel.sp_size=2 with parallel.tp_size=2: .*not supported"):
+    with pytest.raises(ConfigError, match=r"parallel.sp_size=2 with parallel.tp_size=2: .*no tensor-parallel dimension"):
         preflight(tp2, 4, on_cpu=True, local_files_only=True)
     with pytest.raises(ConfigError, match=r"parallel.sp_size must be >= 1, got 0"):
         load_config("configs/demo.yaml", ["parallel.sp_size=0"])

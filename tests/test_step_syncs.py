@@ -5,7 +5,8 @@ tests exercise each entry of its list. Then the real Trainer (2 CPU processes, Z
 runs optimizer steps of 2 micro-batches as `Trainer.fit` does (the step, its log, the pre-emption
 agreement) while those calls are counted: our code makes none in a step that does not log and exactly one
 (the logged figures) in a logging step, for the full and the chunked head, T=1 (dp=2) and T=2, reweigh on
-and off. DeepSpeed's own calls per step are counted and printed (its overflow check reads the gradient norm).
+and off, and Ulysses sp=2 with number-level NTL. DeepSpeed's own calls per step are counted and printed (its
+overflow check reads the gradient norm).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ CHUNKED = {"chunk0": ["loss.chunk_tokens=0"],  # the full head
            # reweigh: its dense gradient comes with the recomputed blocks, no row count read on the host
            "chunk48_vocab_blocks_reweigh": ["loss.chunk_tokens=48", "loss.chunk_backward=vocab_blocks",
                                             "loss.reweigh=true"]}
+# Ulysses sp=2 (in the tp=1 launch, after its other cases): number-level NTL, whose spans exchange runs every step
+SEQUENCE_PARALLEL = {"sp2_number_level": ["parallel.sp_size=2", "loss.variant=number_level"],
+                     "sp2_chunk48_rows_number_level": ["parallel.sp_size=2", "loss.variant=number_level",
+                                                       "loss.chunk_tokens=48", "loss.chunk_backward=rows"]}
 multiprocess = [pytest.mark.multiprocess, pytest.mark.timeout(5 * TIMEOUT)]  # the fixture: 2 launches
 
 
@@ -94,7 +99,7 @@ def counted(assets, tmp_path_factory) -> Path:
     for tp in LAYOUTS:
         cases = [{"name": f"tp{tp}_{head}", "overrides": overrides(
             assets, root / f"run_tp{tp}_{head}", f"parallel.tp_size={tp}", *head_overrides)}
-            for head, head_overrides in CHUNKED.items()]
+            for head, head_overrides in {**CHUNKED, **(SEQUENCE_PARALLEL if tp == 1 else {})}.items()]
         (root / f"cases_tp{tp}.json").write_text(json.dumps(cases))
         # as launch/pretrain.sh's supervisor would pass it: the command started an hour ago
         run_workers("trainer_syncs.py", 2, [str(root), str(STEPS), DEMO, str(root / f"cases_tp{tp}.json")],
@@ -102,7 +107,8 @@ def counted(assets, tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("tp,head", [pytest.param(tp, head, marks=multiprocess) for tp in LAYOUTS for head in CHUNKED])
+@pytest.mark.parametrize("tp,head", [pytest.param(tp, head, marks=multiprocess) for tp in LAYOUTS for head in CHUNKED]
+                         + [pytest.param(1, head, marks=multiprocess) for head in SEQUENCE_PARALLEL])
 def test_step_syncs_only_to_log(counted, tp, head):
     counts = json.loads((counted / f"tp{tp}_{head}.json").read_text())
     print(json.dumps({k: v for k, v in counts.items() if k != "figures"}, indent=1))

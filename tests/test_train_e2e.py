@@ -3,7 +3,8 @@
 One T=2 run of configs/demo.yaml (through `deepspeed launch/pretrain.sh`) is checked for several things:
 TensorBoard tags read back with tensorboard's event reader, losses finite and falling, the run folder,
 the checkpoint. A T=1 run of the same config (through `deepspeed --hostfile` naming localhost) must give
-the same losses for the first steps, and so must the run with the chunked head. The logged loss of a step is
+the same losses for the first steps, and so must the run with the chunked head and a Ulysses sp=2 run (then
+resumed at sp=1). The logged loss of a step is
 recomputed in one process with plain torch and ntloss. `bash launch/pretrain.sh` then refuses the first run's
 folder.
 """
@@ -145,6 +146,30 @@ def test_tp1_through_a_localhost_hostfile_matches_tp2(tp2_run, assets, tmp_path)
         got = [v for _, v in tp1[tag]]
         want = [v for _, v in tp2[tag][:4]]
         assert got == pytest.approx(want, rel=2e-4, abs=1e-6), tag
+
+
+def test_sequence_parallel_run_matches_tp2_and_resumes_without_it(tp2_run, assets, tmp_path):
+    """Ulysses sp=2 through `bash launch/pretrain.sh` (the same global batch: dp=1 x 8 sequences, each split over 2
+    ranks) logs the T=2 run's losses and gradient norms, validates and generates (the evaluation at the end); its
+    checkpoint then resumes at sp=1 (dp=2 x 4, the same ZeRO partitioning) and continues as the T=2 run does."""
+    out2, _ = tp2_run
+    out = tmp_path / "run"
+    result = run_ok(["bash", "launch/pretrain.sh", *demo_args(
+        assets, out, "parallel.sp_size=2", "parallel.tp_size=1", "train.max_steps=4", "train.val_every_n_steps=4",
+        "eval.at_end=true", "eval.arithmetic_n=4", "eval.arithmetic_splits=[interpolation]")],
+        env=_bash_env(), timeout=TIMEOUT)
+    assert "dp=1 sp=2 tp=1 zero=3 micro_batch=8" in result.stdout
+    assert "step 4: evaluation eval/arith/interpolation/accuracy=" in result.stdout
+    resumed = run_ok(["bash", "launch/pretrain.sh", *demo_args(
+        assets, out, "parallel.tp_size=1", "data.micro_batch_size=4", "train.max_steps=6", "train.resume=auto",
+        "checkpoint.resume_lr_schedule=replan")], env=_bash_env(), timeout=TIMEOUT)
+    assert "training steps 5..6: dp=2 tp=1" in resumed.stdout
+    sp, tp2 = read_scalars(out / "tensorboard"), read_scalars(out2 / "tensorboard")
+    assert [s for s, _ in sp["val/loss"]] == [4] and math.isfinite(sp["val/loss"][0][1])
+    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/number_mae"):
+        assert [s for s, _ in sp[tag]] == list(range(1, 7)), tag
+        # the lr of steps 1-6 is the warm-up's whatever max_steps: the T=2 run's steps 1-6 are the reference
+        assert [v for _, v in sp[tag]] == pytest.approx([v for _, v in tp2[tag][:6]], rel=2e-4, abs=1e-6), tag
 
 
 def test_zero0_with_gradient_accumulation_matches_zero3(tp2_run, assets, tmp_path):

@@ -171,8 +171,9 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     if not os.path.isfile(config_path):
         raise ValueError(f"{args.run!r} is not a training run folder: {config_path} is missing")
     tag = _checkpoint_tag(args.run, args.tag)
-    # the run folder where it is now, and the checkpoint to load, as a resume of the run would name them
-    saved = load_config(config_path, [f"train.output_dir={args.run}", f"train.resume={tag}"])
+    # the run folder where it is now, and the checkpoint to load, as a resume of the run would name them; without
+    # sequence parallelism (generation runs on whole prompts; a checkpoint loads at any sp size, docs/training.md)
+    saved = load_config(config_path, [f"train.output_dir={args.run}", f"train.resume={tag}", "parallel.sp_size=1"])
     # `python tools/evaluate.py --run` without a launcher: a world of one, as `python launch/pretrain.sh` alone
     # (else DeepSpeed falls back to MPI discovery: a raw "No module named 'mpi4py'")
     launcher.use_world_of_one()

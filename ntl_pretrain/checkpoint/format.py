@@ -69,6 +69,7 @@ KNOWN_FORMATS = (1, 2, FORMAT_VERSION)
 UNLISTED_ENTRIES = (MANIFEST_NAME, KEEP_MARKER, STAGING_MARKER)  # files at a checkpoint's top its manifest never
 #                                                                 lists (the marker: a save killed after its rename)
 _LAYOUT_FIELDS = ("world_size", "dp_size", "tp_size", "zero_stage")
+_OPTIONAL_LAYOUT_FIELDS = ("sp_size",)  # absent from checkpoints saved before sequence parallelism: 1
 _NoneType = type(None)
 # the manifest's other entries: the types they must have where present (a list where a mapping belongs, a
 # string for a number, is refused in one line before anything uses it)
@@ -176,7 +177,8 @@ def check_manifest(manifest: Any, path: str) -> None:
                               f"it lists; resume from another checkpoint")
     if "layout" in manifest:
         layout = manifest["layout"]
-        if sorted(layout) != sorted(_LAYOUT_FIELDS) or not all(_is_count(v) for v in layout.values()):
+        required = sorted(key for key in layout if key not in _OPTIONAL_LAYOUT_FIELDS)
+        if required != sorted(_LAYOUT_FIELDS) or not all(_is_count(v) for v in layout.values()):
             raise CheckpointError(f"{where}: 'layout' is {layout!r}, not {{{', '.join(_LAYOUT_FIELDS)}}} as numbers")
     step = step_of_tag(os.path.basename(os.path.normpath(path)))
     if step is not None and step != manifest["step"]:
@@ -220,9 +222,17 @@ class SavedLayout:
     dp_size: int  # data-parallel size
     tp_size: int  # tensor-parallel (AutoTP) size
     zero_stage: int  # ZeRO stage
+    sp_size: int = 1  # sequence-parallel (Ulysses) size
+
+    @property
+    def zero_partitions(self) -> int:
+        """The ranks ZeRO partitions each weight over (and names its files by): dp x sp (DeepSpeed's
+        sequence-data-parallel group; its Ulysses groups count as model-parallel size 1)."""
+        return self.dp_size * self.sp_size
 
     def describe(self) -> str:
-        return f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size}, ZeRO-{self.zero_stage}"
+        sp = f" x sp {self.sp_size}" if self.sp_size > 1 else ""
+        return f"world {self.world_size} = dp {self.dp_size}{sp} x tp {self.tp_size}, ZeRO-{self.zero_stage}"
 
 
 def saved_layout(manifest: dict) -> SavedLayout:
@@ -233,6 +243,8 @@ def saved_layout(manifest: dict) -> SavedLayout:
 
 
 def needs_reshard(manifest: dict, current: SavedLayout) -> bool:
-    """Whether a checkpoint must go through the universal form to load with the current layout."""
+    """Whether a checkpoint must go through the universal form to load with the current layout: another ZeRO
+    partitioning. Another sp size over the same ranks is not (the same files, `SavedLayout.zero_partitions`)."""
     saved = saved_layout(manifest)
-    return (saved.dp_size, saved.tp_size, saved.zero_stage) != (current.dp_size, current.tp_size, current.zero_stage)
+    return ((saved.zero_partitions, saved.tp_size, saved.zero_stage)
+            != (current.zero_partitions, current.tp_size, current.zero_stage))

@@ -163,7 +163,7 @@ class CheckpointManager:
         self.output_dir = output_dir
         self.layout = layout
         self.current = SavedLayout(world_size=layout.world_size, dp_size=layout.dp_size, tp_size=layout.tp_size,
-                                   zero_stage=zero_stage)
+                                   zero_stage=zero_stage, sp_size=layout.sp_size)
         self.fingerprint = run_fingerprint
         self.seed = seed
         self.data = data

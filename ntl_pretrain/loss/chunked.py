@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..numbers import NumberVocab
-from .ntl import NTLSettings
+from .ntl import NTLSettings, NumberSpans
 from .objective import ObjectiveSums, check_loss_inputs, check_on_host, sums_from_stats
 from .parallel import NumberColumns, ShardStats, compute_dtype, reduce_shard_rows
 from .shard import VocabShard, vocab_shard_of
@@ -66,6 +66,7 @@ class _Plan:
     backward: str  # "rows" or "vocab_blocks" (CHUNK_BACKWARDS; "auto" resolved by `resolve_chunk_backward`)
     shard: VocabShard  # where the head's rows sit in the vocabulary
     check_inputs: bool  # host checks (shard layout, labels in the vocabulary); False: no host sync
+    spans: NumberSpans | None = None  # number-level spans of a sequence shard (`sequence_shard.shard_number_spans`)
 
 
 class _ChunkedHeadObjective(torch.autograd.Function):
@@ -313,7 +314,7 @@ def _objective_from_stats(stats: ShardStats, plan: _Plan, need_grads: bool, dens
         sum_exp = stats.sum_exp.detach().requires_grad_(want_ntl_grads and settings.reweigh)
         leaf_stats = ShardStats(stats.shift, sum_exp, stats.target_logit, number_logits)
         sums = sums_from_stats(leaf_stats, plan.labels, plan.number_vocab, settings, loss_weights=plan.loss_weights,
-                               with_ntl=plan.with_ntl)
+                               with_ntl=plan.with_ntl, spans=plan.spans)
     packed = sums.stack()
     if not want_ntl_grads or not sums.ntl_sum.requires_grad:
         return packed, None
@@ -408,7 +409,7 @@ def _armed(head: torch.nn.Module, plan: _Plan) -> Iterator[_HeadCall]:
 
 def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings,
                chunk_tokens: int, shard: VocabShard | None, loss_weights: torch.Tensor | None, with_ntl: bool,
-               check_inputs: bool, backward: str) -> _Plan:
+               check_inputs: bool, backward: str, spans: NumberSpans | None = None) -> _Plan:
     check_loss_inputs(labels, number_vocab, loss_weights, check_values=check_inputs)
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive number of tokens per chunk, got {chunk_tokens!r}")
@@ -427,7 +428,7 @@ def _make_plan(head: torch.nn.Module, labels: torch.Tensor, number_vocab: Number
     return _Plan(labels=labels, loss_weights=loss_weights, number_vocab=number_vocab, settings=settings,
                  with_ntl=with_ntl, chunk_tokens=chunk_tokens,
                  backward=resolve_chunk_backward(backward, chunk_tokens, labels.numel(), labels.device.type),
-                 shard=shard, check_inputs=check_inputs)
+                 shard=shard, check_inputs=check_inputs, spans=spans)
 
 
 CHUNK_BACKWARDS = ("auto", "rows", "vocab_blocks")
@@ -460,7 +461,8 @@ def resolve_chunk_backward(backward: str, chunk_tokens: int, rows: int, device_t
 def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, number_vocab: NumberVocab,
                         settings: NTLSettings = NTLSettings(), *, chunk_tokens: int, shard: VocabShard | None = None,
                         loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
-                        check_inputs: bool = True, backward: str = "auto") -> ObjectiveSums:
+                        check_inputs: bool = True, backward: str = "auto",
+                        spans: NumberSpans | None = None) -> ObjectiveSums:
     """`ce_ntl_sums(head(hidden), labels, ...)` without ever holding more than `chunk_tokens` rows of logits.
 
     Same meaning, values and gradients (float32 round-off) as `objective.ce_ntl_sums` on the head's
@@ -485,9 +487,12 @@ def chunked_ce_ntl_sums(hidden: torch.Tensor, head: torch.nn.Module, labels: tor
             `backward="rows"`, see docs/chunked.md).
         backward: how the gradient is computed, "rows", "vocab_blocks" or "auto" (`resolve_chunk_backward`);
             the values and gradients are the same, the cost differs.
+        spans: "number_level" on a sequence shard, as in `ce_ntl_sums`. The NTL gradient is formed in forward
+            (its exchange's backward all-reduce runs there), so the gradient that later reaches `ntl_sum` must
+            be the same on every rank of the sequence-parallel group: the trainer's global normaliser is.
     """
     plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs,
-                      backward)
+                      backward, spans)
     with _armed(head, plan) as call:
         packed = head(hidden)
     if call.computed is None:
@@ -500,7 +505,8 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
                               number_vocab: NumberVocab, settings: NTLSettings = NTLSettings(), *, chunk_tokens: int,
                               shard: VocabShard | None = None, loss_weights: torch.Tensor | None = None,
                               with_ntl: bool = True,
-                              check_inputs: bool = True, backward: str = "auto") -> ObjectiveSums:
+                              check_inputs: bool = True, backward: str = "auto",
+                              spans: NumberSpans | None = None) -> ObjectiveSums:
     """Forward of a causal LM (a DeepSpeed engine or a HF model) with its head replaced by the chunked
     CE + NTL objective; the replacement for `ce_ntl_sums(model(**inputs).logits, labels, ...)`.
 
@@ -521,7 +527,7 @@ def chunked_model_ce_ntl_sums(model: Any, head: torch.nn.Module, inputs: dict, l
         raise ValueError("do not pass labels to the model: it would compute its own loss on the head's output; "
                          "pass them to chunked_model_ce_ntl_sums")
     plan = _make_plan(head, labels, number_vocab, settings, chunk_tokens, shard, loss_weights, with_ntl, check_inputs,
-                      backward)
+                      backward, spans)
     with _armed(head, plan) as call:
         output = model(**inputs)
     if call.computed is None:

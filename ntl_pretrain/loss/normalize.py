@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..numbers import NumberVocab
 from .ntl import NTLSettings, term_positions
+from .sequence_shard import SequenceShard, shard_term_positions
 from .objective import ObjectiveSums
 from .shard import group_size
 
@@ -34,25 +35,33 @@ class StepCounts:
 
 def count_step(labels: Sequence[torch.Tensor], number_vocab: NumberVocab, settings: NTLSettings,
                loss_group: dist.ProcessGroup | None = None,
-               loss_weights: Sequence[torch.Tensor] | None = None) -> StepCounts:
+               loss_weights: Sequence[torch.Tensor] | None = None, shard: SequenceShard | None = None) -> StepCounts:
     """Count the step's tokens and NTL terms over all micro-batches and the ranks of `loss_group`.
 
     Runs exactly one all-reduce (SUM, 2 floats) over `loss_group` on every call, also when this rank's
     micro-batches hold no number token, so ranks never wait on each other. No host sync: the counts
-    are returned as device tensors.
+    are returned as device tensors. `shard` (sequence parallelism): the labels are whole `[B, S]` rows of
+    which this rank holds one sequence slice; only the slice's tokens and terms count here (a number-level
+    term in the slice where its number starts), the loss group adds the other slices'.
     """
     if not labels:
         raise ValueError("count_step needs the labels of at least one micro-batch")
     if loss_weights is not None and len(loss_weights) != len(labels):
         raise ValueError(f"got {len(loss_weights)} loss-weight tensors for {len(labels)} micro-batches")
     counts = torch.zeros(2, dtype=torch.float64, device=labels[0].device)
+    sliced = shard is not None and shard.size > 1
     for index, micro_labels in enumerate(labels):
+        if sliced:
+            positions = shard_term_positions(micro_labels, shard, number_vocab, settings)
+            micro_labels = shard.split(micro_labels)
+        else:
+            positions = term_positions(micro_labels, number_vocab, settings)
         counts[0] += (micro_labels != settings.ignore_index).sum()
-        positions = term_positions(micro_labels, number_vocab, settings)
         if loss_weights is None:
             counts[1] += positions.sum()
         else:
-            weights = loss_weights[index].reshape(-1).to(device=counts.device, dtype=torch.float64)
+            weights = shard.split(loss_weights[index]) if sliced else loss_weights[index]
+            weights = weights.reshape(-1).to(device=counts.device, dtype=torch.float64)
             counts[1] += torch.where(positions, weights, 0.0).sum()
     if group_size(loss_group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=loss_group)
@@ -64,7 +73,7 @@ def scaled_micro_batch_loss(sums: ObjectiveSums, counts: StepCounts, ntl_weight:
     """The loss of one micro-batch to hand to `engine.backward`.
 
     DeepSpeed divides each micro-batch loss by `grad_accum_steps` and the summed gradients by
-    `grad_average_size` (the data-parallel size, `ParallelLayout.grad_average_size`); multiplying by both
+    `grad_average_size` (dp x sp, `ParallelLayout.grad_average_size`); multiplying by both
     undoes that, so the step's gradient is that of `CE_sum_global / tokens + ntl_weight * NTL_sum_global /
     ntl_positions`.
     """

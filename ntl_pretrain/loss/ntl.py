@@ -184,15 +184,30 @@ def _as_rows(labels: torch.Tensor) -> torch.Tensor:
     return labels.reshape(1, -1) if labels.dim() < 2 else labels.reshape(-1, labels.shape[-1])
 
 
+@dataclass
+class NumberSpans:
+    """Where the numbers of the labels sit, for "number_level" (`number_spans`, or a sequence shard's view of
+    the whole sequence's spans: `sequence_shard.shard_number_spans`)."""
+
+    is_start: torch.Tensor  # [n] bool: the first digit of each number (where its term sits)
+    segment: torch.Tensor  # [n] long: the number each position belongs to (-1 elsewhere), < n_segments
+    place: torch.Tensor  # [n] long: the digit's power of ten
+    n_segments: int  # an upper bound on the segment ids (the tables' size)
+    # maps the `[2, n_segments + 1]` table of (expected, true) value sums per number, summed over this view's
+    # positions, to the whole numbers' sums (a sequence shard adds the other shards' parts); None: identity
+    combine: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
               settings: NTLSettings, *, number_mass: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              loss_weights: torch.Tensor | None = None) -> NTLTerms:
+              loss_weights: torch.Tensor | None = None, spans: NumberSpans | None = None) -> NTLTerms:
     """Per-term NTL from `[n, K]` number logits and `[B, S]` (or `[n]`) labels aligned with them.
 
     `number_mass()` (the `[n]` full-vocabulary probability mass on number tokens at every row,
     `ShardStats.number_mass`) is needed only when `settings.reweigh`. Every row is computed and the rows
     without a term are masked (their number logits replaced by zeros first, so they get exactly zero
-    gradient): `[n, K]` work with K ~ 10, and no host sync.
+    gradient): `[n, K]` work with K ~ 10, and no host sync. `spans` ("number_level" only): the numbers'
+    spans when the labels are a slice of longer rows (a sequence shard); default: found in `labels`.
     """
     device, dtype = number_logits.device, number_logits.dtype
     flat_labels = labels.reshape(-1)
@@ -206,17 +221,19 @@ def ntl_terms(number_logits: torch.Tensor, labels: torch.Tensor, number_vocab: N
         if settings.float_level and number_vocab.decimal_point_id is None:
             raise ValueError("float_level number-level NTL needs the '.' token id: the tokenizer has no '.' token "
                              "(NumberVocab.decimal_point_id is None)")
-        is_start, segment, place = number_spans(slot, _as_rows(labels), number_vocab.decimal_point_id,
-                                                settings.float_level, settings.max_number_digits)
+        if spans is None:
+            spans = NumberSpans(*number_spans(slot, _as_rows(labels), number_vocab.decimal_point_id,
+                                              settings.float_level, settings.max_number_digits), slot.numel())
         digits = slot >= 0
         probs = torch.softmax(torch.where(digits[:, None], number_logits, 0.0), dim=-1)
-        scale = torch.where(digits, torch.pow(10.0, place.to(dtype)), 0.0)
-        number_slot = segment + 1  # slot 0: positions outside any number (their scale is 0)
-        expected = values.new_zeros(number_slot.numel() + 1).index_add(0, number_slot, probs @ values * scale)
-        true = values.new_zeros(number_slot.numel() + 1).index_add(0, number_slot,
-                                                                   values[slot.clamp_min(0)] * scale)
+        scale = torch.where(digits, torch.pow(10.0, spans.place.to(dtype)), 0.0)
+        number_slot = spans.segment + 1  # slot 0: positions outside any number (their scale is 0)
+        # row 0: the expected value of each number, row 1: its true value
+        sums = values.new_zeros(2, spans.n_segments + 1).index_add(
+            1, number_slot, torch.stack([probs @ values * scale, values[slot.clamp_min(0)] * scale]))
+        expected, true = (sums if spans.combine is None else spans.combine(sums)).unbind()
         per_number = (expected - true).abs() / (expected.abs() + true.abs() + torch.finfo(dtype).eps)
-        positions = is_start
+        positions = spans.is_start
         loss = per_number[number_slot]  # each number's term at its first digit (masked below)
     else:
         positions = slot >= 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..numbers import NumberVocab
-from .ntl import NTLSettings, ntl_terms
+from .ntl import NTLSettings, NumberSpans, ntl_terms
 from .parallel import ShardStats, shard_reductions
 from .shard import VocabShard
 
@@ -129,7 +129,7 @@ def _logit_stats(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Numbe
 def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
                 settings: NTLSettings = NTLSettings(), *, shard: VocabShard = VocabShard(),
                 loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
-                check_inputs: bool = True) -> ObjectiveSums:
+                check_inputs: bool = True, spans: NumberSpans | None = None) -> ObjectiveSums:
     """CE and NTL sums (and counts) of one micro-batch.
 
     Args:
@@ -147,16 +147,20 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
         check_inputs: run the checks that read values on the host (shard layout over the TP group,
             labels inside the vocabulary, loss weights >= 0). False: no host sync at all; check the
             layout once with `VocabShard.check_tiling` instead.
+        spans: "number_level" only: where the numbers sit when `labels` are one sequence shard of longer rows
+            (`sequence_shard.shard_number_spans`); default: found in `labels`.
     """
     stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights, need_lse=True, need_target=True,
                          ignore_index=settings.ignore_index, check_inputs=check_inputs)
-    return sums_from_stats(stats, labels, number_vocab, settings, loss_weights=loss_weights, with_ntl=with_ntl)
+    return sums_from_stats(stats, labels, number_vocab, settings, loss_weights=loss_weights, with_ntl=with_ntl,
+                           spans=spans)
 
 
 def sums_from_stats(stats: ShardStats, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings, *,
-                    loss_weights: torch.Tensor | None = None, with_ntl: bool = True) -> ObjectiveSums:
+                    loss_weights: torch.Tensor | None = None, with_ntl: bool = True,
+                    spans: NumberSpans | None = None) -> ObjectiveSums:
     """CE and NTL sums from the reduced statistics of the logits (`shard_reductions`, or the chunked
-    head's per-chunk reductions), differentiable through them."""
+    head's per-chunk reductions), differentiable through them (`spans`: as in `ce_ntl_sums`)."""
     flat_labels = labels.reshape(-1).long()
     valid = (flat_labels != settings.ignore_index).to(stats.number_logits.dtype)
     ce_sum = ((stats.lse - stats.target_logit) * valid).sum()
@@ -171,7 +175,8 @@ def sums_from_stats(stats: ShardStats, labels: torch.Tensor, number_vocab: Numbe
 
     if with_ntl:
         terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
-                          number_mass=stats.number_mass if settings.reweigh else None, loss_weights=loss_weights)
+                          number_mass=stats.number_mass if settings.reweigh else None, loss_weights=loss_weights,
+                          spans=spans)
         ntl_sum = (terms.loss * terms.weights).sum()
         ntl_count = terms.weights.sum().detach()
     else:

@@ -63,7 +63,7 @@ def check_groups(trainer: Trainer) -> None:
 
     engine, groups, layout = trainer.engine, trainer.groups, trainer.layout
     assert ranks(groups.loss_group) == ranks(engine.seq_data_parallel_group), "losses summed off the gradient group"
-    assert layout.grad_average_size == engine.seq_dp_world_size // engine.sequence_parallel_size
+    assert layout.grad_average_size == engine.seq_dp_world_size  # ZeRO-3's divisor (sp = 1 here: ZeRO 0-2's too)
     assert (layout.data_rank, layout.data_size) == (engine.seq_data_parallel_group.rank(), engine.seq_dp_world_size)
     if layout.tp_size > 1:
         assert ranks(groups.tp_group) == ranks(ds_groups.get_tensor_model_parallel_group())
