@@ -171,9 +171,15 @@ def _ranks_not_reporting() -> list[int]:
     store.set(f"ntl_timed_out/{dist.get_rank()}", "1")
     keys = [f"ntl_timed_out/{rank}" for rank in range(dist.get_world_size())]
     deadline = time.monotonic() + STALL_REPORT_WAIT_S
-    while not store.check(keys) and time.monotonic() < deadline:
+    silent = [rank for rank, key in enumerate(keys) if not store.check([key])]
+    while silent and time.monotonic() < deadline:
         time.sleep(0.2)
-    return [rank for rank, key in enumerate(keys) if not store.check([key])]
+        try:
+            silent = [rank for rank in silent if not store.check([keys[rank]])]
+        except (RuntimeError, dist.DistError):
+            # global rank 0 waited as long, reported and exited with the store it holds: what was seen stands
+            break
+    return silent
 
 
 def run_process(main: Callable[[], int | None], lost_peer_hint: str = "") -> NoReturn:
