@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ntl_pretrain.config import load_config
+from ntl_pretrain.config.schema import ParallelConfig
 from ntl_pretrain.distributed import check_tp_divides, layout
 from ntl_pretrain.model import build_model, padded_vocab_size, train_digit_bpe
 from ntl_pretrain.preflight import check_output_dir, number_vocab_for
@@ -132,10 +133,10 @@ def test_tp_size_that_does_not_divide_the_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ValueError, match=r"parallel.tp_size=2 does not divide the world size 3"):
-        layout(2)
+        layout(ParallelConfig(tp_size=2))
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
-    got = layout(2)
+    got = layout(ParallelConfig(tp_size=2))
     assert (got.dp_size, got.dp_rank, got.tp_rank) == (2, 1, 1)
 
 
