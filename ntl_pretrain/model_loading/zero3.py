@@ -60,6 +60,7 @@ def init_without_broadcast(ds_config: dict, data_parallel_group: Any = None,
     instead of partitioned, since `tie_weights` replaces it with the embedding's; its partition would be a
     second copy of the embedding's share until then (0.14x of Qwen2.5-0.5B)."""
     import deepspeed
+    import torch._dynamo  # noqa: F401  (every entry into zero.Init: first imported inside it, it fails; see above)
 
     class InitWithoutBroadcast(deepspeed.zero.Init):
         def _post_init_method(self, module: torch.nn.Module) -> None:
