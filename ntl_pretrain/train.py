@@ -129,6 +129,8 @@ class Trainer:
         _setup_logging(self.layout.is_main)
         if checked.run.tp_note:
             logger.info(checked.run.tp_note)
+        for line in checked.warnings:
+            logger.warning(line)
         logger.info(self.objective.describe())
         # installed first: a stop signal during start-up ends the process at once (no step to save), later it saves
         self.preemption = PreemptionHandler(cfg.checkpoint.preempt_signals, cfg.checkpoint.preempt_grace_s)
