@@ -523,3 +523,41 @@ def test_dry_run_warns_of_settings_that_run_but_not_as_meant(monkeypatch, capsys
     assert code == 0 and "dry run OK" in out
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and message in warnings[0], err
+
+
+@pytest.mark.parametrize("line,why", [("[1, 2, 3]", "a JSON list, not an object"), ('"a string"', "a JSON str, not an object"),
+                                      ("7", "a JSON int, not an object"),
+                                      ('{"text": "1+1=2", "text": "2+2=4"}', "an object whose key 'text' appears twice")])
+def test_a_json_lines_row_that_is_not_an_object_is_named_by_file_and_line(tmp_path, line, why):
+    """datasets' reader failed on the whole file ("check that the files are valid json data") with no line."""
+    from ntl_pretrain.data.sources import load_documents
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "12+3=15"}\n\n{"text": "4+4=8"}\n' + line + '\n{"text": "9+1=10"}\n')
+    with pytest.raises(DataError) as refused:
+        load_documents(DataSourceConfig(path=str(path)), "data.sources.0", str(tmp_path / "cache"))
+    assert f"{str(path)!r} line 4 is {why}" in str(refused.value), refused.value
+
+
+def test_a_streamed_row_with_a_key_given_twice_is_skipped_and_named(tmp_path):
+    """json.loads kept the last value of a repeated key silently; the stream now skips the row and names it."""
+    from ntl_pretrain.data.reader import LocalRows
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b", "text": "c"}\n{"text": "d"}\n')
+    rows = list(LocalRows([str(path)], "json", [0]).rows())
+    assert [row for row, _, _ in rows] == [{"text": "a"}, "an object whose key 'text' appears twice", {"text": "d"}]
+    assert rows[1][2] == f"{str(path)!r} line 2"
+
+
+def test_a_source_that_is_a_symbolic_link_loop_says_so(tmp_path):
+    from ntl_pretrain.data.sources import resolve_files
+
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    with pytest.raises(DataError, match="is a symbolic link loop"):
+        resolve_files(DataSourceConfig(path=str(loop)), "data.sources.0")
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(DataError, match="is a symbolic link to .*gone.jsonl', which does not exist"):
+        resolve_files(DataSourceConfig(path=str(dangling)), "data.sources.0")
