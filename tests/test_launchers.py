@@ -53,7 +53,7 @@ def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tm
                   env=_no_launcher_env(), timeout=TIMEOUT)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
         "error: train.resume='global_step9': no such checkpoint"), missing.stderr[-2000:]
-    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/log_filter.py
+    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/runtime/log_filter.py
         assert noise not in alone.stdout + alone.stderr, noise
     reference = read_scalars(runs["deepspeed"] / "tensorboard")
     for name in ("torchrun", "alone"):
@@ -104,7 +104,7 @@ def test_a_busy_explicit_master_port_is_refused_before_any_rank_starts(assets, t
 
 
 def test_the_supported_ranges_are_pyprojects(monkeypatch):
-    from ntl_pretrain import versions
+    from ntl_pretrain.core import versions
 
     declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     for name, spec in versions.SUPPORTED.items():
@@ -115,7 +115,8 @@ def test_the_supported_ranges_are_pyprojects(monkeypatch):
 
 @pytest.mark.parametrize("name,fake", [("deepspeed", "0.20.1"), ("transformers", "4.56.2"), ("transformers", None)])
 def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monkeypatch, capsys, name, fake):
-    from ntl_pretrain import cli, versions
+    from ntl_pretrain import cli
+    from ntl_pretrain.core import versions
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda dist: fake if dist == name else real(dist))
