@@ -132,7 +132,7 @@ def test_unreadable_config_files_are_named(tmp_path):
 
 
 def test_deepspeed_json_that_is_no_regular_file_is_refused_not_read_forever(tmp_path):
-    from ntl_pretrain.ds_config import deepspeed_config
+    from ntl_pretrain.trainer.ds_config import deepspeed_config
 
     for path, problem in (("/dev/zero", "is not a regular file"), (str(tmp_path), "is a folder")):
         cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}"])
@@ -151,7 +151,7 @@ def test_good_values_at_the_edges_still_load():
 def test_misspelt_architecture_key_is_refused_before_the_build(tmp_path):
     from transformers import LlamaConfig
 
-    from ntl_pretrain.model import load_model_config
+    from ntl_pretrain.models.build import load_model_config
 
     cfg = load_config(DEMO, ["model.architecture.num_hiden_layers=2"])
     with pytest.raises(ValueError, match=r"model.architecture.num_hiden_layers is not a key of the llama config.*"
@@ -172,7 +172,7 @@ def test_misspelt_architecture_key_is_refused_before_the_build(tmp_path):
 
 @pytest.mark.parametrize("path", ["./no/such/model", "runs/missing/model"])
 def test_missing_local_model_folder_is_not_read_as_a_hub_id(path):
-    from ntl_pretrain.model import load_model_config
+    from ntl_pretrain.models.build import load_model_config
 
     cfg = load_config(DEMO, [f"model.name_or_path={path}"])
     with pytest.raises(ValueError) as info:
@@ -182,7 +182,7 @@ def test_missing_local_model_folder_is_not_read_as_a_hub_id(path):
 
 
 def test_seq_len_beyond_the_models_positions_is_refused():
-    from ntl_pretrain.model import check_sequence_length, load_model_config
+    from ntl_pretrain.models.build import check_sequence_length, load_model_config
 
     cfg = load_config(DEMO, ["data.seq_len=512"])
     with pytest.raises(ValueError, match=r"data.seq_len=512 is longer than the model's max_position_embeddings=256"):
@@ -192,7 +192,7 @@ def test_seq_len_beyond_the_models_positions_is_refused():
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed JSON
 def test_deepspeed_train_batch_size_is_resolved_or_refused(tmp_path):
-    from ntl_pretrain.ds_config import deepspeed_config, resolve_run
+    from ntl_pretrain.trainer.ds_config import deepspeed_config, resolve_run
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 64}))
@@ -264,7 +264,7 @@ def test_dry_run_warns_about_an_output_folder_it_cannot_create(tmp_path):
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from ntl_pretrain.model import train_digit_bpe
+    from ntl_pretrain.tokenizer.run import train_digit_bpe
 
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
     train_digit_bpe([f"{i} apples cost {i * 7} coins" for i in range(300)], vocab_size=300, out_dir=str(out))
@@ -405,7 +405,7 @@ def _mode(path: Path) -> int:
 def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
     from ntl_pretrain.eval.arithmetic import write_training_corpus
     from ntl_pretrain.eval.hooks import _write_jsonl
-    from ntl_pretrain.model import train_digit_bpe
+    from ntl_pretrain.tokenizer.run import train_digit_bpe
 
     files, folders = 0o666 & ~umask, 0o777 & ~umask
     corpus = write_training_corpus(str(tmp_path / "corpus.jsonl"), n=20, seed=1)
@@ -423,7 +423,7 @@ def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
 
 
 def test_atomic_helpers_leave_nothing_half_written(tmp_path, umask):
-    from ntl_pretrain.fs import atomic_directory, atomic_write, write_json_atomic
+    from ntl_pretrain.core.fs import atomic_directory, atomic_write, write_json_atomic
 
     target = tmp_path / "a.json"
     write_json_atomic(target, {"v": 1})

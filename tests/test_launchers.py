@@ -53,7 +53,7 @@ def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tm
                   env=_no_launcher_env(), timeout=TIMEOUT)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
         "error: train.resume='global_step9': no such checkpoint"), missing.stderr[-2000:]
-    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/log_filter.py
+    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/runtime/log_filter.py
         assert noise not in alone.stdout + alone.stderr, noise
     reference = read_scalars(runs["deepspeed"] / "tensorboard")
     for name in ("torchrun", "alone"):
@@ -104,7 +104,7 @@ def test_a_busy_explicit_master_port_is_refused_before_any_rank_starts(assets, t
 
 
 def test_the_supported_ranges_are_pyprojects(monkeypatch):
-    from ntl_pretrain import versions
+    from ntl_pretrain.core import versions
 
     declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     for name, spec in versions.SUPPORTED.items():
@@ -115,7 +115,8 @@ def test_the_supported_ranges_are_pyprojects(monkeypatch):
 
 @pytest.mark.parametrize("name,fake", [("deepspeed", "0.20.1"), ("transformers", "4.56.2"), ("transformers", None)])
 def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monkeypatch, capsys, name, fake):
-    from ntl_pretrain import cli, versions
+    from ntl_pretrain import cli
+    from ntl_pretrain.core import versions
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda dist: fake if dist == name else real(dist))
@@ -133,7 +134,7 @@ def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monke
 def test_untested_versions_run_with_a_warning_only_when_asked(monkeypatch, caplog):
     """NTL_ALLOW_UNTESTED_VERSIONS=1 turns the refusal into one warning naming the version; unset (or another
     value) it stays a refusal that names the variable."""
-    from ntl_pretrain import versions
+    from ntl_pretrain.core import versions
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda dist: "5.99.0" if dist == "transformers" else real(dist))
@@ -186,7 +187,8 @@ def test_a_port_taken_before_rank_0_binds_it_is_one_line_and_reported_to_the_sup
     """The race of issue 36: the port was free when it was checked (and chosen), another process took it before global
     rank 0's store bound it (the first start compiles DeepSpeed's CPU op meanwhile). Rank 0 says so in one line,
     names the port and the fix, writes nothing, and reports it to the supervisor, which starts again elsewhere."""
-    from ntl_pretrain import cli, launcher, lifecycle
+    from ntl_pretrain import cli
+    from ntl_pretrain.runtime import launcher, lifecycle
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -216,7 +218,7 @@ def test_a_port_taken_before_rank_0_binds_it_is_one_line_and_reported_to_the_sup
 def test_the_supervisor_starts_again_on_another_port_only_when_it_chose_the_port(monkeypatch, capsys):
     """A taken port that the user did not name: the job starts again on a new free port (at most PORT_ATTEMPTS
     starts); a port the user named, or a multi-node job, is never moved."""
-    from ntl_pretrain import supervisor
+    from ntl_pretrain.runtime import supervisor
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     starts: list[list[str]] = []

@@ -3,7 +3,7 @@
 DeepSpeed's zero.Init puts back, when it ends, the `__init__` it saw when a module class was created inside it; a
 modeling module first imported there loses the wrappers that decorators (transformers 5.25's `kernels`) put on its
 classes, and the next model of that class fails in its first forward. The project imports what a build imports before
-entering zero.Init (`model_loading.import_outside_zero_init`): here no modeling module (nor torch._dynamo) is first
+entering zero.Init (`models.loading.zero3.import_outside_zero_init`): here no modeling module (nor torch._dynamo) is first
 imported inside any zero.Init of the partitioned builds, and the second engine of each family in the process trains
 as the first did (same seed: the same loss).
 """

@@ -8,8 +8,11 @@ import os
 import signal
 from typing import Any
 
+from ..checkpoint.export import max_shard_bytes
+from ..checkpoint.format import CheckpointError, step_of_tag
 from ..eval.arithmetic import check_corpus_options
 from ..eval.config import check_corpus_digits
+from ..loss import NTLSettings
 from .parsing import get_key
 from .schema import Config, ConfigError, LossConfig, check_prompt_template
 
@@ -106,9 +109,6 @@ def validate(config: Config) -> None:
 def _check_run_folder(config: Config) -> None:
     """train.output_dir, train.resume and checkpoint.export_max_shard_size: what the checkpoint code would
     refuse only when it reads or exports a checkpoint (after the build, or after the whole run)."""
-    from ..checkpoint.export import max_shard_bytes
-    from ..checkpoint.format import CheckpointError, step_of_tag
-
     output_dir = config.train.output_dir
     if not output_dir.strip():
         raise ConfigError("train.output_dir is empty; name the run folder, e.g. train.output_dir=runs/my_run")
@@ -177,8 +177,6 @@ def _check_ranges(config: Config) -> None:
 
 def ntl_settings(loss: LossConfig) -> Any:
     """The loss's `NTLSettings` from the loss section; its own checks as a ConfigError naming the keys."""
-    from ..loss import NTLSettings
-
     try:
         return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..config import DataSourceConfig
+from ..config import DataConfig, DataSourceConfig
 from .errors import DataError
 from .reader import first_bad_json_line
 from ..config.schema import CHAT_TEMPLATE, PREPARED, TOKENIZED
@@ -556,3 +556,28 @@ Sample = tuple[np.ndarray, "np.ndarray | None"]  # (seq_len + 1 tokens, their ta
 def _sample_of(row: dict) -> Sample:
     targets = row.get(TARGETS)
     return np.asarray(row[TOKENS]), None if targets is None else np.asarray(targets, dtype=bool)
+
+
+def pack_in_memory(cfg: DataConfig, source: Any, key: str, tokenizer: Any, num_proc: int) -> tuple[Any, Any]:
+    """(training samples, validation samples) of a source read whole: its usable rows, seeded-shuffled, the
+    first `validation_documents` held out, each part tokenized and packed (`num_proc` processes)."""
+    if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
+        check_chat_template(tokenizer, key)
+    documents = drop_unusable_rows(load_documents(source, key, cfg.cache_dir), source, key, cfg.max_document_chars)
+    n_val = cfg.validation_documents
+    if len(documents) <= n_val:
+        raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
+                        f"data.validation_documents={n_val}; lower data.validation_documents")
+    documents = documents.shuffle(seed=cfg.seed)
+    held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
+    try:
+        packed = pack_documents(training, tokenizer, source, cfg.seq_len, num_proc, f"packing {key}",
+                                cfg.max_document_chars)
+        held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, num_proc,
+                                     f"packing {key} (validation)", cfg.max_document_chars)
+    except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
+        raise _encoding_error(source, key, error) from None
+    if len(packed) == 0:
+        raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
+                        f"tokens after tokenization; add data or lower data.seq_len")
+    return packed, held_packed

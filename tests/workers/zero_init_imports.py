@@ -18,7 +18,7 @@ import deepspeed
 import torch
 from transformers import AutoConfig
 
-from ntl_pretrain.model_loading import build_from_config_partitioned, load_partitioned
+from ntl_pretrain.models.loading import build_from_config_partitioned, load_partitioned
 
 ARCH = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, pad_token_id=0)

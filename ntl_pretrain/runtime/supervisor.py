@@ -21,7 +21,7 @@ exiting 1. So:
 - A one-node job that names no port gets a free one when DeepSpeed's default (29500) is taken, so two runs
   can share a machine; a port it names that another process holds is refused before any rank starts.
 
-Usage: `python -m ntl_pretrain.supervisor [deepspeed launcher args] script [script args]`.
+Usage: `python -m ntl_pretrain.runtime.supervisor [deepspeed launcher args] script [script args]`.
 """
 
 from __future__ import annotations

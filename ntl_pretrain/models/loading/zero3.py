@@ -9,8 +9,17 @@ from typing import Any, Iterator
 
 import torch
 
-from .reading import (READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, full_numel, full_shape, heap_returned_to_os,
-                      load_buffers, safetensors_files)
+from .reading import (
+    READ_CHUNK_BYTES,
+    GrownRows,
+    TensorReader,
+    file_keys,
+    full_numel,
+    full_shape,
+    heap_returned_to_os,
+    load_buffers,
+    safetensors_files,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -11,19 +11,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from . import distributed
-from .checkpoint import resolve_resume
-from .config import Config, ConfigError, to_yaml
-from .data import DataError, resolve_files
+from ..checkpoint import resolve_resume
+from ..config import Config, ConfigError, to_yaml
+from ..core.agreement import AgreedError
+from ..core.fs import writable_problem
+from ..core.numbers import NumberVocab, digit_hiding_added_tokens
+from ..data import DataError, resolve_files
+from ..eval.config import validate_eval_inputs
+from ..models.build import check_sequence_length, load_model_config, max_positions
+from ..models.families import check_family
+from ..models.loading import partitioned_load_applies
+from ..parallel import distributed
+from ..parallel.layout import ParallelLayout, check_sequence_parallel
+from ..parallel.ulysses import check_deepspeed_config, check_sequence_split
+from ..tokenizer.run import tokenizer_source
 from .ds_config import ResolvedRun, resolve_run
-from .eval.config import validate_eval_inputs
-from .fs import writable_problem
-from .model_families import check_family
-from .model_loading import partitioned_load_applies
-from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
-from .numbers import NumberVocab, digit_hiding_added_tokens
-from .parallel_layout import ParallelLayout, check_sequence_parallel
-from .sequence_parallel import check_deepspeed_config, check_sequence_split
 from .training_objective import Objective
 
 logger = logging.getLogger("ntl_pretrain")
@@ -117,7 +119,7 @@ def config_warnings(cfg: Config) -> list[str]:
 def check_model_family(run: ResolvedRun, model_config: Any) -> None:
     """The model's family can run at the run's tensor-parallel size with the load the run will use (the partitioned
     load of model.name_or_path under ZeRO-3, `model.partitioned_load`); else a ConfigError naming the reason and
-    the fix (`model_families.FAMILIES`), before anything is built."""
+    the fix (`models.families.FAMILIES`), before anything is built."""
     model = run.cfg.model
     tp_size = run.cfg.parallel.tp_size
     partitioned = (model.name_or_path is not None and model.partitioned_load
@@ -167,7 +169,7 @@ def check_data_files(cfg: Config) -> None:
             try:
                 resolve_files(source, f"data.sources.{index}")
             except DataError as error:
-                raise distributed.AgreedError(str(error)) from None
+                raise AgreedError(str(error)) from None
 
 
 def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> NumberVocab:
