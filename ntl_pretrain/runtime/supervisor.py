@@ -300,7 +300,7 @@ def run_with_port_retries(args: list[str], start: Any, attempts: int = PORT_ATTE
 def _start_once(args: list[str]) -> tuple[int, bool]:
     folder = tempfile.mkdtemp(prefix="ntl_supervisor_")
     try:
-        supervisor = Supervisor([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *args], folder)
+        supervisor = Supervisor([sys.executable, "-u", "-c", log_filter.RUNNER_WITH_FILTER, *args], folder)
         code = supervisor.run()
         return code, bool(supervisor.records(PORT_TAKEN_EVENT)) and code != 0
     finally:
