@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .config import ConfigError, LossConfig, NTLScheduleName
+from .config import LossConfig, NTLScheduleName, ntl_settings
 from .loss import NTLSettings, ObjectiveSums, StepCounts, count_step, scaled_micro_batch_loss
 from .numbers import NumberVocab
 from .loss.sequence_shard import SequenceShard
@@ -49,13 +49,7 @@ class Objective:
     @classmethod
     def from_config(cls, loss: LossConfig) -> "Objective":
         """The objective of a `loss` section (the loss's own checks as a ConfigError naming the keys)."""
-        try:
-            settings = NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
-                                   smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
-        except ValueError as error:
-            raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
-                              f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do "
-                              f"not fit together: {error}") from None
+        settings = ntl_settings(loss)  # the one builder of the run's NTL settings (and their checks)
         return cls(ntl_on=loss.ntl_on, ntl_weight=loss.ntl_weight, ntl_schedule=loss.ntl_schedule,
                    ntl_warmup_steps=loss.ntl_warmup_steps, chunk_tokens=loss.chunk_tokens,
                    chunk_backward=loss.chunk_backward, settings=settings)

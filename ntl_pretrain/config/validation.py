@@ -157,13 +157,14 @@ def _check_ranges(config: Config) -> None:
 
 
 def ntl_settings(loss: LossConfig) -> Any:
-    """The loss's `NTLSettings` from the loss section; its own checks as a ConfigError naming the keys."""
+    """The loss's `NTLSettings` from the loss section, the one place the run builds them (the start-up check here
+    and `Objective.from_config`); their own checks as a ConfigError naming the keys."""
     from ..loss import NTLSettings
 
     try:
         return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
                           f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do not "
                           f"fit together: {error}") from None

@@ -8,8 +8,10 @@ input, so the same code serves one device and a vocabulary-sharded head.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,20 +36,22 @@ class NTLSettings:
     ignore_index: int = -100  # label that marks positions without a target
 
     def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
+        # every entry point (the functions, HFTrainerLoss, the ntloss drop-ins, the trainer's config) builds one
+        # of these, so this is the one place that checks the settings' types and ranges
+        if not isinstance(self.variant, str) or self.variant not in VARIANTS:
             raise ValueError(f"unknown NTL variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        for name in ("reweigh", "float_level"):
+            check_flag(getattr(self, name), name)
+        check_whole_number(self.max_number_digits, "max_number_digits", low=1)
+        check_whole_number(self.ignore_index, "ignore_index")
+        check_number(self.smoothing_sigma, "smoothing_sigma", "0 turns label smoothing off")
         if self.squash_factor is not None:
+            check_number(self.squash_factor, "squash_factor", "1 would turn NTL into CE", low=1.0, low_allowed=False)
             if self.variant != "was":
                 raise ValueError(f"squash_factor applies to variant 'was' only, not {self.variant!r}")
-            if not self.squash_factor > 1:
-                raise ValueError(f"squash_factor must be > 1 (1 would turn NTL into CE), got {self.squash_factor}")
-        if self.smoothing_sigma < 0:
-            raise ValueError(f"smoothing_sigma must be >= 0, got {self.smoothing_sigma}")
         if self.smoothing_sigma > 0 and (self.variant != "was" or self.squash_factor is not None):
             raise ValueError("smoothing_sigma needs variant 'was' without squash_factor (the Wasserstein-1 "
                              "form on sorted values has no squashed distance)")
-        if self.max_number_digits < 1:
-            raise ValueError(f"max_number_digits must be >= 1, got {self.max_number_digits}")
         if self.float_level and self.variant != "number_level":
             raise ValueError(f"float_level applies to variant 'number_level' only, not {self.variant!r}")
 
@@ -60,6 +64,38 @@ class NTLSettings:
         if self.variant == "number_level":
             parts += [f"float_level={self.float_level}", f"max_number_digits={self.max_number_digits}"]
         return ", ".join(parts)
+
+
+
+def check_flag(value: Any, name: str) -> None:
+    """`value` is True or False (a string such as 'False' would read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_whole_number(value: Any, name: str, low: int | None = None) -> None:
+    """`value` is an int (not a bool, not 2.5), at least `low` when given."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, got {type(value).__name__} {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_number(value: Any, name: str, meaning: str, low: float = 0.0, low_allowed: bool = True) -> float:
+    """`value` is a real number (not a bool or a string), finite, and >= `low` (> `low` unless `low_allowed`);
+    returns it as a float. `meaning` says what the bound means, for the message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    bound = f"{'>=' if low_allowed else '>'} {low:g}"
+    if not math.isfinite(value) or (value < low if low_allowed else value <= low):
+        raise ValueError(f"{name} must be {bound} and finite ({meaning}), got {value}")
+    return float(value)
+
+
+def check_ntl_weight(value: Any) -> float:
+    """The NTL weight lambda of `CE + lambda * NTL` as a float: a finite number >= 0 (the one check of every entry
+    point that takes it: `ce_ntl_loss`, `HFTrainerLoss`, the trainer's `loss.ntl_weight`)."""
+    return check_number(value, "ntl_weight", "0 turns NTL off")
 
 
 def distance_table(number_vocab: NumberVocab, squash_factor: float | None, device: torch.device,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..numbers import NumberVocab
-from .ntl import NTLSettings, NumberSpans, ntl_terms
+from .ntl import NTLSettings, NumberSpans, check_ntl_weight, ntl_terms
 from .parallel import ShardStats, shard_reductions
 from .shard import VocabShard
 
@@ -196,6 +196,7 @@ def ce_ntl_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
                 loss_weights: torch.Tensor | None = None, check_inputs: bool = True) -> torch.Tensor:
     """`mean CE + ntl_weight * mean NTL` over this batch (for global normalisation across micro-batches
     and data-parallel ranks use `ce_ntl_sums` with `normalize.py`)."""
+    ntl_weight = check_ntl_weight(ntl_weight)
     sums = ce_ntl_sums(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
                        with_ntl=ntl_weight != 0, check_inputs=check_inputs)
     return safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * safe_mean(sums.ntl_sum, sums.ntl_count)
