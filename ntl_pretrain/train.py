@@ -236,9 +236,9 @@ class Trainer:
         inputs, spans = {"input_ids": input_ids}, None
         if self.sequence.size > 1:
             # sequence parallelism: this rank's slice with its global positions; the labels' slice, and the
-            # whole rows' number spans for number-level NTL (sequence_parallel.py, loss/sequence_shard.py)
+            # whole rows' number spans for the variants that read them (sequence_parallel.py, loss/sequence_shard.py)
             inputs = shard_inputs(input_ids, self.sequence).as_kwargs()
-            if with_ntl and self.objective.settings.variant == "number_level":
+            if with_ntl and self.objective.settings.ntl_variant.needs_spans:
                 spans = shard_number_spans(labels, self.sequence, self.number_vocab, self.objective.settings)
             labels = self.sequence.split(labels)
         if self.objective.chunk_tokens:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..eval.arithmetic import check_corpus_options
 from ..eval.config import check_corpus_digits
+from ..loss.variants import any_vocabulary_variants, variant_of
 from .parsing import get_key
 from .schema import Config, ConfigError, LossConfig, check_prompt_template
 
@@ -71,10 +72,11 @@ def validate(config: Config) -> None:
     _check_ranges(config)
     if config.loss.chunk_tokens < 0:
         raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
-    if config.loss.ntl_on and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
-        raise ConfigError("loss.variant=number_level composes numbers from single-digit tokens and needs "
-                          "tokenizer.digit_level=true, not tokenizer.digit_level=false (multi-digit tokens); or "
-                          "choose a token-level loss.variant (was, mse, mae, huber)")
+    needs_digits = variant_of(config.loss.variant).single_digits_because
+    if config.loss.ntl_on and needs_digits and not config.tokenizer.digit_level:
+        raise ConfigError(f"loss.variant={config.loss.variant} {needs_digits} and needs "
+                          f"tokenizer.digit_level=true, not tokenizer.digit_level=false (multi-digit tokens); or "
+                          f"choose a token-level loss.variant ({', '.join(any_vocabulary_variants())})")
     if config.loss.ntl_schedule == "linear_warmup" and config.loss.ntl_warmup_steps < 1:
         raise ConfigError("loss.ntl_schedule=linear_warmup needs loss.ntl_warmup_steps >= 1")
     if len(config.optim.betas) != 2:
