@@ -34,7 +34,7 @@ from .data import PretrainingData, document_texts, load_documents, prepare_gener
 from .engine import build_engine
 from .eval.config import save_eval_settings
 from .fs import write_json_atomic
-from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
+from .loss import vocab_shard_of
 from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
 from .loss.sequence_shard import SequenceShard, shard_number_spans
 from .model import load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
@@ -241,16 +241,9 @@ class Trainer:
             if with_ntl and self.objective.settings.ntl_variant.needs_spans:
                 spans = shard_number_spans(labels, self.sequence, self.number_vocab, self.objective.settings)
             labels = self.sequence.split(labels)
-        if self.objective.chunk_tokens:
-            # the head + loss over chunks of tokens: the full logits never exist (docs/chunked.md)
-            return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
-                                             inputs, labels, self.number_vocab, self.objective.settings,
-                                             chunk_tokens=self.objective.chunk_tokens, shard=self.vocab_shard,
-                                             with_ntl=with_ntl, check_inputs=check,
-                                             backward=self.objective.chunk_backward, spans=spans)
-        logits = self.engine(**inputs).logits
-        return ce_ntl_sums(logits, labels, self.number_vocab, self.objective.settings, shard=self.vocab_shard,
-                           with_ntl=with_ntl, check_inputs=check, spans=spans)
+        # the full logits or the chunked head (docs/chunked.md), as the objective chose at start-up
+        return self.objective.head.sums(self.engine, inputs, labels, self.number_vocab, self.objective.settings,
+                                        shard=self.vocab_shard, with_ntl=with_ntl, check_inputs=check, spans=spans)
 
     def logs_at(self, step: int) -> bool:
         """Whether optimizer step `step` reads its figures to the host and logs them: the first, every
