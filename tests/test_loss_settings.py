@@ -87,6 +87,8 @@ def test_the_trainers_objective_goes_through_the_same_check():
         Objective.from_config(LossConfig(smoothing_sigma=math.nan))
     with pytest.raises(ConfigError, match="reweigh must be True or False, got str 'False'"):
         Objective.from_config(LossConfig(reweigh="False"))
+    with pytest.raises(ConfigError, match=r"^loss.ntl_weight must be >= 0 and finite \(0 turns NTL off\), got -5.0$"):
+        Objective.from_config(LossConfig(ntl_weight=-5.0))
 
 
 def test_hf_trainer_loss_states_the_real_shape_rule_for_labels():

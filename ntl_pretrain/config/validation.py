@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 import os
 import signal
-from typing import Any
 
 from ..eval.arithmetic import check_corpus_options
 from ..eval.config import check_corpus_digits
+from ..loss.settings import NTLSettings, check_ntl_weight
 from ..loss.variants import any_vocabulary_variants, variant_of
 from .parsing import get_key
 from .schema import Config, ConfigError, LossConfig, check_prompt_template
@@ -158,11 +158,14 @@ def _check_ranges(config: Config) -> None:
         raise ConfigError(f"loss.squash_factor must be a finite number > 1 or null, got {config.loss.squash_factor}")
 
 
-def ntl_settings(loss: LossConfig) -> Any:
-    """The loss's `NTLSettings` from the loss section, the one place the run builds them (the start-up check here
-    and `Objective.from_config`); their own checks as a ConfigError naming the keys."""
-    from ..loss import NTLSettings
-
+def ntl_settings(loss: LossConfig) -> NTLSettings:
+    """The loss's `NTLSettings` from the loss section, loss.ntl_weight checked with them: the one place the run
+    builds them (the start-up check here and `Objective.from_config`); their own checks as a ConfigError naming the
+    keys."""
+    try:
+        check_ntl_weight(loss.ntl_weight)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"loss.{error}") from None
     try:
         return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from ..numbers import NumberVocab
-from .settings import NTLSettings, check_ntl_weight  # noqa: F401 (the settings' home before the registry)
-from .spans import NumberSpans, number_spans, rows_of  # noqa: F401 (likewise)
+from .settings import NTLSettings, check_ntl_weight  # noqa: F401 (also imported from here)
+from .spans import NumberSpans, number_spans  # noqa: F401 (likewise)
 from .variants import VARIANTS, TermInputs
 from .variants.was import distance_table  # noqa: F401 (ntloss's distance lookup, read by the drop-ins)
 
