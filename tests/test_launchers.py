@@ -130,6 +130,22 @@ def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monke
     assert "RANK" not in os.environ  # refused before a world of one is set up
 
 
+def test_untested_versions_run_with_a_warning_only_when_asked(monkeypatch, caplog):
+    """NTL_ALLOW_UNTESTED_VERSIONS=1 turns the refusal into one warning naming the version; unset (or another
+    value) it stays a refusal that names the variable."""
+    from ntl_pretrain import versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda dist: "5.99.0" if dist == "transformers" else real(dist))
+    monkeypatch.setenv("NTL_ALLOW_UNTESTED_VERSIONS", "yes")
+    with pytest.raises(versions.UnsupportedVersionError, match="NTL_ALLOW_UNTESTED_VERSIONS=1"):
+        versions.check_versions()
+    monkeypatch.setenv("NTL_ALLOW_UNTESTED_VERSIONS", "1")
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        versions.check_versions()
+    assert [r.getMessage() for r in caplog.records if "transformers 5.99.0 installed" in r.getMessage()], caplog.text
+
+
 def test_config_given_twice_and_a_bad_world_size_are_refused_in_one_line(monkeypatch, capsys, tmp_path):
     """`--config a.yaml --config b.yaml` ran b silently (argparse keeps the last); refused naming both, before any
     file is read, and so is a --world-size below 1; one file in a folder with spaces still works."""
