@@ -38,7 +38,7 @@ from .variants import REGISTRY
 
 # the torch losses NTLossDotProduct takes, and the registered variant of each
 _LP_VARIANTS: dict[Callable, str] = {function: name for name, variant in REGISTRY.items()
-                                     for function in getattr(variant, "torch_losses", ())}
+                                     for function in variant.torch_losses}
 
 
 class _NTLossBase:

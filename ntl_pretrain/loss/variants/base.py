@@ -65,6 +65,7 @@ class NTLVariant:
     single_digits_because: str | None = None
     needs_spans: bool = False  # reads the numbers' spans: a sequence shard must pass the whole rows' (`spans=`)
     reads_number_mass: bool = False  # reads the full-vocabulary number-token mass itself (needs the log-sum-exp)
+    torch_losses: tuple[Callable, ...] = ()  # the torch.nn.functional losses ntloss's NTLossDotProduct takes for it
 
     def check(self, settings: "NTLSettings") -> None:
         """Checks of its options that depend on each other (each option's type and range: `NTLSettings`)."""
