@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.numbers import NumberVocab
-from .ntl import NTLSettings
+from .ntl import NTLSettings, check_ntl_weight
 from .objective import ce_ntl_sums, safe_mean
 from .shard import VocabShard, vocab_shard_of
 
@@ -36,8 +36,10 @@ class HFTrainerLoss:
         if not isinstance(number_vocab, NumberVocab):
             raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer(tokenizer)), "
                             f"got {type(number_vocab).__name__}")
-        if not ntl_weight >= 0:
-            raise ValueError(f"ntl_weight must be >= 0, got {ntl_weight}")
+        ntl_weight = check_ntl_weight(ntl_weight)
+        if not isinstance(settings, NTLSettings):
+            raise TypeError(f"settings must be an NTLSettings (NTLSettings(variant='was', ...)), got "
+                            f"{type(settings).__name__}")
         self.number_vocab = number_vocab
         self.model = model  # None: the logits hold the whole vocabulary
         self.ntl_weight = ntl_weight
@@ -55,6 +57,10 @@ class HFTrainerLoss:
             raise ValueError("HFTrainerLoss needs labels: give the Trainer a data collator that sets 'labels' "
                              "(e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
         logits = outputs["logits"] if isinstance(outputs, dict) else getattr(outputs, "logits", outputs)
+        if torch.is_tensor(logits) and torch.is_tensor(labels) and tuple(labels.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(f"labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
+                             f"HFTrainerLoss takes the Trainer's unshifted labels, one per logit row (shape "
+                             f"{tuple(logits.shape[:-1])}), and shifts them itself")
         ignore_index = self.settings.ignore_index
         shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(logits.device)
         sums = ce_ntl_sums(logits, shifted, self.number_vocab, self.settings, shard=self.shard(),
