@@ -18,6 +18,11 @@ syscalls, page cache included) around the data work, with the GPT-2 tokenizer of
     does; a new process loads it and takes one step: its bytes up to the end of that step (the step's own
     data included), against the bytes the first half read and one of its steps read; and the same with
     the state a checkpoint of the previous version held (the position only: the stream re-read up to it);
+(d) the trainer's own start-up reads (`--parts d`): the real `Trainer` in one process (a world of one, the demo's
+    model, the GPT-2 tokenizer, the corpus streamed): bytes read by its imports, by `Trainer(cfg)` (tokenizer,
+    model, DeepSpeed's start-up, the data's first reads) and by step 1. Run at two corpus sizes: start-up reads that
+    do not grow with the corpus are not the corpus (about 100 MB of imports and 110 MB of start-up here, libraries
+    and their data files, whatever the corpus size);
 (c) time to the first step at 2 ranks (rank 0 then rank 1, as the trainer's local-rank-0-first order)
     from raw text (in-memory source: tokenized at start-up into a fresh cache) against a corpus made by
     tools/prepare_data.py (the preparation timed apart).
@@ -36,7 +41,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2 = os.path.join(ROOT, "..", "shared", "data", "tokenizers", "gpt2", "tokenizer.json")
+GPT2_DIR = os.path.join(ROOT, "..", "shared", "data", "tokenizers", "gpt2")
+GPT2 = os.path.join(GPT2_DIR, "tokenizer.json")
 SHARDS = 16
 WORDS = ("the", "total", "of", "sold", "price", "is", "and", "each", "year", "about", "percent", "rose", "to",
          "from", "in", "units", "between", "measured", "average", "km")
@@ -117,10 +123,40 @@ def rank_worker(args: dict) -> dict:
     return out
 
 
+def trainer_worker(args: dict) -> dict:
+    """(d): one process, a world of one: the trainer's reads by its imports, by Trainer(cfg) and by step 1."""
+    before_imports = _rchar()
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.trainer.trainer import Trainer
+
+    imports = _rchar() - before_imports
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(args["port"]))
+    cfg = load_config(os.path.join(ROOT, "configs", "demo.yaml"), [
+        f"data.sources=[{{path: {args['source']['path']}, streaming: true}}]", f"tokenizer.name_or_path={GPT2_DIR}",
+        "tokenizer.digit_level=false", "loss.enabled=false", "data.validation_documents=0", "train.val_every_n_steps=-1",
+        "eval.at_end=false", f"train.output_dir={args['out']}", "train.max_steps=1", "monitor.progress_bar=never",
+        "parallel.tp_size=1", f"data.seq_len={args['seq_len']}", f"data.micro_batch_size={args['micro_batch']}"])
+    before = _rchar()
+    trainer = Trainer(cfg)
+    started = _rchar()
+    trainer.train_step()
+    return {"imports_read": imports, "startup_read": started - before, "step_read": _rchar() - started}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _run(args: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "_rank", json.dumps(args)], env=env,
+    mode = "_trainer" if args.get("trainer") else "_rank"
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), mode, json.dumps(args)], env=env,
                           capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"rank process failed:\n{done.stderr[-3000:]}")
@@ -142,6 +178,8 @@ def bench_size(work: str, shard_mb: float, steps: int, seq_len: int, micro_batch
     if "a" in parts:
         one = result["per_rank"][1]
         result["tokens_per_s_per_rank"] = one["tokens"][0] / one["steps_s"][0]
+    if "d" in parts:  # (d) the trainer's start-up
+        result["trainer"] = _run({**base, "trainer": True, "port": _free_port(), "out": os.path.join(work, f"run-{shard_mb}")})
     if "b" not in parts:
         return result
     state = os.path.join(work, f"state-{shard_mb}.json")  # (b)
@@ -181,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_rank"]:
         print(json.dumps(rank_worker(json.loads(argv[1]))))
         return 0
+    if argv[:1] == ["_trainer"]:
+        print(json.dumps(trainer_worker(json.loads(argv[1]))), flush=True)
+        os._exit(0)  # as the trainer's own processes end: without the interpreter's slow teardown
     parser = argparse.ArgumentParser(prog="tools/bench_data.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shard-mb", type=float, nargs="+", default=[1.0, 4.0], help="MB per shard, one run each")
     parser.add_argument("--shards", type=int, default=SHARDS, help="jsonl files of the corpus (fewer than 4: (a)'s "
@@ -189,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--doc-words", type=int, nargs=2, default=[40, 400], help="words per document (range)")
-    parser.add_argument("--parts", default="abc", help="which measurements: a (per rank), b (resume), c (first step)")
+    parser.add_argument("--parts", default="abc",
+                        help="which measurements: a (per rank), b (resume), c (first step), d (the trainer's start-up)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # each size's figures as soon as they are measured
@@ -219,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"({resume['resumed_first_step_read'] / resume['first_half_read']:.1%}; one step of the first half read "
                       f"{resume['step_read'] / 2**20:.2f} MB); position only "
                       f"(previous version) {resume['position_only_first_step_read'] / 2**20:.2f} MB")
+            trainer = result.get("trainer")
+            if trainer:
+                print(f"  trainer (world of one): imports {trainer['imports_read'] / 2**20:.1f} MB, Trainer(cfg) "
+                      f"{trainer['startup_read'] / 2**20:.1f} MB, step 1 {trainer['step_read'] / 2**20:.2f} MB "
+                      f"(corpus {mb:.0f} MB)")
             first = result.get("first_step")
             if first:
                 print(f"  first step at 2 ranks: raw {sum(first['raw_s']):.1f} s (rank 0 {first['raw_s'][0]:.1f} s, then "
