@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..core.lr_schedules import scheduler_class as lr_scheduler_class
 from ..core.hashing import short_sha as _sha
 from .format import CheckpointError
 
@@ -120,11 +121,9 @@ def lr_schedule_description(ds_config: dict) -> dict:
 def lr_text(schedule: dict, steps_done: int) -> str:
     """The lr of step steps_done + 1 under a schedule, as DeepSpeed's scheduler computes it (optimizer step k
     runs at the scheduler's iteration k: the trainer starts it at 1)."""
-    from deepspeed.runtime import lr_schedules
-
     section = schedule.get("scheduler") or {}
     try:
-        scheduler_class = getattr(lr_schedules, section["type"])
+        scheduler_class = lr_scheduler_class(section["type"])
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(schedule.get("lr") or 0.0))
         scheduler = scheduler_class(optimizer, **section.get("params", {}), last_batch_iteration=steps_done + 1)
         return f"{scheduler.get_lr()[0]:.3e}"

@@ -18,7 +18,8 @@ NTLVariantName = Literal[VARIANTS]  # the registered NTL variants (ntl_pretrain/
 ChunkBackward = Literal["auto", "rows", "vocab_blocks"]  # ntl_pretrain.loss.chunked.CHUNK_BACKWARDS
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
-LRScheduleName = Literal["cosine", "linear", "constant"]
+LRScheduleName = Literal["cosine", "linear", "constant", "wsd"]
+DecayShapeName = Literal["linear", "cosine", "1-sqrt"]
 ProgressBar = Literal["auto", "always", "never"]
 ResumeLRSchedule = Literal["error", "keep", "replan"]
 SourceFormat = Literal["text", "prepared", "tokenized"]  # ntl_pretrain.data: how a source's rows are read
@@ -216,10 +217,17 @@ class OptimConfig:
     weight_decay: float = _doc("AdamW weight decay", default=0.1)
     betas: list[float] = _doc("AdamW betas", default_factory=lambda: [0.9, 0.95])
     eps: float = _doc("AdamW epsilon", default=1e-8)
-    lr_schedule: LRScheduleName = _doc("cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR)",
-                            default="cosine")
+    lr_schedule: LRScheduleName = _doc("cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR) | wsd "
+                                       "(warmup-stable-decay: the peak held, decay_fraction of the steps decaying at "
+                                       "the end)", default="cosine")
     warmup_steps: int = _doc("learning-rate warm-up steps", default=100)
-    min_lr_ratio: float = _doc("cosine: final lr as a fraction of lr", default=0.1)
+    min_lr_ratio: float = _doc("cosine, wsd: final lr as a fraction of lr", default=0.1)
+    decay_fraction: float = _doc("wsd: share of train.max_steps spent decaying, at the end", default=0.1)
+    decay_shape: DecayShapeName = _doc("wsd: linear | cosine | 1-sqrt (most of the drop near the end)",
+                                       default="linear")
+    warmup_start_lr_ratio: float = _doc("the warm-up starts at this fraction of lr (re-warming a model whose "
+                                        "earlier run ended at a lower lr, e.g. its min_lr_ratio); 0 = from 0",
+                                        default=0.0)
     grad_clip: float = _doc("clip the global gradient norm to this (DeepSpeed gradient_clipping; 0 = off)",
                             default=1.0)
 

@@ -152,6 +152,8 @@ _FLOAT_RANGES = [
     ("optim.weight_decay", 0.0, None, True, None, "0 turns weight decay off"),
     ("optim.eps", 0.0, None, False, None, "AdamW's epsilon, e.g. 1e-8"),
     ("optim.min_lr_ratio", 0.0, 1.0, True, True, "the final lr as a fraction of optim.lr"),
+    ("optim.decay_fraction", 0.0, 1.0, True, True, "wsd: the share of train.max_steps spent decaying"),
+    ("optim.warmup_start_lr_ratio", 0.0, 1.0, True, True, "the lr the warm-up starts at, as a fraction of optim.lr"),
     ("optim.grad_clip", 0.0, None, True, None, "0 turns clipping off"),
     ("loss.ntl_weight", 0.0, None, True, None, "0 (or loss.enabled=false) turns NTL off"),
     ("loss.smoothing_sigma", 0.0, None, True, None, "0 turns label smoothing off"),

@@ -27,6 +27,30 @@ class ResolvedRun:
     tp_note: str | None  # what parallel.tp_size=auto chose (None: tp_size was a number)
 
 
+def lr_scheduler_section(cfg: Config) -> dict[str, Any]:
+    """DeepSpeed's `scheduler` section of optim.lr_schedule (a type of DeepSpeed's, or of core/lr_schedules.py)."""
+    optim = cfg.optim
+    warmup = max(1, optim.warmup_steps)
+    total = max(cfg.train.max_steps, warmup + 1)
+    start = optim.warmup_start_lr_ratio
+    if optim.lr_schedule == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": total, "warmup_num_steps": warmup, "warmup_min_ratio": start,
+            "cos_min_ratio": optim.min_lr_ratio, "warmup_type": "linear"}}
+    if optim.lr_schedule == "linear":
+        return {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": total, "warmup_num_steps": warmup, "warmup_min_lr": start * optim.lr,
+            "warmup_max_lr": optim.lr, "warmup_type": "linear"}}
+    if optim.lr_schedule == "wsd":
+        return {"type": "WarmupStableDecayLR", "params": {
+            "total_num_steps": total, "warmup_num_steps": warmup,
+            "decay_num_steps": min(round(optim.decay_fraction * total), total - warmup),
+            "warmup_min_lr": start * optim.lr, "warmup_max_lr": optim.lr, "min_lr": optim.min_lr_ratio * optim.lr,
+            "decay_type": optim.decay_shape}}
+    return {"type": "WarmupLR", "params": {
+        "warmup_num_steps": warmup, "warmup_min_lr": start * optim.lr, "warmup_max_lr": optim.lr,
+        "warmup_type": "linear"}}
+
 def generated_deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
     """The DeepSpeed config implied by the YAML (DeepSpeed's own key names and meaning)."""
     zero: dict[str, Any] = {"stage": cfg.parallel.zero_stage}
@@ -40,19 +64,7 @@ def generated_deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
                             "weight_decay": cfg.optim.weight_decay}
     if on_cpu:
         adam["torch_adam"] = True  # DeepSpeed's fused Adam needs a GPU
-    warmup = max(1, cfg.optim.warmup_steps)
-    if cfg.optim.lr_schedule == "cosine":
-        scheduler = {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max(cfg.train.max_steps, warmup + 1), "warmup_num_steps": warmup,
-            "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.optim.min_lr_ratio, "warmup_type": "linear"}}
-    elif cfg.optim.lr_schedule == "linear":
-        scheduler = {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": max(cfg.train.max_steps, warmup + 1), "warmup_num_steps": warmup,
-            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.optim.lr, "warmup_type": "linear"}}
-    else:
-        scheduler = {"type": "WarmupLR", "params": {
-            "warmup_num_steps": warmup, "warmup_min_lr": 0.0, "warmup_max_lr": cfg.optim.lr,
-            "warmup_type": "linear"}}
+    scheduler = lr_scheduler_section(cfg)
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
         "gradient_accumulation_steps": cfg.train.grad_accum_steps,

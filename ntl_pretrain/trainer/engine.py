@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.lr_schedules import register_with_deepspeed
 from ..checkpoint import CheckpointManager, fingerprint
 from ..config import Config
 from ..core.numbers import NumberVocab
@@ -53,6 +54,8 @@ def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: Num
         load_tag = checkpoints.plan_resume(resume_tag)  # checks; universal form if the layout changed
         ds_config = resumed_deepspeed_config(ds_config, kept, load_universal=load_tag != resume_tag)
     import deepspeed
+
+    register_with_deepspeed()  # this project's lr schedules (optim.lr_schedule=wsd), found by their type names
 
     ulysses = None
     if cfg.parallel.sp_size > 1:  # Ulysses attention and DeepSpeed's sequence-parallel groups, before the engine

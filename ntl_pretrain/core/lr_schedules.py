@@ -1,0 +1,104 @@
+"""Learning-rate schedules of this project beside DeepSpeed's own, under the same interface and the same
+config section (`{"scheduler": {"type": NAME, "params": {...}}}`).
+
+`WarmupStableDecayLR` (warmup-stable-decay, as in MiniCPM and torchtitan): linear warm-up from `warmup_min_lr` to
+`warmup_max_lr` over `warmup_num_steps`, the peak held, then a decay to `min_lr` over the last `decay_num_steps`
+of `total_num_steps` (linear, cosine or 1-sqrt). A `warmup_min_lr` above 0 re-warms from the lr an earlier run
+ended at (continued pretraining: arXiv 2403.08763, re-warming and re-decaying). Past `total_num_steps` the lr stays
+at `min_lr`.
+
+DeepSpeed 0.19.8 builds a config's scheduler by looking its type up in `deepspeed.runtime.lr_schedules`
+(`DeepSpeedEngine._scheduler_from_config`): `register_with_deepspeed` adds ours there (new names only, nothing of
+DeepSpeed's is replaced), so the engine builds, saves and restores it as its own (`state_dict`:
+`last_batch_iteration`, as DeepSpeed's schedulers).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
+
+
+def wsd_lr(step: int, *, total_num_steps: int, warmup_num_steps: int, decay_num_steps: int, warmup_min_lr: float,
+           warmup_max_lr: float, min_lr: float, decay_type: str = "linear") -> float:
+    """The closed form: the lr at scheduler iteration `step` (the trainer runs optimizer step k at iteration k)."""
+    if step < 0:
+        return warmup_min_lr
+    if step < warmup_num_steps:
+        return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * step / warmup_num_steps
+    decay_start = total_num_steps - decay_num_steps
+    if step < decay_start or decay_num_steps == 0:
+        return warmup_max_lr
+    done = min(1.0, (step - decay_start) / decay_num_steps)
+    if decay_type == "linear":
+        left = 1.0 - done
+    elif decay_type == "cosine":
+        left = 0.5 * (1.0 + math.cos(math.pi * done))
+    else:  # 1-sqrt (MiniCPM's: most of the drop at the end)
+        left = 1.0 - math.sqrt(done)
+    return min_lr + (warmup_max_lr - min_lr) * left
+
+
+class WarmupStableDecayLR:
+    """Warmup-stable-decay with DeepSpeed's scheduler interface (see the module)."""
+
+    def __init__(self, optimizer: Any, total_num_steps: int, warmup_num_steps: int, decay_num_steps: int,
+                 warmup_max_lr: float, min_lr: float = 0.0, warmup_min_lr: float = 0.0, decay_type: str = "linear",
+                 last_batch_iteration: int = -1) -> None:
+        if decay_type not in DECAY_SHAPES:
+            raise ValueError(f"decay_type={decay_type!r} is not one of {DECAY_SHAPES}")
+        if not (0 <= warmup_num_steps and 0 <= decay_num_steps and warmup_num_steps + decay_num_steps <= total_num_steps):
+            raise ValueError(f"warmup_num_steps={warmup_num_steps} + decay_num_steps={decay_num_steps} must fit in "
+                             f"total_num_steps={total_num_steps}")
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's wrappers hold the torch optimizer
+        self.shape = dict(total_num_steps=total_num_steps, warmup_num_steps=warmup_num_steps,
+                          decay_num_steps=decay_num_steps, warmup_min_lr=warmup_min_lr, warmup_max_lr=warmup_max_lr,
+                          min_lr=min_lr, decay_type=decay_type)
+        self.last_batch_iteration = last_batch_iteration
+        if last_batch_iteration == -1:
+            self._set(self.get_lr())
+
+    def get_lr(self) -> list[float]:
+        return [wsd_lr(self.last_batch_iteration, **self.shape)] * len(self.optimizer.param_groups)
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    def _set(self, lrs: list[float]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        self._set(self.get_lr())
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+
+
+SCHEDULES = {"WarmupStableDecayLR": WarmupStableDecayLR}  # this project's, by the type name a config gives
+
+
+def scheduler_class(name: str) -> Any:
+    """The scheduler class of a config's `scheduler.type`: this project's, else DeepSpeed's own."""
+    if name in SCHEDULES:
+        return SCHEDULES[name]
+    from deepspeed.runtime import lr_schedules
+
+    return getattr(lr_schedules, name)
+
+
+def register_with_deepspeed() -> None:
+    """Make DeepSpeed's engine find this project's schedules by their type names (before deepspeed.initialize)."""
+    from deepspeed.runtime import lr_schedules
+
+    for name, cls in SCHEDULES.items():
+        if getattr(lr_schedules, name, cls) is not cls:
+            raise RuntimeError(f"DeepSpeed has its own {name}: this project's would shadow it; rename ours")
+        setattr(lr_schedules, name, cls)
