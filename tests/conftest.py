@@ -4,6 +4,7 @@ the test tiers (`pytest -m fast`; a test that starts a launcher or a service mus
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -90,6 +91,10 @@ STARTS_A_LAUNCHER_OR_SERVICE = {
 }
 
 
+CALLED_NAME = re.compile(r"\b(\w+)\(")
+
+
+@functools.cache  # a function's source is read once, not once per test that names it
 def _source(function) -> str:
     try:
         return inspect.getsource(function)
@@ -107,7 +112,8 @@ def _sources_run_by(item: pytest.Item) -> str:
     seen: set[str] = set()
     pending = "\n".join(texts)
     while True:
-        called = [name for name in module_functions if name not in seen and re.search(rf"\b{name}\(", pending)]
+        # the module's functions that `pending` calls (a whole identifier followed by "(")
+        called = sorted(set(CALLED_NAME.findall(pending)) & module_functions.keys() - seen)
         if not called:
             return "\n".join(texts)
         seen.update(called)
