@@ -17,7 +17,6 @@ import pytest
 import yaml
 
 from helpers.distributed import free_port, rank_env  # noqa: E402
-from helpers.launch import dry_run  # noqa: E402
 from ntl_pretrain.config import ConfigError, DataSourceConfig, load_config
 from ntl_pretrain.data import DataError, PretrainingData
 
@@ -217,14 +216,14 @@ def test_deepspeed_train_batch_size_is_resolved_or_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- dry run
-def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return dry_run("--config", DEMO, "--world-size", "2", f"train.output_dir={tmp_path / 'run'}", *overrides,
-                   cwd=tmp_path)
+def _dry_run(dry_run_here, tmp_path: Path, *overrides: str):
+    return dry_run_here("--config", DEMO, "--world-size", "2", f"train.output_dir={tmp_path / 'run'}", *overrides,
+                        cwd=tmp_path)
 
 
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
                                   "seq_len", "model_path", "train_batch_size", "zero_stage", "resume"])
-def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
+def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_here):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
                                                   "gradient_accumulation_steps": 1}))
     (tmp_path / "zero.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
@@ -242,7 +241,7 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
         "zero_stage": ([f"deepspeed.config={tmp_path / 'zero.json'}"], "DeepSpeed refuses zero_optimization.stage=7"),
         "resume": (["train.resume=../x"], "train.resume='../x' is not none, auto or a checkpoint tag"),
     }[case]
-    result = _dry_run(tmp_path, *overrides)
+    result = _dry_run(dry_run_here, tmp_path, *overrides)
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-3000:])
     assert "dry run OK" not in result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -250,10 +249,10 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
     assert "Traceback" not in result.stderr
 
 
-def test_dry_run_warns_about_an_output_folder_it_cannot_create(tmp_path):
+def test_dry_run_warns_about_an_output_folder_it_cannot_create(tmp_path, dry_run_here):
     """The dry run may run on a login node or a laptop: it warns (the trainer refuses, tested below)."""
     (tmp_path / "a_file").write_text("x")
-    result = _dry_run(tmp_path, f"train.output_dir={tmp_path / 'a_file' / 'run'}")
+    result = _dry_run(dry_run_here, tmp_path, f"train.output_dir={tmp_path / 'a_file' / 'run'}")
     assert result.returncode == 0 and "dry run OK" in result.stdout, result.stderr[-3000:]
     assert f"warning: train.output_dir={str(tmp_path / 'a_file' / 'run')!r} cannot be created" in result.stderr
     assert "is a file, not a folder" in result.stderr
