@@ -1,0 +1,211 @@
+"""Files and folders the project writes: complete or absent (temporary name, fsync, rename), with the
+permissions the user's umask gives (`tempfile.mkstemp`/`mkdtemp` make 0600/0700, which teammates on a
+shared file system cannot read), an early check that a folder can be written at all, and a user's path told
+apart from a Hugging Face Hub id (`local_or_hub`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import tempfile
+from typing import IO, Any, Iterator
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (thread-safe on Linux; elsewhere set and restored)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode `open(path, "w")` would give a new file (0o666 less the umask)."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The mode `os.mkdir` would give a new folder (0o777 less the umask)."""
+    return 0o777 & ~current_umask()
+
+
+def apply_umask_modes(root: str) -> None:
+    """Give `root` and everything under it the umask's modes (for trees written by libraries that create
+    private files, e.g. safetensors' 0600)."""
+    files, dirs = file_mode(), dir_mode()
+    os.chmod(root, dirs)
+    for folder, subdirs, names in os.walk(root):
+        for name in subdirs:
+            os.chmod(os.path.join(folder, name), dirs)
+        for name in names:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, files)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a folder so a rename inside it is durable (best effort: some file systems cannot)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
+    """Open a temporary file beside `path` for writing; on success it is fsynced and renamed onto `path`
+    (mode from the umask), on error removed: readers see the old file or the whole new one, never a part."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write writes a new file: mode must be 'w' or 'wb', not {mode!r}")
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    try:
+        os.fchmod(fd, file_mode())
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> str:
+    """Write `text` to `path` atomically (see `atomic_write`)."""
+    with atomic_write(path) as handle:
+        handle.write(text)
+    return os.fspath(path)
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any, **dump_kwargs: Any) -> str:
+    """Write `data` as JSON to `path` atomically (see `atomic_write`)."""
+    with atomic_write(path) as handle:
+        json.dump(data, handle, **dump_kwargs)
+    return os.fspath(path)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator[str]:
+    """Yield an empty staging folder beside `path` (mode from the umask); on success the files in it get
+    the umask's modes and it is renamed onto `path`, on error removed.
+
+    Raises FileExistsError (staging removed) when `path` already exists and is not empty, so a caller
+    that races another process for the same result can keep the one that finished first; with `replace`
+    such a folder is replaced instead (see `commit_directory`).
+    """
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        yield staging
+        apply_umask_modes(staging)
+        commit_directory(staging, path, replace=replace)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def commit_directory(staging: str | os.PathLike, path: str | os.PathLike, replace: bool = False) -> None:
+    """The last step of writing a folder under a temporary name: fsync it, rename it onto `path` and fsync
+    the parent, so the rename is durable. An empty folder at `path` is replaced; a non-empty one raises
+    FileExistsError (`staging` stays), or with `replace` is moved aside, replaced and then deleted.
+    For staging folders with a fixed name (a checkpoint's `.partial`, which every rank writes into);
+    `atomic_directory` makes and commits one itself."""
+    staging, path = os.fspath(staging), os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    fsync_dir(staging)
+    retired = None
+    if replace and os.path.isdir(path) and os.listdir(path):
+        retired = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+        os.rename(path, os.path.join(retired, os.path.basename(path)))
+    try:
+        os.rename(staging, path)  # replaces an empty folder; fails on a non-empty one
+    except OSError as error:
+        if retired is not None:  # put the old folder back
+            os.rename(os.path.join(retired, os.path.basename(path)), path)
+            os.rmdir(retired)
+        if os.path.isdir(path) and os.listdir(path):
+            raise FileExistsError(f"{path!r} already exists and is not empty") from error
+        raise
+    fsync_dir(parent)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def writable_problem(path: str | os.PathLike, key: str) -> str | None:
+    """None when files can be created in folder `path` (or, if it does not exist yet, in its nearest
+    existing parent, which is left unchanged); else one line naming `key`, the folder and the fix.
+
+    Tries a real file (permissions, ACLs, read-only mounts and full quotas all show up), not os.access.
+    """
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    probe_dir = path
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        return (f"{key}={os.fspath(path)!r} cannot be created: {probe_dir!r} is a file, not a folder; "
+                f"choose another {key}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ntl-write-check-", dir=probe_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        where = "" if probe_dir == path else f" (its nearest existing parent {probe_dir!r})"
+        return (f"{key}={os.fspath(path)!r} is not writable{where}: {error.strerror or error}; choose a folder "
+                f"you can write (on every node), or fix its permissions")
+    return None
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how torch's zip writer (torch.save, DeepSpeed's checkpoint files) reports a failed write: as a short write
+SHORT_WRITE_SIGNS = ("unexpected pos", "file write failed", "No space left")
+LOW_SPACE_BYTES = 256 << 20  # below this, a short write is taken for a full disk
+
+
+def is_short_write(error: BaseException) -> bool:
+    """A write cut short, as torch's writer or the OS report it (no errno from torch's writer)."""
+    return any(sign in str(error) for sign in SHORT_WRITE_SIGNS)
+
+
+def is_full_disk(error: BaseException, free_bytes: int) -> bool:
+    """Whether a failed write is a full disk (or quota): ENOSPC/EDQUOT, or a short write with almost no space left."""
+    return getattr(error, "errno", None) in DISK_FULL_ERRNOS or (is_short_write(error) and free_bytes < LOW_SPACE_BYTES)
+
+
+def local_or_hub(source: str, key: str) -> str:
+    """`source` with `~` expanded, or an error when it is clearly a missing local path.
+
+    A Hub id is "name" or "org/name"; an absolute or ./ path, one with several "/", or one whose first
+    component is a local folder ("runs/tok" with ./runs present) is a path the user meant.
+    """
+    expanded = os.path.expanduser(source)
+    if os.path.exists(expanded):
+        return expanded
+    first = expanded.split("/", 1)[0]
+    if (os.path.isabs(expanded) or source.startswith((".", "~")) or expanded.count("/") > 1
+            or ("/" in expanded and os.path.isdir(first))):
+        raise ValueError(f"{key}={source!r} does not exist (no such file or folder; working directory "
+                         f"{os.getcwd()}); fix the path, or give a Hugging Face Hub id")
+    return source
