@@ -472,18 +472,11 @@ def test_a_real_run_and_its_export_follow_the_umask(tmp_path, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- issue 36 items 2-3
-def _dry_run_in_process(monkeypatch, capsys, tmp_path: Path, world: int, *overrides: str) -> tuple[int, str, str]:
-    """`launch/pretrain.sh --dry-run` through cli.main in this process (no interpreter start per case)."""
-    from ntl_pretrain import cli
-
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
-    monkeypatch.chdir(REPO)
-    code = cli.main(["--config", DEMO, "--dry-run", "--world-size", str(world),
-                     f"train.output_dir={tmp_path / 'run'}", *overrides])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+def _dry_run_in_process(dry_run_here, tmp_path: Path, world: int, *overrides: str) -> tuple[int, str, str]:
+    """`launch/pretrain.sh --dry-run` through cli.main in this process (tests/conftest.py `dry_run_here`)."""
+    result = dry_run_here("--config", DEMO, "--world-size", str(world), f"train.output_dir={tmp_path / 'run'}",
+                          *overrides)
+    return result.returncode, result.stdout, result.stderr
 
 
 @pytest.mark.parametrize("overrides,world,message", [
@@ -496,16 +489,16 @@ def _dry_run_in_process(monkeypatch, capsys, tmp_path: Path, world: int, *overri
     (["loss.ntl_weight=1e30"], 2, "loss.ntl_weight=1e+30 must be < 10000"),
     (["train.output_dir=/"], 2, "train.output_dir='/' is the filesystem root"),
 ])
-def test_dry_run_refuses_sizes_and_values_the_run_cannot_use(monkeypatch, capsys, tmp_path, overrides, world, message):
-    code, _, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, world, *overrides)
+def test_dry_run_refuses_sizes_and_values_the_run_cannot_use(dry_run_here, tmp_path, overrides, world, message):
+    code, _, err = _dry_run_in_process(dry_run_here, tmp_path, world, *overrides)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], (code, lines)
 
 
-def test_dry_run_refuses_an_output_dir_that_is_a_dangling_link(monkeypatch, capsys, tmp_path):
+def test_dry_run_refuses_an_output_dir_that_is_a_dangling_link(dry_run_here, tmp_path):
     link = tmp_path / "runs_link"
     link.symlink_to(tmp_path / "gone")
-    code, _, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, 2, f"train.output_dir={link}")
+    code, _, err = _dry_run_in_process(dry_run_here, tmp_path, 2, f"train.output_dir={link}")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     assert f"is a symbolic link to {str(tmp_path / 'gone')!r}, which does not exist" in lines[0], lines
@@ -517,8 +510,8 @@ def test_dry_run_refuses_an_output_dir_that_is_a_dangling_link(monkeypatch, caps
      "optim.warmup_steps=1000 >= train.max_steps=5: the learning rate never reaches optim.lr"),
     (["loss.ntl_weight=50"], "loss.ntl_weight=50 is far above the paper's 0.1-1"),
 ])
-def test_dry_run_warns_of_settings_that_run_but_not_as_meant(monkeypatch, capsys, tmp_path, overrides, message):
-    code, out, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, 2, *overrides)
+def test_dry_run_warns_of_settings_that_run_but_not_as_meant(dry_run_here, tmp_path, overrides, message):
+    code, out, err = _dry_run_in_process(dry_run_here, tmp_path, 2, *overrides)
     assert code == 0 and "dry run OK" in out
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and message in warnings[0], err
