@@ -1,5 +1,6 @@
 """Shared fixtures: tokenizers built in the test session (nothing downloaded; tests/helpers/models.py), the
-shared data folder, the demo config's assets shared by every launched run, the DeepSpeed shared-memory clean-up;
+shared data folder, the demo config's assets shared by every launched run, the trainer's dry run in this process
+(`dry_run_here`), the DeepSpeed shared-memory clean-up;
 the test tiers (`pytest -m fast`; a test that starts a launcher or a service must be marked slow)."""
 
 from __future__ import annotations
