@@ -4,7 +4,7 @@
 
 Everything is built here: a number-rich corpus ("12+30=42"), a byte-level BPE that splits every digit into its own
 token (NTL needs the ten digit tokens), a tiny Llama, and a `Trainer` whose `compute_loss_func` is `HFTrainerLoss`.
-Swap in your model, tokenizer and dataset; the three lines marked NTL are all a training script needs.
+Swap in your model, tokenizer and dataset; the four lines marked NTL are all a training script needs.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer = Trainer(model=model, args=training, train_dataset=data,
                           data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
                           compute_loss_func=loss)  # NTL
+        loss.attach(trainer)  # NTL: its mean over the whole accumulated step (gradient accumulation invariant)
         result = trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"trained {result.global_step} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f} (CE + 0.3 x NTL)")

@@ -94,3 +94,48 @@ def test_without_num_items_is_the_batch_mean_of_shifted_labels(tokenizer):
     torch.testing.assert_close(loss, expected)
     with pytest.raises(ValueError, match="needs labels"):
         HFTrainerLoss(number_vocab)(outputs, None)
+
+
+def _one_step_update(tokenizer, tmp_path, micro_batch: int, accumulation: int, attach: bool,
+                     variant: str) -> tuple[float, dict]:
+    """One optimizer step of a real Trainer over the same 8 padded rows of different number densities, as
+    `micro_batch` x `accumulation`: (the logged loss, every parameter's change). Plain SGD at lr 1, no clipping:
+    the change is minus the step's gradient."""
+    from datasets import Dataset
+    from helpers.models import tiny_llama
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    texts = ["q: 12+30=42 and 7+8=15", "no numbers in this row at all, only words here", "1 2 3 4 5 6 7 8 9",
+             "a 5", "9999+1=10000", "the cat sat on the mat by the door", "x 31 y 47", "77"]
+    model = tiny_llama(len(tokenizer), seed=0, pad_token_id=tokenizer.pad_token_id).train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    data = Dataset.from_dict({"text": texts}).map(lambda row: tokenizer(row["text"]), remove_columns=["text"])
+    args = TrainingArguments(output_dir=str(tmp_path / f"{micro_batch}x{accumulation}"), optim="sgd",
+                             learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                             per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+                             max_steps=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True)
+    loss = HFTrainerLoss(NumberVocab.from_tokenizer(tokenizer), model=model, ntl_weight=0.5,
+                         settings=NTLSettings(variant=variant))
+    trainer = Trainer(model=model, args=args, train_dataset=data, compute_loss_func=loss,
+                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    if attach:
+        assert loss.attach(trainer) is loss
+    trainer.train()
+    logged = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    return float(logged), {name: (p.detach() - before[name]) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("variant", ["was", "number_level"])
+def test_attached_loss_does_not_change_with_gradient_accumulation(tokenizer, tmp_path, variant):
+    """Issue 35: 8 rows as 8 x 1 and as 2 x 4 micro-batches give the same loss and update (1e-6) once the loss is
+    attached (the step's NTL terms count). Not attached, each micro-batch's NTL mean is weighted by its label
+    tokens and the update differs (the rows' number densities differ): the comparison can fail."""
+    whole_loss, whole = _one_step_update(tokenizer, tmp_path, 8, 1, True, variant)
+    split_loss, split = _one_step_update(tokenizer, tmp_path, 2, 4, True, variant)
+    assert split_loss == pytest.approx(whole_loss, rel=1e-6, abs=1e-6)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
+    _, unattached = _one_step_update(tokenizer, tmp_path, 2, 4, False, variant)
+    worst = max(float((unattached[n] - whole[n]).abs().max() / whole[n].abs().max().clamp_min(1e-12)) for n in whole)
+    assert worst > 1e-3, worst

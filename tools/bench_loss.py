@@ -138,9 +138,11 @@ def build_methods(tp: int, names: list[str]):
 
     table = {"ce": ce, "ds_fused_ce": deepspeed_fused_ce, "ours_ce_only": ours(None), "ours_was": ours("was"),
              "ours_was_reweigh": ours("was", True),
-             "ours_mse": ours("mse"), "ours_number_level": ours("number_level")}
+             "ours_mse": ours("mse"), "ours_number_level": ours("number_level"),
+             "ours_digit_entropy": ours("digit_entropy")}
     objectives = {"ce_only": (None, False), "was": ("was", False), "was_reweigh": ("was", True), "mse": ("mse", False),
-                  "number_level": ("number_level", False), "number_level_reweigh": ("number_level", True)}
+                  "number_level": ("number_level", False), "number_level_reweigh": ("number_level", True),
+                  "digit_entropy": ("digit_entropy", False)}
     for objective, (variant, reweigh) in objectives.items():
         table[f"head_{objective}"] = head(variant, reweigh)
         table[f"chunked_{objective}"] = chunked(variant, reweigh)  # backward="auto"

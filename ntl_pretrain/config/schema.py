@@ -8,12 +8,13 @@ from typing import Any, Literal
 
 from ..core.errors import ConfigError  # noqa: F401 (the config package's API)
 from ..eval.config import EvalConfig
+from ..loss.variants import VARIANTS
 
 # The allowed values of every choice key, in one place: loading refuses any other value, naming these.
 DType = Literal["bf16", "fp16", "fp32"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
 NTLScheduleName = Literal["constant", "linear_warmup"]
-NTLVariantName = Literal["was", "mse", "mae", "huber", "number_level"]  # ntl_pretrain.loss.VARIANTS
+NTLVariantName = Literal[VARIANTS]  # the registered NTL variants (ntl_pretrain/loss/variants/)
 ChunkBackward = Literal["auto", "rows", "vocab_blocks"]  # ntl_pretrain.loss.chunked.CHUNK_BACKWARDS
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -171,7 +172,8 @@ class LossConfig:
     ntl_schedule: NTLScheduleName = _doc("constant | linear_warmup (lambda rises from 0 over ntl_warmup_steps)",
                              default="constant")
     ntl_warmup_steps: int = _doc("steps of the linear lambda warm-up", default=0)
-    variant: NTLVariantName = _doc("was | mse | mae | huber | number_level (needs tokenizer.digit_level=true)", default="was")
+    variant: NTLVariantName = _doc("the NTL variant (docs/loss.md); number_level and digit_entropy need "
+                                   "tokenizer.digit_level=true", default="was")
     reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
     squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
     smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 import os
 import signal
-from typing import Any
 
 from ..checkpoint.export import max_shard_bytes
 from ..checkpoint.format import CheckpointError, step_of_tag
 from ..eval.arithmetic import check_corpus_options
 from ..eval.config import check_corpus_digits
-from ..loss import NTLSettings
+from ..loss.settings import NTLSettings, check_ntl_weight
+from ..loss.variants import any_vocabulary_variants, variant_of
 from .parsing import get_key
 from .schema import Config, ConfigError, LossConfig, check_prompt_template
 
@@ -80,10 +80,11 @@ def validate(config: Config) -> None:
                           f"overflow in bf16/fp16 and cross-entropy vanish beside it); the paper uses 0.1-1, e.g. 0.3")
     if config.loss.chunk_tokens < 0:
         raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
-    if config.loss.ntl_on and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
-        raise ConfigError("loss.variant=number_level composes numbers from single-digit tokens and needs "
-                          "tokenizer.digit_level=true, not tokenizer.digit_level=false (multi-digit tokens); or "
-                          "choose a token-level loss.variant (was, mse, mae, huber)")
+    needs_digits = variant_of(config.loss.variant).single_digits_because
+    if config.loss.ntl_on and needs_digits and not config.tokenizer.digit_level:
+        raise ConfigError(f"loss.variant={config.loss.variant} {needs_digits} and needs "
+                          f"tokenizer.digit_level=true, not tokenizer.digit_level=false (multi-digit tokens); or "
+                          f"choose a token-level loss.variant ({', '.join(any_vocabulary_variants())})")
     if config.loss.ntl_schedule == "linear_warmup" and config.loss.ntl_warmup_steps < 1:
         raise ConfigError("loss.ntl_schedule=linear_warmup needs loss.ntl_warmup_steps >= 1")
     if len(config.optim.betas) != 2:
@@ -175,12 +176,18 @@ def _check_ranges(config: Config) -> None:
         raise ConfigError(f"loss.squash_factor must be a finite number > 1 or null, got {config.loss.squash_factor}")
 
 
-def ntl_settings(loss: LossConfig) -> Any:
-    """The loss's `NTLSettings` from the loss section; its own checks as a ConfigError naming the keys."""
+def ntl_settings(loss: LossConfig) -> NTLSettings:
+    """The loss's `NTLSettings` from the loss section, loss.ntl_weight checked with them: the one place the run
+    builds them (the start-up check here and `Objective.from_config`); their own checks as a ConfigError naming the
+    keys."""
+    try:
+        check_ntl_weight(loss.ntl_weight)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"loss.{error}") from None
     try:
         return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
                           f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do not "
                           f"fit together: {error}") from None

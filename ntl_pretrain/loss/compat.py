@@ -34,9 +34,11 @@ from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, distance_table, max_distance
 from .objective import ntl_with_settings
 from .parallel import shard_reductions
+from .variants import REGISTRY
 
-_LP_VARIANTS: dict[Callable, str] = {F.mse_loss: "mse", F.l1_loss: "mae", F.huber_loss: "huber",
-                                     F.smooth_l1_loss: "huber"}
+# the torch losses NTLossDotProduct takes, and the registered variant of each
+_LP_VARIANTS: dict[Callable, str] = {function: name for name, variant in REGISTRY.items()
+                                     for function in variant.torch_losses}
 
 
 class _NTLossBase:

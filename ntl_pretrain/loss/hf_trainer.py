@@ -6,10 +6,15 @@ ranks when `average_tokens_across_devices`). It sums what the hook returns over 
 does not divide by the accumulation steps. So the hook:
 
 - shifts the labels as transformers' causal-LM loss does (`labels[..., 1:]`, the last position ignored);
-- returns `(CE_sum + ntl_weight * NTL_mean * tokens) / num_items_in_batch` for the micro-batch: CE is then the
-  mean over every token of the step, exactly transformers' own, and NTL the token-weighted mean of the
-  micro-batches' NTL means (the batch's NTL mean when nothing is accumulated). Without `num_items_in_batch`
-  (evaluation) it is `ce_ntl_loss` of the micro-batch;
+- attached to the Trainer (`loss.attach(trainer)`, one line after building it), it counts the NTL terms of the
+  whole accumulated step as the Trainer counts its label tokens (the same micro-batches, the same shift, summed
+  over devices the same way) and returns `CE_sum / num_items_in_batch + ntl_weight * NTL_sum / step_terms`: CE is
+  the mean over every token of the step, exactly transformers' own, and NTL the mean over every NTL term of the
+  step, so neither changes with how the step is split into micro-batches (gradient accumulation invariant);
+- not attached, it returns `(CE_sum + ntl_weight * NTL_mean * tokens) / num_items_in_batch`: NTL is then the
+  label-token-weighted mean of the micro-batches' NTL means, exact without accumulation but not invariant under
+  it (micro-batches with few number tokens weigh as much as number-dense ones of the same length). Without
+  `num_items_in_batch` (evaluation) it is `ce_ntl_loss` of the micro-batch;
 - finds the model's vocabulary shard on every call (`vocab_shard_of`), so an AutoTP vocabulary-parallel
   head that replaces the model's head after the Trainer is built is used, and checks the shard layout and
   labels on its first call only (later calls do no host sync).
@@ -23,30 +28,71 @@ import torch
 import torch.nn.functional as F
 
 from ..core.numbers import NumberVocab
-from .ntl import NTLSettings
+from .ntl import NTLSettings, check_ntl_weight, term_positions
 from .objective import ce_ntl_sums, safe_mean
 from .shard import VocabShard, vocab_shard_of
 
 
 class HFTrainerLoss:
-    """`Trainer(..., compute_loss_func=HFTrainerLoss(number_vocab, model=model, ntl_weight=0.3))`."""
+    """`loss = HFTrainerLoss(number_vocab, model=model, ntl_weight=0.3)`, then
+    `trainer = Trainer(..., compute_loss_func=loss)` and `loss.attach(trainer)` (gradient accumulation invariant)."""
 
     def __init__(self, number_vocab: NumberVocab, *, model: Any = None, ntl_weight: float = 0.3,
                  settings: NTLSettings = NTLSettings()) -> None:
         if not isinstance(number_vocab, NumberVocab):
             raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer(tokenizer)), "
                             f"got {type(number_vocab).__name__}")
-        if not ntl_weight >= 0:
-            raise ValueError(f"ntl_weight must be >= 0, got {ntl_weight}")
+        ntl_weight = check_ntl_weight(ntl_weight)
+        if not isinstance(settings, NTLSettings):
+            raise TypeError(f"settings must be an NTLSettings (NTLSettings(variant='was', ...)), got "
+                            f"{type(settings).__name__}")
         self.number_vocab = number_vocab
         self.model = model  # None: the logits hold the whole vocabulary
         self.ntl_weight = ntl_weight
         self.settings = settings
         self._checked = False  # the first call checks the shard layout and labels on the host
+        self._step_terms: torch.Tensor | None = None  # NTL terms of the current step (set when attached)
+        self._attached = False
 
     def shard(self) -> VocabShard:
         """This rank's vocabulary columns of the model's head now (the whole vocabulary without a model)."""
         return VocabShard() if self.model is None else vocab_shard_of(self.model)
+
+    def attach(self, trainer: Any) -> "HFTrainerLoss":
+        """Normalise NTL by the NTL terms of the whole accumulated step (see the module): wraps the Trainer's
+        `get_batch_samples` (transformers 5: it collects a step's micro-batches and counts their label tokens) to
+        count the step's terms too, on the device (no host sync). Returns self."""
+        if self._attached:
+            return self
+        collect = trainer.get_batch_samples
+
+        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+            batch_samples, num_items_in_batch = collect(epoch_iterator, num_batches, device)
+            self._step_terms = None if num_items_in_batch is None else self._count_step_terms(trainer, batch_samples,
+                                                                                               device)
+            return batch_samples, num_items_in_batch
+
+        trainer.get_batch_samples = get_batch_samples
+        self._attached = True
+        return self
+
+    def _count_step_terms(self, trainer: Any, batch_samples: list, device: Any) -> torch.Tensor:
+        """The step's NTL terms, counted and reduced as transformers counts `num_items_in_batch`."""
+        ignore_index = self.settings.ignore_index
+        count = torch.zeros((), dtype=torch.float32, device=device)
+        for batch in batch_samples:
+            labels = batch.get("shift_labels")
+            if labels is None:
+                labels = F.pad(batch["labels"], (0, 1), value=ignore_index)[..., 1:]
+            count = count + term_positions(labels.to(device), self.number_vocab, self.settings).sum()
+        args = trainer.args
+        if args.average_tokens_across_devices and args.world_size > 1:
+            count = trainer.accelerator.gather(count.reshape(1)).sum()
+        sharing = 1
+        for name in ("get_tp_size", "get_cp_size", "get_sp_size"):  # devices that see the same batch
+            size = getattr(trainer, name, None)
+            sharing *= int(size()) if callable(size) else 1
+        return count / sharing
 
     def __call__(self, outputs: Any, labels: torch.Tensor,
                  num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -55,6 +101,10 @@ class HFTrainerLoss:
             raise ValueError("HFTrainerLoss needs labels: give the Trainer a data collator that sets 'labels' "
                              "(e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
         logits = outputs["logits"] if isinstance(outputs, dict) else getattr(outputs, "logits", outputs)
+        if torch.is_tensor(logits) and torch.is_tensor(labels) and tuple(labels.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(f"labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
+                             f"HFTrainerLoss takes the Trainer's unshifted labels, one per logit row (shape "
+                             f"{tuple(logits.shape[:-1])}), and shifts them itself")
         ignore_index = self.settings.ignore_index
         shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(logits.device)
         sums = ce_ntl_sums(logits, shifted, self.number_vocab, self.settings, shard=self.shard(),
@@ -64,4 +114,7 @@ class HFTrainerLoss:
         if num_items_in_batch is None:
             return safe_mean(sums.ce_sum, sums.token_count) + self.ntl_weight * ntl_mean
         items = torch.as_tensor(num_items_in_batch, device=logits.device, dtype=sums.ce_sum.dtype)
+        if self._step_terms is not None:  # attached: the mean over every NTL term of the step
+            step_terms = self._step_terms.to(device=logits.device, dtype=sums.ce_sum.dtype)
+            return sums.ce_sum / items + self.ntl_weight * sums.ntl_sum / step_terms.clamp_min(1.0)
         return (sums.ce_sum + self.ntl_weight * ntl_mean * sums.token_count) / items

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..core.numbers import NumberVocab
-from .ntl import NTLSettings, NumberSpans, ntl_terms
+from .ntl import NTLSettings, NumberSpans, check_ntl_weight, ntl_terms
 from .parallel import ShardStats, shard_reductions
 from .shard import VocabShard
 
@@ -175,7 +175,7 @@ def sums_from_stats(stats: ShardStats, labels: torch.Tensor, number_vocab: Numbe
 
     if with_ntl:
         terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
-                          number_mass=stats.number_mass if settings.reweigh else None, loss_weights=loss_weights,
+                          number_mass=stats.number_mass, loss_weights=loss_weights,
                           spans=spans)
         ntl_sum = (terms.loss * terms.weights).sum()
         ntl_count = terms.weights.sum().detach()
@@ -196,6 +196,7 @@ def ce_ntl_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
                 loss_weights: torch.Tensor | None = None, check_inputs: bool = True) -> torch.Tensor:
     """`mean CE + ntl_weight * mean NTL` over this batch (for global normalisation across micro-batches
     and data-parallel ranks use `ce_ntl_sums` with `normalize.py`)."""
+    ntl_weight = check_ntl_weight(ntl_weight)
     sums = ce_ntl_sums(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
                        with_ntl=ntl_weight != 0, check_inputs=check_inputs)
     return safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * safe_mean(sums.ntl_sum, sums.ntl_count)
@@ -213,7 +214,7 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
             computed in max(float32, their dtype).
         labels: `[...]` target ids aligned with the logits; `ignore_index` positions are skipped.
         number_vocab: `NumberVocab.from_tokenizer(tokenizer)`.
-        variant: "was", "mse", "mae", "huber" or "number_level".
+        variant: a registered variant (`VARIANTS`): "was", "mse", "mae", "huber", "number_level", "digit_entropy".
         reweigh: scale each term by the probability mass on number tokens over the full vocabulary.
         squash_factor: "was" only; how many times the farthest wrong number costs the nearest one.
         loss_weights: `[...]` non-negative per-token weights.
@@ -221,7 +222,7 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
             where there is no term; a number's term sits on its first digit for "number_level").
         smoothing_sigma: "was" only; Gaussian label smoothing over number values (Wasserstein-1 form).
         float_level: "number_level" only; "1.5" is one number (15) instead of two.
-        max_number_digits: "number_level" only; longest number with distinct place values.
+        max_number_digits: "number_level" and "digit_entropy" only; longest number with distinct place values.
         shard: where this rank's logits sit in the vocabulary (default: all of it, one device).
         check_inputs: check the shard layout (on every path, reweigh or not), labels and loss weights,
             reading values on the host; False for a hot loop whose layout was checked once
@@ -246,10 +247,11 @@ def ntl_with_settings(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
         raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
     if ignore_index is not None and ignore_index != settings.ignore_index:
         settings = replace(settings, ignore_index=ignore_index)
-    stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights, need_lse=settings.reweigh,
+    stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights,
+                         need_lse=settings.reweigh or settings.ntl_variant.reads_number_mass,
                          need_target=False, ignore_index=settings.ignore_index, check_inputs=check_inputs)
     terms = ntl_terms(stats.number_logits, labels, number_vocab, settings,
-                      number_mass=stats.number_mass if settings.reweigh else None, loss_weights=loss_weights)
+                      number_mass=stats.number_mass if stats.sum_exp is not None else None, loss_weights=loss_weights)
     weighted = terms.loss * terms.weights
     if reduction == "sum":
         return weighted.sum()

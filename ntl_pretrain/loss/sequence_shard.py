@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.numbers import NumberVocab
-from .ntl import NTLSettings, NumberSpans, number_spans, term_positions
+from .ntl import NTLSettings, NumberSpans, term_positions
+from .variants.base import label_spans
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,6 @@ def sum_over_sequence_group(partial: torch.Tensor, group: dist.ProcessGroup) -> 
     return _SumOverSequenceGroup.apply(partial, group)
 
 
-def _whole_row_spans(labels: torch.Tensor, number_vocab: NumberVocab,
-                     settings: NTLSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    slot = number_vocab.index_of(labels.reshape(-1), settings.ignore_index)
-    return number_spans(slot, labels, number_vocab.decimal_point_id, settings.float_level, settings.max_number_digits)
-
-
 def shard_number_spans(labels: torch.Tensor, shard: SequenceShard, number_vocab: NumberVocab,
                        settings: NTLSettings) -> NumberSpans:
     """The number spans of the whole `[B, S]` rows `labels`, seen from this rank's slice (`ntl.NumberSpans`
@@ -92,8 +87,8 @@ def shard_number_spans(labels: torch.Tensor, shard: SequenceShard, number_vocab:
         raise ValueError(f"labels must be [batch, sequence] rows, got shape {tuple(labels.shape)}")
     rows, seq_len = labels.shape
     start, stop = shard.bounds(seq_len)
-    is_start, segment, place = _whole_row_spans(labels, number_vocab, settings)
-    n_segments = segment.numel()
+    whole = label_spans(number_vocab.index_of(labels.reshape(-1), settings.ignore_index), labels, number_vocab, settings)
+    is_start, segment, place, n_segments = whole.is_start, whole.segment, whole.place, whole.n_segments
 
     def local(values: torch.Tensor) -> torch.Tensor:
         return values.view(rows, seq_len)[:, start:stop].reshape(-1)

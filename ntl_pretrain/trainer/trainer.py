@@ -32,7 +32,7 @@ from ..core.agreement import agree_on_error, run_agreed
 from ..core.fs import write_json_atomic
 from ..data import PretrainingData, data_description, document_texts, load_documents, prepare_generated_corpus
 from ..eval.config import save_eval_settings
-from ..loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
+from ..loss import vocab_shard_of
 from ..loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
 from ..loss.sequence_shard import SequenceShard, shard_number_spans
 from ..models.build import load_run_tokenizer
@@ -247,21 +247,14 @@ class Trainer:
         inputs, spans = {"input_ids": input_ids}, None
         if self.sequence.size > 1:
             # sequence parallelism: this rank's slice with its global positions; the labels' slice, and the
-            # whole rows' number spans for number-level NTL (parallel/ulysses.py, loss/sequence_shard.py)
+            # whole rows' number spans for the variants that read them (parallel/ulysses.py, loss/sequence_shard.py)
             inputs = shard_inputs(input_ids, self.sequence).as_kwargs()
-            if with_ntl and self.objective.settings.variant == "number_level":
+            if with_ntl and self.objective.settings.ntl_variant.needs_spans:
                 spans = shard_number_spans(labels, self.sequence, self.number_vocab, self.objective.settings)
             labels = self.sequence.split(labels)
-        if self.objective.chunk_tokens:
-            # the head + loss over chunks of tokens: the full logits never exist (docs/chunked.md)
-            return chunked_model_ce_ntl_sums(self.engine, self.engine.module.get_output_embeddings(),
-                                             inputs, labels, self.number_vocab, self.objective.settings,
-                                             chunk_tokens=self.objective.chunk_tokens, shard=self.vocab_shard,
-                                             with_ntl=with_ntl, check_inputs=check,
-                                             backward=self.objective.chunk_backward, spans=spans)
-        logits = self.engine(**inputs).logits
-        return ce_ntl_sums(logits, labels, self.number_vocab, self.objective.settings, shard=self.vocab_shard,
-                           with_ntl=with_ntl, check_inputs=check, spans=spans)
+        # the full logits or the chunked head (docs/chunked.md), as the objective chose at start-up
+        return self.objective.head.sums(self.engine, inputs, labels, self.number_vocab, self.objective.settings,
+                                        shard=self.vocab_shard, with_ntl=with_ntl, check_inputs=check, spans=spans)
 
     def logs_at(self, step: int) -> bool:
         """Whether optimizer step `step` reads its figures to the host and logs them: the first, every

@@ -14,9 +14,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..config import ConfigError, LossConfig, NTLScheduleName
+from ..config import LossConfig, NTLScheduleName, ntl_settings
 from ..core.numbers import NumberVocab
 from ..loss import NTLSettings, ObjectiveSums, StepCounts, count_step, scaled_micro_batch_loss
+from ..loss.heads import LossHead, select_loss_head
 from ..loss.sequence_shard import SequenceShard
 from ..parallel.layout import ParallelGroups, ParallelLayout
 
@@ -45,20 +46,16 @@ class Objective:
     chunk_tokens: int  # > 0: the chunked LM head over this many tokens at a time; 0: the full logits
     chunk_backward: str  # the chunked head's gradient algorithm (loss.chunked.resolve_chunk_backward)
     settings: NTLSettings  # the NTL variant and its options
+    head: LossHead  # full logits or the chunked head, chosen once from chunk_tokens (loss.heads)
 
     @classmethod
     def from_config(cls, loss: LossConfig) -> "Objective":
         """The objective of a `loss` section (the loss's own checks as a ConfigError naming the keys)."""
-        try:
-            settings = NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
-                                   smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
-        except ValueError as error:
-            raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
-                              f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do "
-                              f"not fit together: {error}") from None
+        settings = ntl_settings(loss)  # the one builder of the run's NTL settings (and their checks)
         return cls(ntl_on=loss.ntl_on, ntl_weight=loss.ntl_weight, ntl_schedule=loss.ntl_schedule,
                    ntl_warmup_steps=loss.ntl_warmup_steps, chunk_tokens=loss.chunk_tokens,
-                   chunk_backward=loss.chunk_backward, settings=settings)
+                   chunk_backward=loss.chunk_backward, settings=settings,
+                   head=select_loss_head(loss.chunk_tokens, loss.chunk_backward))
 
     def ntl_lambda(self, step: int) -> float:
         """The NTL weight at optimizer step `step` (numbering from 1); 0 with NTL off."""
@@ -72,9 +69,7 @@ class Objective:
         """One line for the log: the loss and the head."""
         loss = (f"CE + {self.ntl_weight:g} x NTL ({self.settings.describe()}; {self.ntl_schedule})" if self.ntl_on
                 else "CE only (NTL off)")
-        head = (f"chunked LM head ({self.chunk_tokens} tokens a chunk, {self.chunk_backward} backward)"
-                if self.chunk_tokens else "full logits")
-        return f"objective: {loss}, {head}"
+        return f"objective: {loss}, {self.head.describe()}"
 
     def count(self, labels: Sequence[torch.Tensor], number_vocab: NumberVocab, groups: ParallelGroups,
               shard: SequenceShard | None = None) -> StepCounts:

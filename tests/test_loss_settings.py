@@ -1,0 +1,103 @@
+"""The NTL settings and the NTL weight are checked once (`NTLSettings`, `check_ntl_weight`), and every entry point
+goes through that check: the functions, `HFTrainerLoss`, the ntloss drop-ins and the trainer's config
+(issue 40 items 5 and 13: each case is an input that used to be taken)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ntl_pretrain.config import ConfigError, LossConfig
+from ntl_pretrain.loss import HFTrainerLoss, NTLoss, NTLSettings, NumberLevelLoss, ce_ntl_loss, number_token_loss
+from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.trainer.training_objective import Objective
+
+pytestmark = pytest.mark.fast
+
+VOCAB = NumberVocab(tuple(range(3, 13)), tuple(float(v) for v in range(10)), 20)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 20, generator=generator)
+    labels = torch.tensor([[3, 4, 1, 5, 12, -100], [7, 0, 8, 9, 2, 3]])
+    return logits, labels
+
+
+@pytest.mark.parametrize("weight, error, message", [
+    (-5.0, ValueError, "ntl_weight must be >= 0 and finite (0 turns NTL off), got -5.0"),  # returned -13.54
+    (math.nan, ValueError, "ntl_weight must be >= 0 and finite (0 turns NTL off), got nan"),  # returned nan
+    (math.inf, ValueError, "ntl_weight must be >= 0 and finite (0 turns NTL off), got inf"),
+    ("0.3", TypeError, "ntl_weight must be a number, got str '0.3'"),  # a raw TypeError in HFTrainerLoss
+    (True, TypeError, "ntl_weight must be a number, got bool True"),
+])
+def test_ntl_weight_is_refused_alike_by_the_function_and_the_trainer_hook(weight, error, message):
+    logits, labels = _batch()
+    with pytest.raises(error) as function:
+        ce_ntl_loss(logits, labels, VOCAB, ntl_weight=weight)
+    with pytest.raises(error) as hook:
+        HFTrainerLoss(VOCAB, ntl_weight=weight)
+    assert str(function.value) == str(hook.value) == message
+
+
+def test_a_valid_ntl_weight_still_weighs_ntl():
+    logits, labels = _batch()
+    ce = ce_ntl_loss(logits, labels, VOCAB, ntl_weight=0)
+    ntl = number_token_loss(logits, labels, VOCAB)
+    torch.testing.assert_close(ce_ntl_loss(logits, labels, VOCAB, ntl_weight=2), ce + 2 * ntl)
+
+
+@pytest.mark.parametrize("settings, error, message", [
+    ({"smoothing_sigma": math.nan}, ValueError, "smoothing_sigma must be >= 0 and finite"),  # was taken as sigma 0
+    ({"smoothing_sigma": -0.5}, ValueError, "smoothing_sigma must be >= 0 and finite"),
+    ({"squash_factor": math.inf}, ValueError, "squash_factor must be > 1 and finite"),  # passed "> 1", gave nan
+    ({"squash_factor": math.nan}, ValueError, "squash_factor must be > 1 and finite"),
+    ({"squash_factor": "4"}, TypeError, "squash_factor must be a number, got str '4'"),
+    ({"variant": "number_level", "max_number_digits": 2.5}, TypeError,
+     "max_number_digits must be a whole number, got float 2.5"),  # was used
+    ({"variant": "number_level", "max_number_digits": 0}, ValueError, "max_number_digits must be >= 1, got 0"),
+    ({"reweigh": "False"}, TypeError, "reweigh must be True or False, got str 'False'"),  # was taken as True
+    ({"reweigh": 1}, TypeError, "reweigh must be True or False, got int 1"),
+    ({"variant": "number_level", "float_level": "yes"}, TypeError, "float_level must be True or False"),
+    ({"ignore_index": -100.0}, TypeError, "ignore_index must be a whole number, got float -100.0"),
+    ({"variant": ["was"]}, ValueError, "unknown NTL variant ['was']"),
+])
+def test_bad_settings_are_refused_by_every_entry_point(settings, error, message):
+    logits, labels = _batch()
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        NTLSettings(**settings)
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        number_token_loss(logits, labels, VOCAB, **settings)
+
+
+def test_the_drop_ins_refuse_a_string_flag_and_a_fractional_length(word_tokenizer):
+    with pytest.raises(TypeError, match="reweigh must be True or False, got str 'False'"):
+        NTLoss(word_tokenizer, reweigh="False")
+    with pytest.raises(TypeError, match="max_number_digits must be a whole number, got float 2.5"):
+        NumberLevelLoss(word_tokenizer, max_number_length=2.5)
+    with pytest.raises(ValueError, match="squash_factor must be > 1 and finite"):
+        NTLoss(word_tokenizer, squash_factor=math.inf)
+
+
+def test_the_trainers_objective_goes_through_the_same_check():
+    # a LossConfig built in code skips the YAML loader's checks; the objective's settings still refuse it
+    with pytest.raises(ConfigError, match=r"loss settings \(loss.variant='was'.*smoothing_sigma must be >= 0 and finite"):
+        Objective.from_config(LossConfig(smoothing_sigma=math.nan))
+    with pytest.raises(ConfigError, match="reweigh must be True or False, got str 'False'"):
+        Objective.from_config(LossConfig(reweigh="False"))
+    with pytest.raises(ConfigError, match=r"^loss.ntl_weight must be >= 0 and finite \(0 turns NTL off\), got -5.0$"):
+        Objective.from_config(LossConfig(ntl_weight=-5.0))
+
+
+def test_hf_trainer_loss_states_the_real_shape_rule_for_labels():
+    logits, labels = _batch()
+    with pytest.raises(ValueError) as short:
+        HFTrainerLoss(VOCAB)({"logits": logits}, labels[:, 1:])  # labels shorter than the logits
+    message = str(short.value)
+    assert "already shifted" not in message
+    assert message == ("labels of shape (2, 5) for logits of shape (2, 6, 20): HFTrainerLoss takes the Trainer's "
+                       "unshifted labels, one per logit row (shape (2, 6)), and shifts them itself")
+    torch.testing.assert_close(HFTrainerLoss(VOCAB)({"logits": logits}, labels),  # the right shape is taken
+                               ce_ntl_loss(logits[:, :-1], labels[:, 1:], VOCAB))
