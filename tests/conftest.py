@@ -1,9 +1,11 @@
 """Shared fixtures: tokenizers built in the test session (nothing downloaded; tests/helpers/models.py), the
-shared data folder, the demo config's assets shared by every launched run, the DeepSpeed shared-memory clean-up;
+shared data folder, the demo config's assets shared by every launched run, the trainer's dry run in this process
+(`dry_run_here`), the DeepSpeed shared-memory clean-up;
 the test tiers (`pytest -m fast`; a test that starts a launcher or a service must be marked slow)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -75,6 +77,29 @@ def assets(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("demo_assets")
 
 
+@pytest.fixture
+def dry_run_here(capsys, monkeypatch):
+    """`launch/pretrain.sh --dry-run ARGS` as `cli.main` in this process, run in `cwd` (default the checkout) without
+    a launcher's environment: the same exit code and lines as the subprocess (`helpers.launch.dry_run`) without
+    starting an interpreter and its imports again (about 5 s each). Returns (returncode, stdout, stderr)."""
+    from types import SimpleNamespace
+
+    from ntl_pretrain import cli
+
+    monkeypatch.setattr("sys.argv", ["launch/pretrain.sh"])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*args: str, cwd: Path = REPO_ROOT) -> SimpleNamespace:
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()  # only this run's lines
+        returncode = cli.main(["--dry-run", *args])
+        captured = capsys.readouterr()
+        return SimpleNamespace(returncode=returncode, stdout=captured.out, stderr=captured.err)
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------- test tiers
 # `pytest -m fast`: the quick tier (modules marked fast). A test that starts a launcher or a service must be
 # marked slow (never fast): checked at collection from the source of the test, its fixtures and the helpers
@@ -90,6 +115,10 @@ STARTS_A_LAUNCHER_OR_SERVICE = {
 }
 
 
+CALLED_NAME = re.compile(r"\b(\w+)\(")
+
+
+@functools.cache  # a function's source is read once, not once per test that names it
 def _source(function) -> str:
     try:
         return inspect.getsource(function)
@@ -107,7 +136,8 @@ def _sources_run_by(item: pytest.Item) -> str:
     seen: set[str] = set()
     pending = "\n".join(texts)
     while True:
-        called = [name for name in module_functions if name not in seen and re.search(rf"\b{name}\(", pending)]
+        # the module's functions that `pending` calls (a whole identifier followed by "(")
+        called = sorted(set(CALLED_NAME.findall(pending)) & module_functions.keys() - seen)
         if not called:
             return "\n".join(texts)
         seen.update(called)

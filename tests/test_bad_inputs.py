@@ -17,7 +17,6 @@ import pytest
 import yaml
 
 from helpers.distributed import free_port, rank_env  # noqa: E402
-from helpers.launch import dry_run  # noqa: E402
 from ntl_pretrain.config import ConfigError, DataSourceConfig, load_config
 from ntl_pretrain.data import DataError, PretrainingData
 
@@ -217,14 +216,14 @@ def test_deepspeed_train_batch_size_is_resolved_or_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- dry run
-def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return dry_run("--config", DEMO, "--world-size", "2", f"train.output_dir={tmp_path / 'run'}", *overrides,
-                   cwd=tmp_path)
+def _dry_run(dry_run_here, tmp_path: Path, *overrides: str):
+    return dry_run_here("--config", DEMO, "--world-size", "2", f"train.output_dir={tmp_path / 'run'}", *overrides,
+                        cwd=tmp_path)
 
 
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
                                   "seq_len", "model_path", "train_batch_size", "zero_stage", "resume"])
-def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
+def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_here):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
                                                   "gradient_accumulation_steps": 1}))
     (tmp_path / "zero.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
@@ -242,7 +241,7 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
         "zero_stage": ([f"deepspeed.config={tmp_path / 'zero.json'}"], "DeepSpeed refuses zero_optimization.stage=7"),
         "resume": (["train.resume=../x"], "train.resume='../x' is not none, auto or a checkpoint tag"),
     }[case]
-    result = _dry_run(tmp_path, *overrides)
+    result = _dry_run(dry_run_here, tmp_path, *overrides)
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-3000:])
     assert "dry run OK" not in result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -250,10 +249,10 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case):
     assert "Traceback" not in result.stderr
 
 
-def test_dry_run_warns_about_an_output_folder_it_cannot_create(tmp_path):
+def test_dry_run_warns_about_an_output_folder_it_cannot_create(tmp_path, dry_run_here):
     """The dry run may run on a login node or a laptop: it warns (the trainer refuses, tested below)."""
     (tmp_path / "a_file").write_text("x")
-    result = _dry_run(tmp_path, f"train.output_dir={tmp_path / 'a_file' / 'run'}")
+    result = _dry_run(dry_run_here, tmp_path, f"train.output_dir={tmp_path / 'a_file' / 'run'}")
     assert result.returncode == 0 and "dry run OK" in result.stdout, result.stderr[-3000:]
     assert f"warning: train.output_dir={str(tmp_path / 'a_file' / 'run')!r} cannot be created" in result.stderr
     assert "is a file, not a folder" in result.stderr
@@ -473,18 +472,11 @@ def test_a_real_run_and_its_export_follow_the_umask(tmp_path, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- issue 36 items 2-3
-def _dry_run_in_process(monkeypatch, capsys, tmp_path: Path, world: int, *overrides: str) -> tuple[int, str, str]:
-    """`launch/pretrain.sh --dry-run` through cli.main in this process (no interpreter start per case)."""
-    from ntl_pretrain import cli
-
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
-    monkeypatch.chdir(REPO)
-    code = cli.main(["--config", DEMO, "--dry-run", "--world-size", str(world),
-                     f"train.output_dir={tmp_path / 'run'}", *overrides])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+def _dry_run_in_process(dry_run_here, tmp_path: Path, world: int, *overrides: str) -> tuple[int, str, str]:
+    """`launch/pretrain.sh --dry-run` through cli.main in this process (tests/conftest.py `dry_run_here`)."""
+    result = dry_run_here("--config", DEMO, "--world-size", str(world), f"train.output_dir={tmp_path / 'run'}",
+                          *overrides)
+    return result.returncode, result.stdout, result.stderr
 
 
 @pytest.mark.parametrize("overrides,world,message", [
@@ -497,16 +489,16 @@ def _dry_run_in_process(monkeypatch, capsys, tmp_path: Path, world: int, *overri
     (["loss.ntl_weight=1e30"], 2, "loss.ntl_weight=1e+30 must be < 10000"),
     (["train.output_dir=/"], 2, "train.output_dir='/' is the filesystem root"),
 ])
-def test_dry_run_refuses_sizes_and_values_the_run_cannot_use(monkeypatch, capsys, tmp_path, overrides, world, message):
-    code, _, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, world, *overrides)
+def test_dry_run_refuses_sizes_and_values_the_run_cannot_use(dry_run_here, tmp_path, overrides, world, message):
+    code, _, err = _dry_run_in_process(dry_run_here, tmp_path, world, *overrides)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], (code, lines)
 
 
-def test_dry_run_refuses_an_output_dir_that_is_a_dangling_link(monkeypatch, capsys, tmp_path):
+def test_dry_run_refuses_an_output_dir_that_is_a_dangling_link(dry_run_here, tmp_path):
     link = tmp_path / "runs_link"
     link.symlink_to(tmp_path / "gone")
-    code, _, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, 2, f"train.output_dir={link}")
+    code, _, err = _dry_run_in_process(dry_run_here, tmp_path, 2, f"train.output_dir={link}")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     assert f"is a symbolic link to {str(tmp_path / 'gone')!r}, which does not exist" in lines[0], lines
@@ -518,8 +510,8 @@ def test_dry_run_refuses_an_output_dir_that_is_a_dangling_link(monkeypatch, caps
      "optim.warmup_steps=1000 >= train.max_steps=5: the learning rate never reaches optim.lr"),
     (["loss.ntl_weight=50"], "loss.ntl_weight=50 is far above the paper's 0.1-1"),
 ])
-def test_dry_run_warns_of_settings_that_run_but_not_as_meant(monkeypatch, capsys, tmp_path, overrides, message):
-    code, out, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, 2, *overrides)
+def test_dry_run_warns_of_settings_that_run_but_not_as_meant(dry_run_here, tmp_path, overrides, message):
+    code, out, err = _dry_run_in_process(dry_run_here, tmp_path, 2, *overrides)
     assert code == 0 and "dry run OK" in out
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and message in warnings[0], err

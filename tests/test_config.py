@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.launch import dry_run
 from ntl_pretrain.config import Config, ConfigError, help_text, iter_keys, load_config, to_dict, write_resolved
 from ntl_pretrain.trainer.ds_config import deepspeed_config, generated_deepspeed_config, resolve_run
 from ntl_pretrain.cli import main, parse_args
@@ -159,26 +158,22 @@ def test_missing_or_broken_deepspeed_json(tmp_path):
         deepspeed_config(cfg, on_cpu=True)
 
 
-def _dry_run(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return dry_run(*args, cwd=cwd)
-
-
 @pytest.mark.parametrize("config, world", [(p.name, w) for p, w in
                                            [(REPO / "configs" / "demo.yaml", 2)] +
                                            [(p, 16) for p in sorted((REPO / "configs").glob("*.yaml"))
                                             if p.name != "demo.yaml"]])
-def test_every_shipped_config_passes_a_dry_run(config, world):
-    result = _dry_run(["--config", f"configs/{config}", "--world-size", str(world)])
+def test_every_shipped_config_passes_a_dry_run(config, world, dry_run_here):
+    result = dry_run_here("--config", f"configs/{config}", "--world-size", str(world))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dry run OK" in result.stdout
 
 
-def test_dry_run_rejects_tp_size_that_does_not_divide_the_world():
-    result = _dry_run(["--config", "configs/demo.yaml", "--world-size", "3", "parallel.tp_size=2"])
+def test_dry_run_rejects_tp_size_that_does_not_divide_the_world(dry_run_here):
+    result = dry_run_here("--config", "configs/demo.yaml", "--world-size", "3", "parallel.tp_size=2")
     assert result.returncode == 2
     assert "parallel.tp_size=2 does not divide the world size 3" in result.stderr
     assert "set parallel.tp_size=1" in result.stderr
-    auto = _dry_run(["--config", "configs/demo.yaml", "--world-size", "3"])  # the demo's tp_size: auto
+    auto = dry_run_here("--config", "configs/demo.yaml", "--world-size", "3")  # the demo's tp_size: auto
     assert auto.returncode == 0 and "using tp_size=1 for world size 3" in auto.stdout, auto.stderr[-2000:]
 
 

@@ -102,22 +102,11 @@ def test_benchmark_digits_must_match_the_generated_corpus():
     load_config(None, MINIMAL + [corpus, "eval.arithmetic_n=0"])  # no arithmetic benchmark: nothing to match
 
 
-def test_dry_run_reads_the_gsm8k_files_and_names_a_broken_line(tmp_path, capsys, monkeypatch):
-    """Five dry runs of the trainer's command line (`cli.main --dry-run`), in this process: each started the
-    interpreter and its imports again as a subprocess (`helpers.launch.dry_run`, about 5 s each), for the same
-    exit code and lines."""
-    from types import SimpleNamespace
+def test_dry_run_reads_the_gsm8k_files_and_names_a_broken_line(tmp_path, dry_run_here):
+    """Five dry runs of the trainer's command line, in this process (tests/conftest.py `dry_run_here`)."""
 
-    from ntl_pretrain import cli
-
-    monkeypatch.setattr("sys.argv", ["launch/pretrain.sh"])
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-
-    def _dry_run(args: list[str]) -> SimpleNamespace:
-        returncode = cli.main(["--dry-run", *args])
-        captured = capsys.readouterr()
-        return SimpleNamespace(returncode=returncode, stdout=captured.out, stderr=captured.err)
+    def _dry_run(args: list[str]):
+        return dry_run_here(*args)
 
     folder = _gsm8k_folder(tmp_path / "gsm8k", broken_line=3)
     room = "eval.gsm8k_max_new_tokens=64"

@@ -11,7 +11,8 @@ by (the sequence-data-parallel world size), and steps; one case runs the chunked
 `OK <case> loss=.. grad=.. weights=.. update=..` (the largest relative errors) per case, `CROSSING n` (numbers
 continuing from the previous slice into this rank's) and the all-reduces of one number-level objective call.
 
-    sp_objective.py --sp N   (WORLD_SIZE = N * dp processes; tests/helpers/distributed.py)
+    sp_objective.py --sp N [--cases ce,was,...]   (WORLD_SIZE = N * dp processes; tests/helpers/distributed.py;
+                                                   --cases: a subset of CASES, default all)
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ def count_collectives(fn) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sp", type=int, required=True)
-    sp = parser.parse_args().sp
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES to run")
+    args = parser.parse_args()
+    sp, cases = args.sp, {name: CASES[name] for name in args.cases.split(",")}
     import deepspeed
 
     deepspeed.init_distributed("gloo")
@@ -165,7 +168,7 @@ def main() -> None:
     vocab = NumberVocab.from_tokenizer(tokenizer, digit_level=True)
     input_ids, labels = global_batch(tokenizer)
     model = make_model(len(tokenizer))
-    references = {name: reference(model, input_ids, labels, vocab, settings) for name, settings in CASES.items()}
+    references = {name: reference(model, input_ids, labels, vocab, settings) for name, settings in cases.items()}
 
     generated = greedy_generate(copy.deepcopy(model), tokenizer, PROMPTS, max_new_tokens=6, batch_size=len(PROMPTS))
 
@@ -188,7 +191,7 @@ def main() -> None:
     for name, batch_labels in (("numbers", labels), ("no_numbers", no_numbers)):
         print(f"COLLECTIVES {name} {count_collectives(lambda: objective_call(batch_labels))}", flush=True)  # noqa: B023
 
-    for name, settings in CASES.items():
+    for name, settings in cases.items():
         ref_loss, ref_grads, ref_weights = references[name]
         loss, grads, weights = sharded(model, input_ids, labels, vocab, settings, sp, ulysses, CHUNK_TOKENS.get(name, 0))
         loss_error = abs(loss - ref_loss) / abs(ref_loss)
