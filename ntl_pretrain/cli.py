@@ -10,6 +10,7 @@ once, one line naming the key, file or value), 1 a bug (traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -90,8 +91,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dry_run(cfg, args.world_size)
                 return 0
             launcher.use_world_of_one()
-            launcher.check_rendezvous_port()
-            trainer = Trainer(cfg)
+            try:
+                launcher.check_rendezvous_port()
+                trainer = Trainer(cfg)
+            except RuntimeError as error:  # the store's bind: another process took the port after it was chosen
+                taken = launcher.port_taken_message(error)
+                if taken is None:
+                    raise
+                raise launcher.PortTakenError(taken) from error
+        except launcher.PortTakenError as error:
+            lifecycle.report_to_supervisor(launcher.PORT_TAKEN_EVENT, port=os.environ.get("MASTER_PORT"))
+            _report_error(error)
+            return 2
         except ValueError as error:  # ConfigError, DataError, CheckpointError, RunLockError, ...: exit 2
             _report_error(error)
             return 2

@@ -27,6 +27,8 @@ def filtered(monkeypatch):
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)
     monkeypatch.setattr(conversion, "tqdm", conversion.tqdm)
+    monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "")  # restored to what it was after the test
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS")
     loggers = [logging.getLogger(known.logger) for known in log_filter.KNOWN_RECORDS]
     before = {id(logger): list(logger.filters) for logger in loggers}
     with warnings.catch_warnings():
@@ -120,3 +122,23 @@ def test_the_launcher_runs_quietly_unless_verbose():
 def teardown_module():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def test_the_runner_and_autotp_notes_of_every_run_are_dropped_and_datasets_bars_off_in_a_log(filtered, caplog):
+    """Issue 36 item 6: DeepSpeed's runner warns of a missing hostfile on every one-node `bash launch/pretrain.sh`,
+    AutoTP of the vocabulary-sharded head the trainer always asks for; datasets' bars glue into one line in a log
+    file. The same logger's other warnings still show."""
+    import os
+
+    filtered()
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    with caplog.at_level(logging.WARNING, logger="DeepSpeed"):
+        deepspeed_logger.warning("Unable to find hostfile, will proceed with training with local resources only.")
+        deepspeed_logger.warning("[Rank 0] AutoTP: vocab_parallel_lm_head supersedes the configured 'column' "
+                                 "partitioning for 'lm_head'; the head stays vocabulary-sharded and its output is "
+                                 "not gathered.")
+        deepspeed_logger.warning("AutoTP: a real AutoTP warning")
+    assert [r.getMessage() for r in caplog.records] == ["AutoTP: a real AutoTP warning"]
+    assert os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS") == "1"  # pytest's stderr is not a terminal
+    assert "log_filter.install" in log_filter.RUNNER_WITH_FILTER and "deepspeed.launcher.runner" in \
+        log_filter.RUNNER_WITH_FILTER

@@ -12,7 +12,12 @@ library still shows. What is filtered (docs/training.md, "Launching", lists the 
 - huggingface_hub's "Model weights successfully saved to ...partial!" (the export's staging folder; the trainer
   says where the export landed);
 - the untitled progress bars of DeepSpeed's universal-checkpoint conversion (the trainer logs the conversion);
-- the INFO blocks of DeepSpeed's launcher (`bash launch/pretrain.sh` runs it with `--log_level warning`).
+- the INFO blocks of DeepSpeed's launcher (`bash launch/pretrain.sh` runs it with `--log_level warning`), and its
+  runner's "Unable to find hostfile" on one node (the supervisor runs the runner with this filter:
+  `RUNNER_WITH_FILTER`);
+- datasets' progress bars when stderr is not a terminal (a log file: they glue into one line);
+- AutoTP's "vocab_parallel_lm_head supersedes the configured 'column' partitioning" (the trainer always asks for
+  the vocabulary-sharded head; DeepSpeed's presets name a column split for it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import re
 import sys
 import types
@@ -57,6 +63,12 @@ KNOWN_WARNINGS = (
 )
 KNOWN_RECORDS = (
     KnownRecord("DeepSpeed", r"Attempting to get learning rate from scheduler before it has started"),
+    # the trainer always asks AutoTP for the vocabulary-sharded head (the loss reads its shards), which replaces the
+    # 'column' split DeepSpeed's own presets name for lm_head (and its tied embedding): nothing to change
+    KnownRecord("DeepSpeed", r"(\[Rank 0\] )?AutoTP: vocab_parallel_lm_head supersedes the configured '\w+' "
+                             r"partitioning for (tied embedding )?'[^']+'.*"),
+    # DeepSpeed's runner on one node without /job/hostfile: what `bash launch/pretrain.sh` means to run
+    KnownRecord("DeepSpeed", r"Unable to find hostfile, will proceed with training with local resources only\."),
     # the export's staging folder ends in checkpoint.format.STAGING_SUFFIX (not imported: the supervisor loads no torch)
     KnownRecord("huggingface_hub.serialization._torch", r"Model weights successfully saved to .*\.partial!"),
 )
@@ -109,6 +121,10 @@ def install(verbose: bool = False) -> None:
     (launch/pretrain.sh) before it imports the trainer, never by library code (it replaces sys.stdout)."""
     if verbose:
         return
+    if not sys.stderr.isatty():
+        # datasets' bars redraw with carriage returns: in a log file they glue into one line ("Generating train
+        # split: 0 examples [00:00, ?...]100 examples..."); the trainer logs the packing with counts instead
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     for known in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
     for name in {known.logger for known in KNOWN_RECORDS}:
@@ -152,3 +168,10 @@ class _BarsOffAfterImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_then_bars_off  # type: ignore[method-assign]
         return spec
+
+
+# DeepSpeed's runner (`python -m deepspeed.launcher.runner`) in a process that first installs this filter: what the
+# supervisor starts (`python -u -c RUNNER_WITH_FILTER ARGS...`; the runner reads sys.argv[1:] as it would)
+RUNNER_WITH_FILTER = ("import sys; from ntl_pretrain.runtime import log_filter; "
+                      "log_filter.install(verbose=log_filter.wants_verbose(sys.argv)); "
+                      "import runpy; runpy.run_module('deepspeed.launcher.runner', run_name='__main__', alter_sys=True)")

@@ -102,6 +102,8 @@ def start(trainer: Any, cfg: Config) -> None:
     setup_logging(trainer.layout.is_main)
     if checked.run.tp_note:
         logger.info(checked.run.tp_note)
+    for line in checked.warnings:
+        logger.warning(line)
     logger.info(trainer.objective.describe())
     # installed first: a stop signal during start-up ends the process at once (no step to save), later it saves
     trainer.preemption = PreemptionHandler(cfg.checkpoint.preempt_signals, cfg.checkpoint.preempt_grace_s)
