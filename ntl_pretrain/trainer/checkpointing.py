@@ -1,0 +1,55 @@
+"""A run's checkpoints: save the current step on every rank (with the Hugging Face assets and the evaluation
+settings an export needs), resume from one, and export one as a Hugging Face folder at the end.
+
+Each function takes the run's `Trainer` (typed Any: `trainer.Trainer` imports this module), whose parts and
+state it reads and sets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..checkpoint import export_hf, run_on_main, write_hf_assets
+from ..config import to_yaml
+from ..eval.config import save_eval_settings
+from .step_guard import check_weights_finite
+
+logger = logging.getLogger("ntl_pretrain")
+
+
+def save_checkpoint(trainer: Any) -> str:
+    """Save a checkpoint of the current step on every rank (atomic; keeps the last K)."""
+    check_weights_finite(trainer.engine, trainer.device, trainer.step, trainer.cfg.train.output_dir)
+    client_state = {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "data": trainer.data.state_dict(),
+                    "ntl_lambda": trainer.objective.ntl_lambda(max(trainer.step, 1)), "config": to_yaml(trainer.cfg)}
+    tag = trainer.checkpoints.save(
+        trainer.engine, trainer.step, client_state,
+        lambda folder: (write_hf_assets(folder, trainer.engine.module.config, trainer.tokenizer, trainer.number_vocab),
+                        save_eval_settings(folder, trainer.cfg.eval)))  # the export evaluates as the run
+    timing = trainer.checkpoints.last_save
+    trainer.monitor.message(f"saved checkpoint {os.path.join(trainer.cfg.train.output_dir, tag)} "
+                            f"({timing.get('save_s', 0.0):.1f} s, of which hashing {timing.get('hash_s', 0.0):.2f} s)")
+    trainer.saved_tag = tag
+    return tag
+
+
+def resume(trainer: Any, load_tag: str) -> None:
+    """The engine, step, tokens seen and data position of checkpoint `load_tag`."""
+    client_state = trainer.checkpoints.load(trainer.engine, load_tag)
+    trainer.step = int(client_state["step"])
+    trainer.tokens_seen = int(client_state.get("tokens_seen", 0))
+    trainer.data.load_state_dict(client_state["data"])
+    logger.info("resumed from %s at step %d (%.1f s)", os.path.join(trainer.cfg.train.output_dir, load_tag),
+                trainer.step, trainer.checkpoints.last_save.get("load_s", 0.0))
+
+
+def export_final(trainer: Any, tag: str) -> None:
+    """Export a checkpoint of this run as a Hugging Face folder (global rank 0 converts; all wait)."""
+    cfg = trainer.cfg.checkpoint
+    out = cfg.export_dir or os.path.join(trainer.cfg.train.output_dir, "hf_export")
+    report = run_on_main(trainer.layout.is_main, lambda: export_hf(
+        os.path.join(trainer.cfg.train.output_dir, tag), out, max_shard_size=cfg.export_max_shard_size))
+    if report is not None:
+        trainer.monitor.message(f"exported {tag} to {out} ({report['seconds']:.1f} s)")
+    trainer.export_dir = out

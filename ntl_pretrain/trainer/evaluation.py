@@ -1,0 +1,56 @@
+"""What a run measures besides its training figures: the loss on the held-out samples (`validate`) and the
+evaluation hooks of `ntl_pretrain.eval` when due (`evaluate`).
+
+Each function takes the run's `Trainer` (typed Any: `trainer.Trainer` imports this module), whose parts and
+state it reads and sets."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..loss.objective import SUMS_WIDTH
+from ..parallel import distributed
+from .training_objective import StepFigures
+
+
+@torch.no_grad()
+def validate(trainer: Any) -> dict[str, float]:
+    """CE, NTL and total loss on the held-out samples (global means; every rank runs the same batches count)."""
+    trainer.engine.eval()
+    totals = torch.zeros(SUMS_WIDTH, dtype=torch.float64, device=trainer.device)
+    for batch in trainer.data.validation_micro_batches(trainer.cfg.train.val_batches):
+        with torch.no_grad():  # forward only (the chunked head would otherwise prepare gradients)
+            totals += trainer._forward_sums(batch, trainer.objective.ntl_on).stack().double()
+    trainer.engine.train()
+    figures = StepFigures(*distributed.all_reduce_sum(totals.tolist(), trainer.groups.loss_group, trainer.device))
+    loss, ce, ntl = trainer.objective.losses(figures, max(trainer.step, 1))
+    return {"val/loss": loss, "val/ce": ce, "val/ntl": ntl}
+
+
+def log_validation(trainer: Any) -> None:
+    """Validate and log the figures (kept for the run's summary)."""
+    trainer.last_validation = trainer.validate()
+    trainer.monitor.log_validation(trainer.step, trainer.last_validation)
+
+
+def evaluate(trainer: Any, final: bool) -> None:
+    """Run the evaluation hooks (ntl_pretrain.eval) when due; every rank calls this."""
+    if not trainer.cfg.eval.is_due(trainer.step, final=final):
+        return
+    from ..eval.hooks import run_evaluation
+
+    # generation: whole prompts with the plain attention on every rank, prompts split over all dp x sp ranks
+    # under sequence parallelism (UlyssesAttention.unsharded); the dp group otherwise
+    unsharded = trainer.ulysses.unsharded() if trainer.ulysses else contextlib.nullcontext()
+    prompts_group = trainer.groups.loss_group if trainer.ulysses else trainer.groups.dp_group
+    with unsharded:
+        results = run_evaluation(trainer.engine, trainer.tokenizer, trainer.cfg.eval, step=trainer.step,
+                                 output_dir=trainer.cfg.train.output_dir, writer=trainer.monitor.writer,
+                                 tp_group=trainer.groups.tp_group, dp_group=prompts_group, final=final)
+    headline = {k: v for k, v in results.items()
+                if isinstance(v, (int, float)) and k.rsplit("/", 1)[-1] in ("accuracy", "mae", "time_s")
+                and k.count("/") <= 3}  # the headline figures; TensorBoard and the predictions file have all
+    trainer.monitor.message(f"step {trainer.step}: evaluation " + " ".join(f"{k}={v:.4g}" for k, v in headline.items()))
