@@ -80,15 +80,68 @@ def test_existing_output_folder_needs_force(gpt2_style, tmp_path):
     with pytest.raises(FileExistsError, match="already exists; pass --force"):
         split_digits(gpt2_style, out)
     assert (out / "old.txt").read_text() == "previous run"  # untouched
-    report = split_digits(gpt2_style, out, force=True)
+    # --force replaces only a folder the tool wrote: not one holding a file it did not write
+    with pytest.raises(FileExistsError, match=r"holds old.txt\): --force replaces only a folder that tools/"):
+        split_digits(gpt2_style, out, force=True)
+    assert (out / "old.txt").read_text() == "previous run"
+    (out / "old.txt").unlink()
+    split_digits(gpt2_style, out, force=True)  # an empty folder is taken
+    report = split_digits(gpt2_style, out, force=True)  # and the tool's own output replaced
     assert report.verification.passed
-    assert not (out / "old.txt").exists() and (out / "tokenizer.json").is_file()
+    assert (out / "tokenizer.json").is_file()
     assert _leftovers(tmp_path) == []  # no staging or retired folders left behind
     with pytest.raises(FileExistsError, match="is the input's folder"):
         split_digits(out, out, force=True)
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="exists and is not a folder"):
         split_digits(gpt2_style, tmp_path / "file", force=True)
+
+
+def test_force_never_deletes_the_input_or_files_the_tool_did_not_write(gpt2_style, tmp_path, tool, capsys):
+    """Issue 40 item 1: `split-digits DIR/gpt2 DIR --force` replaced DIR, deleting the input tokenizer and a user's
+    file beside it."""
+    import shutil
+
+    user_dir = tmp_path / "DIR"
+    shutil.copytree(gpt2_style, user_dir / "gpt2")
+    (user_dir / "notes.txt").write_text("my notes")
+    before = sorted(str(p.relative_to(user_dir)) for p in user_dir.rglob("*"))
+    assert tool["main"](["split-digits", str(user_dir / "gpt2"), str(user_dir), "--force"]) == 2
+    assert "holds the input" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(user_dir)) for p in user_dir.rglob("*")) == before
+    # the input elsewhere: DIR still holds a file the tool did not write
+    assert tool["main"](["split-digits", str(gpt2_style), str(user_dir), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was not written by tools/tokenizer.py" in err, err
+    assert (user_dir / "notes.txt").read_text() == "my notes" and (user_dir / "gpt2" / "tokenizer.json").is_file()
+    # a folder the tool wrote, to which the user added a file: refused too
+    out = tmp_path / "out"
+    split_digits(gpt2_style, out)
+    (out / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"holds files tools/tokenizer.py did not write \(mine.txt\)"):
+        split_digits(gpt2_style, out, force=True)
+    (out / "mine.txt").unlink()
+    assert split_digits(gpt2_style, out, force=True).verification.passed
+    # train-spm: a corpus inside OUT
+    corpus = out / "corpus.txt"
+    (out / "corpus.txt").write_text("the 12 cats\n" * 50)
+    with pytest.raises(FileExistsError, match="is the input's folder"):
+        train_spm([corpus], out, SpmTrainConfig(vocab_size=300), force=True)
+
+
+@pytest.mark.parametrize("target", ["missing", "folder"])
+def test_output_path_that_is_a_symbolic_link(gpt2_style, tmp_path, tool, capsys, target):
+    """Issue 40 item 8: OUT a dangling link gave a raw `[Errno 20] Not a directory` naming a temporary path."""
+    real = tmp_path / "real"
+    if target == "folder":
+        real.mkdir()
+        (real / "keep.txt").write_text("keep")
+    (tmp_path / "link").symlink_to(real)
+    assert tool["main"](["split-digits", str(gpt2_style), str(tmp_path / "link"), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is a symbolic link (to {str(real)!r})" in err, err
+    assert (tmp_path / "link").is_symlink() and (target == "missing" or (real / "keep.txt").read_text() == "keep")
+    assert _leftovers(tmp_path) == []
 
 
 def test_empty_corpus(gpt2_style, tmp_path):

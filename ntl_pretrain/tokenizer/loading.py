@@ -37,6 +37,8 @@ GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # Per-call encoding options a tokenizer.json may carry; files this project writes never keep them.
 ENCODING_SETTINGS = ("truncation", "padding")
 # Vocabulary files of slow tokenizers; beside a rewritten tokenizer.json they would describe another tokenization.
+# In every folder the tools write: what they wrote there. `--force` replaces only a folder holding it (and nothing else).
+OUTPUT_MARKER = ".ntl_tokenizer_output.json"
 STALE_VOCAB_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "added_tokens.json")
 
 
@@ -262,26 +264,67 @@ def load_verbatim(folder: str | os.PathLike) -> None:
 
 
 def check_output_dir(out_dir: str | os.PathLike, force: bool, sources: tuple[str | os.PathLike, ...] = ()) -> Path:
-    """Refuse an output folder that exists (unless `force`) or that is one of the inputs."""
+    """Refuse an output path that is a link, that is or holds one of the inputs, or that exists: with `force` an
+    existing folder is replaced only if this project's tools wrote it (`OUTPUT_MARKER`) and it holds nothing else."""
     out = Path(out_dir)
+    if out.is_symlink():  # a dangling link too: exists() is False for it, the final rename would fail on it
+        raise FileExistsError(f"output path {str(out)!r} is a symbolic link (to {os.readlink(out)!r}), which is never "
+                              f"followed or replaced; pass the real folder or a new one as OUT")
     for source in sources:
         source_path = Path(source)
-        if source_path.exists() and out.exists() and out.resolve() == (
-                source_path if source_path.is_dir() else source_path.parent).resolve():
+        if not (source_path.exists() and out.exists()):
+            continue
+        source_real = source_path.resolve()
+        if out.resolve() == (source_real if source_real.is_dir() else source_real.parent):
             raise FileExistsError(f"output folder {str(out)!r} is the input's folder; write to a new folder")
+        if out.resolve() in source_real.parents:
+            raise FileExistsError(f"output folder {str(out)!r} holds the input {str(source)!r}; replacing it would "
+                                  f"delete the input: write to a new folder")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output path {str(out)!r} exists and is not a folder; choose another OUT")
     if out.exists() and not force:
         raise FileExistsError(f"output folder {str(out)!r} already exists; pass --force to replace it")
+    if out.exists():
+        _check_replaceable(out)
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """`--force` deletes the old folder: only one our tools wrote (their marker, listing the files they wrote)
+    and that holds nothing else; an empty folder too."""
+    present = sorted(os.listdir(out))
+    if not present:
+        return
+    marker = out / OUTPUT_MARKER
+    refuse = (f"--force replaces only a folder that tools/tokenizer.py wrote; choose a new OUT, or move away what "
+              f"you want to keep and remove {str(out)!r} yourself")
+    written: object = None
+    if marker.is_file() and not marker.is_symlink():
+        try:
+            written = json.loads(marker.read_text(encoding="utf-8")).get("files")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            written = None
+    if not isinstance(written, list):
+        listed = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise FileExistsError(f"output folder {str(out)!r} was not written by tools/tokenizer.py (no valid "
+                              f"{OUTPUT_MARKER}; it holds {listed}): {refuse}")
+    foreign = [name for name in present if name not in written and name != OUTPUT_MARKER]
+    if foreign:
+        raise FileExistsError(f"output folder {str(out)!r} holds files tools/tokenizer.py did not write "
+                              f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): {refuse}")
 
 
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside `out_dir` that becomes `out_dir` only if the block succeeds.
 
-    A failure (or an interrupt) leaves any previous `out_dir` untouched and no half-written folder.
+    A failure (or an interrupt) leaves any previous `out_dir` untouched and no half-written folder. The
+    folder gets `OUTPUT_MARKER`, the list of what was written, so that `--force` may replace it later.
     """
     out = check_output_dir(out_dir, force)
     with atomic_directory(out, replace=force) as staging:
         yield Path(staging)
+        files = sorted(os.listdir(staging)) + [OUTPUT_MARKER]
+        (Path(staging) / OUTPUT_MARKER).write_text(
+            json.dumps({"written_by": "ntl_pretrain tools/tokenizer.py", "files": files}, indent=1) + "\n",
+            encoding="utf-8")
