@@ -21,7 +21,7 @@ from .fs import writable_problem
 from .model_families import check_family
 from .model_loading import partitioned_load_applies
 from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
-from .numbers import NumberVocab, digit_hiding_added_tokens
+from .numbers import NumberTokenError, NumberVocab, digit_hiding_added_tokens
 from .parallel_layout import ParallelLayout, check_sequence_parallel
 from .sequence_parallel import check_deepspeed_config, check_sequence_split
 from .training_objective import Objective
@@ -140,6 +140,8 @@ def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> Numbe
         logger.warning("%s (tokenizer.allow_non_digit_level=true: training anyway)", problem)
     try:
         return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level)
+    except NumberTokenError:  # a broken tokenizer, with NTL on or off: its message names the fix
+        raise
     except ValueError as error:
         if objective.ntl_on:
             raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "

@@ -255,3 +255,74 @@ def test_a_tokenizer_path_that_is_a_pipe_is_named_as_such(tmp_path):
     os.mkfifo(tmp_path / "tokenizer.json")
     with pytest.raises(TokenizerLoadError, match="is neither a regular file nor a folder"):
         load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def _gpt2_with_special_digits(shared_data: Path, out: Path) -> Path:
+    """The real GPT-2 tokenizer with "0".."9" taken out of its vocabulary (and merges) and added back as special
+    added tokens (issue 40 item 2's input)."""
+    pipeline = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text())
+    for digit in "0123456789":
+        del pipeline["model"]["vocab"][digit]
+    pipeline["model"]["merges"] = [merge for merge in pipeline["model"]["merges"]
+                                   if not set(merge.split(" ") if isinstance(merge, str) else merge) & set("0123456789")]
+    pipeline["added_tokens"] += [{"id": 50257 + i, "content": digit, "single_word": False, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "special": True}
+                                 for i, digit in enumerate("0123456789")]
+    out.mkdir(parents=True)
+    (out / "tokenizer.json").write_text(json.dumps(pipeline))
+    return out / "tokenizer.json"
+
+
+def test_digits_that_are_special_tokens_are_refused_at_inspect_and_at_start_up(shared_data, tmp_path, tool, capsys):
+    """Issue 40 item 2: such digits decode to nothing with skip_special_tokens=True ('12+3=15' -> '+=', as
+    evaluation decodes), yet inspect said "NTL can use this tokenizer as it is" and number-vocab wrote them."""
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.preflight import number_vocab_for
+    from ntl_pretrain.training_objective import Objective
+
+    path = _gpt2_with_special_digits(shared_data, tmp_path / "special_digits")
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer.encode("12+3=15", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "12+3=15" and tokenizer.decode(ids, skip_special_tokens=True) == "+="
+    assert tool["main"](["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: NOT digit-level" in out and "are special added tokens" in out and '"special": false' in out
+    assert "NTL can use this tokenizer as it is" not in out
+    assert tool["main"](["number-vocab", str(path), "--out", str(tmp_path / "nv.json")]) == 2
+    assert "are special added tokens" in capsys.readouterr().err and not (tmp_path / "nv.json").exists()
+    for overrides in (["loss.ntl_weight=0.3"], ["loss.enabled=false"]):  # the trainer's and evaluation's start-up
+        cfg = load_config(None, ["model.architecture.model_type=llama", f"tokenizer.name_or_path={path}",
+                                 "data.sources.0.path=c.jsonl", *overrides])
+        with pytest.raises(ValueError, match=r"are special added tokens.*\"special\": false"):
+            number_vocab_for(cfg, Objective.from_config(cfg.loss), tokenizer)
+
+
+def test_two_digits_sharing_one_id_are_named(shared_data, tmp_path, tool, capsys):
+    """Issue 40 item 6: vocab["1"] = 15 (the id of "0") said "missing ['1']" although "1" is there."""
+    pipeline = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text())
+    pipeline["model"]["vocab"]["1"] = 15
+    (tmp_path / "shared_id").mkdir()
+    path = tmp_path / "shared_id" / "tokenizer.json"
+    path.write_text(json.dumps(pipeline))
+    for command in (["number-vocab", str(path), "--out", str(tmp_path / "nv.json")], ["inspect", str(path)],
+                    ["inspect", str(path.parent)]):
+        assert tool["main"](command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the tokens ['0', '1'] share the id 15" in err and "missing" not in err, err
+
+
+def test_number_vocabulary_refuses_digits_sharing_an_id():
+    """The same refusal for a tokenizer object that bypasses the loader (NumberVocab.from_tokenizer itself)."""
+    from ntl_pretrain.numbers import NumberVocab
+
+    class Shared:
+        name_or_path = "shared"
+
+        def get_vocab(self):
+            return {**{d: 10 + i for i, d in enumerate("0123456789")}, "1": 10, "a": 0, "b": 1}
+
+        def __len__(self):
+            return 20
+
+    with pytest.raises(ValueError, match=r"the number tokens \['0', '1'\] of tokenizer 'shared' share the id 10"):
+        NumberVocab.from_tokenizer(Shared())

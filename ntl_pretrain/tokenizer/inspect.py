@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ntl_pretrain.numbers import DIGITS, NumberVocab
+from ntl_pretrain.numbers import DIGITS, NumberTokenError, NumberVocab
 from ntl_pretrain.tokenizer.analysis import digit_split_problems, encode_plain, token_digits
 from ntl_pretrain.tokenizer.split_digits import describe_pipeline, tokenizer_family
 
@@ -146,8 +146,11 @@ def inspect_tokenizer(tokenizer: TokenizersBackend, source: str = "") -> Inspect
             (spaced if len(surface) == 1 else multi).append(token)
         else:
             other.append(token)
+    number_token_problem = None
     try:
         number_vocab, number_vocab_error = NumberVocab.from_tokenizer(tokenizer).to_dict(), None
+    except NumberTokenError as error:
+        number_vocab, number_vocab_error, number_token_problem = None, str(error), str(error)
     except ValueError as error:
         number_vocab, number_vocab_error = None, str(error)
     try:
@@ -162,8 +165,12 @@ def inspect_tokenizer(tokenizer: TokenizersBackend, source: str = "") -> Inspect
     if failing:
         problems.append(f"{len(failing)} of {len(probes)} probes put several digits (or a digit and other text) "
                         f"into one token, e.g. {failing[0].text!r} -> {failing[0].tokens}")
+    if number_token_problem:  # digits that share an id, or special digit tokens: the tokenizer must be fixed first
+        problems.append(number_token_problem)
     digit_level = not problems
-    if digit_level:
+    if number_token_problem:
+        advice = "NTL cannot use this tokenizer until its digit tokens are fixed as said above"
+    elif digit_level:
         advice = ("NTL can use this tokenizer as it is; write its number vocabulary with: "
                   f"python tools/tokenizer.py number-vocab {source}")
     else:

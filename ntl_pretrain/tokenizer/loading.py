@@ -89,6 +89,24 @@ def ensure_fast(tokenizer, source: str = "") -> TokenizersBackend:
         f"with: python tools/tokenizer.py train-spm CORPUS OUT_DIR --vocab-size N")
 
 
+def _check_vocabulary_ids(pipeline: dict, path: Path) -> None:
+    """Refuse a model vocabulary in which two tokens share an id: tokenizers loads it, but an id then stands for
+    two tokens (NTL's "1" would read as "0"), and copying the tokenizer fails at random (its id -> token table
+    keeps one of them)."""
+    vocab = (pipeline.get("model") or {}).get("vocab") if isinstance(pipeline.get("model"), dict) else None
+    if not isinstance(vocab, dict):
+        return  # Unigram keeps a list (ids are positions); anything else is the loader's to refuse
+    by_id: dict[object, list[str]] = {}
+    for token, token_id in vocab.items():
+        by_id.setdefault(token_id, []).append(token)
+    shared = sorted(((tokens, token_id) for token_id, tokens in by_id.items() if len(tokens) > 1), key=str)
+    if shared:
+        tokens, token_id = shared[0]
+        raise TokenizerLoadError(f"{str(path)!r}: the tokens {tokens[:5]} share the id {token_id!r} in its model "
+                                 f"vocabulary ({len(shared)} id(s) shared); every token needs its own id: restore "
+                                 f"the file from the model's source")
+
+
 def _load_tokenizer_json(path: Path) -> TokenizersBackend:
     try:
         backend = Tokenizer.from_file(str(path))
@@ -96,7 +114,12 @@ def _load_tokenizer_json(path: Path) -> TokenizersBackend:
         raise TokenizerLoadError(
             f"{str(path)!r} is not a valid tokenizer.json ({error}). Re-export it with "
             f"tokenizer.save_pretrained(folder) or point at the tokenizer's folder") from None
-    tokenizer = TokenizersBackend(tokenizer_object=backend)
+    _check_vocabulary_ids(json.loads(path.read_text(encoding="utf-8")), path)  # valid JSON: tokenizers read it
+    try:
+        tokenizer = TokenizersBackend(tokenizer_object=backend)
+    except Exception as error:  # transformers copies the pipeline; tokenizers raises a bare Exception
+        raise TokenizerLoadError(f"{str(path)!r} could not be loaded: {_one_line(error)}. Restore it from the "
+                                 f"model's source") from None
     tokenizer.name_or_path = str(path)
     return tokenizer
 
@@ -154,9 +177,11 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
             f"folder {str(path)!r} holds no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it")
     restore = "Restore it from the model's source, or save the tokenizer again with tokenizer.save_pretrained(folder)"
     if (path / TOKENIZER_JSON).is_file():
-        if "model" not in _read_json_object(path / TOKENIZER_JSON, restore):
+        pipeline = _read_json_object(path / TOKENIZER_JSON, restore)
+        if "model" not in pipeline:
             raise TokenizerLoadError(f"{str(path / TOKENIZER_JSON)!r} is not a tokenizers pipeline (it has no 'model' "
                                      f"entry). {restore}")
+        _check_vocabulary_ids(pipeline, path / TOKENIZER_JSON)
     if (path / TOKENIZER_CONFIG).is_file():
         _read_json_object(path / TOKENIZER_CONFIG, restore)
     no_vocabulary = None if any(name in VOCABULARY_FILES for name in present) else TokenizerLoadError(
