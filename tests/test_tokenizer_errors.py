@@ -326,3 +326,22 @@ def test_number_vocabulary_refuses_digits_sharing_an_id():
 
     with pytest.raises(ValueError, match=r"the number tokens \['0', '1'\] of tokenizer 'shared' share the id 10"):
         NumberVocab.from_tokenizer(Shared())
+
+
+def test_split_digits_of_a_tokenizer_whose_bare_digits_were_removed(shared_data, tmp_path, tool, capsys):
+    """Issue 40 item 7: the original (GPT-2 without "0".."9", no <unk>) decodes "2024" to "", the converted keeps
+    it; that was reported as "the converted tokenizer failed verification". It is text restored, as for <unk>."""
+    pipeline = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text())
+    for digit in "0123456789":
+        del pipeline["model"]["vocab"][digit]
+    pipeline["model"]["merges"] = [merge for merge in pipeline["model"]["merges"]
+                                   if not set(merge.split(" ") if isinstance(merge, str) else merge) & set("0123456789")]
+    (tmp_path / "no_digits").mkdir()
+    (tmp_path / "no_digits" / "tokenizer.json").write_text(json.dumps(pipeline))
+    original = load_tokenizer(tmp_path / "no_digits")
+    assert original.decode(original.encode("In 2024, 12 cats", add_special_tokens=False)) == "In ,  cats"
+    assert tool["main"](["split-digits", str(tmp_path / "no_digits"), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "PASS (b)" in out and "restores text that the original lost" in out, out
+    converted = load_tokenizer(tmp_path / "out")
+    assert converted.decode(converted.encode("In 2024, 12 cats", add_special_tokens=False)) == "In 2024, 12 cats"
