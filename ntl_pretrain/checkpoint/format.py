@@ -80,6 +80,14 @@ MANIFEST_FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def check_not_a_link(path: str, what: str = "checkpoint") -> None:
+    """Refuse a checkpoint (or run) path that is a symbolic link, naming its target: links are never followed
+    out of a run folder, and the messages further on would not say why the folder is refused."""
+    if os.path.islink(path.rstrip("/") or path):
+        raise CheckpointError(f"{what} path {path!r} is a symbolic link (to {os.path.realpath(path)!r}), which is "
+                              f"never followed; pass the real folder {os.path.realpath(path)!r}")
+
+
 def read_manifest(path: str) -> dict:
     """The manifest of a checkpoint folder, its schema checked (`check_manifest`); CheckpointError if the
     folder is missing, unreadable or incomplete, or the manifest is damaged, a link or of an unknown format."""
@@ -194,6 +202,22 @@ def check_output_outside(checkpoint_path: str, output_path: str, what: str) -> N
     if os.path.commonpath([checkpoint, output]) == checkpoint:
         raise CheckpointError(f"{what} folder {output_path!r} is inside the checkpoint {checkpoint_path!r}, whose "
                               f"verification would then refuse it; write it beside the checkpoint")
+    folder = os.path.dirname(output)
+    while True:  # any other checkpoint too (RUN/global_step1/exported while exporting global_step2)
+        if is_checkpoint_folder(folder):
+            raise CheckpointError(f"{what} folder {output_path!r} is inside the checkpoint {folder!r}, whose "
+                                  f"verification would then refuse it (it could no longer be resumed or exported); "
+                                  f"write it outside every checkpoint folder, e.g. beside them in the run folder")
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+
+
+def is_checkpoint_folder(path: str) -> bool:
+    """A folder a checkpoint save (or a universal conversion) wrote: it holds a manifest or the staging marker (a
+    folder merely named global_stepN, an export's say, is not one)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in (MANIFEST_NAME, STAGING_MARKER))
 
 
 def folder_bytes(path: str) -> int:
