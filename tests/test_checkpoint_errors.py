@@ -584,3 +584,24 @@ def test_a_checkpoint_path_that_is_a_link_is_named_as_one(tmp_path, capsys):
         assert err.count("\n") == 1 and "is a symbolic link (to " in err and "never followed" in err, err
     assert not (tmp_path / "hf").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "linked_step", "run", "run_link"]
+
+
+def test_an_export_or_universal_folder_that_is_a_link_is_refused_before_the_work(tmp_path):
+    """A dangling link (or one to an empty folder) as the export's OUT failed only at the final rename, after the
+    whole export, with `[Errno 20] Not a directory` naming OUT.partial."""
+    from ntl_pretrain.checkpoint import export, export_hf
+    from ntl_pretrain.checkpoint.universal import convert_to_universal
+
+    checkpoint = _tp2_checkpoint(tmp_path / "run", 1)
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "nowhere", tmp_path / "empty"):
+        (tmp_path / "out").unlink(missing_ok=True)
+        (tmp_path / "out").symlink_to(target)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(export, "verify_checkpoint", lambda path: pytest.fail("the checkpoint was read first"))
+            with pytest.raises(CheckpointError, match=rf"export folder '{tmp_path / 'out'}' is a symbolic link \(to "
+                                                      rf"'{target}'\), which is never written through"):
+                export_hf(str(checkpoint), str(tmp_path / "out"))
+        with pytest.raises(CheckpointError, match=r"universal folder .* is a symbolic link"):
+            convert_to_universal(str(checkpoint), str(tmp_path / "out"))
+    assert list((tmp_path / "empty").iterdir()) == []

@@ -345,3 +345,18 @@ def test_split_digits_of_a_tokenizer_whose_bare_digits_were_removed(shared_data,
     assert "PASS (b)" in out and "restores text that the original lost" in out, out
     converted = load_tokenizer(tmp_path / "out")
     assert converted.decode(converted.encode("In 2024, 12 cats", add_special_tokens=False)) == "In 2024, 12 cats"
+
+
+def test_a_binary_corpus_is_refused_not_verified_on(gpt2_style, tmp_path):
+    """A gzip file given as --corpus was read with its undecodable bytes replaced, and the conversion "verified"
+    on that noise."""
+    import gzip
+
+    packed = tmp_path / "corpus.txt.gz"
+    packed.write_bytes(gzip.compress(("In 2024 the town counted 12345 residents.\n" * 200).encode()))
+    with pytest.raises(ValueError, match=r"corpus.txt.gz' is not text: \d+ of its characters are not UTF-8"):
+        split_digits(gpt2_style, tmp_path / "out", corpus=packed)
+    assert not (tmp_path / "out").exists()
+    text = tmp_path / "accents.txt"
+    text.write_text("Café 12, naïve 3.5 — “quoted” 2024\n" * 20, encoding="utf-8")
+    assert read_corpus(text)  # real UTF-8 text beyond ASCII is text

@@ -198,6 +198,9 @@ def check_manifest(manifest: Any, path: str) -> None:
 def check_output_outside(checkpoint_path: str, output_path: str, what: str) -> None:
     """Refuse an output folder inside the checkpoint: it would add an unlisted folder to the checkpoint, and
     verification then refuses the checkpoint (the run could no longer resume from it)."""
+    if os.path.islink(output_path.rstrip("/") or output_path):  # found only at the final rename, after all the work
+        raise CheckpointError(f"{what} folder {output_path!r} is a symbolic link (to {os.readlink(output_path)!r}), "
+                              f"which is never written through; pass a real folder that does not exist yet")
     checkpoint, output = os.path.realpath(checkpoint_path), os.path.realpath(output_path)
     if os.path.commonpath([checkpoint, output]) == checkpoint:
         raise CheckpointError(f"{what} folder {output_path!r} is inside the checkpoint {checkpoint_path!r}, whose "
