@@ -421,6 +421,8 @@ class _FileWritingEngine:
         import torch
 
         torch.save({"module": torch.ones(3), "client": client_state}, os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"))
+        # ZeRO-1 (the manager's zero_stage): the rank's optimizer partition too, which verification expects
+        torch.save({"optimizer_state_dict": {}}, os.path.join(save_dir, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
 
 
 def test_a_committed_checkpoint_keeps_no_staging_marker(tmp_path):
