@@ -395,6 +395,8 @@ def test_a_folder_named_for_another_step_than_its_manifest_is_skipped(tmp_path, 
     ({"layout": [1, 1, 1, 0]}, r"'layout' is a list, not a mapping"),
     ({"layout": {"world_size": 1}}, r"'layout' is \{'world_size': 1\}, not \{world_size, dp_size, tp_size, zero_stage"),
     ({"data": []}, r"'data' is a list, not a mapping or null"),
+    ({"layout": {"world_size": 2, "dp_size": 1, "tp_size": 0, "zero_stage": 3}},
+     r"'layout' has tp_size=0, not a number of processes \(1 or more\)"),
 ])
 def test_a_manifest_of_the_wrong_shape_or_version_is_refused_in_one_line(tmp_path, changes, message):
     out = tmp_path / "run"

@@ -188,6 +188,10 @@ def check_manifest(manifest: Any, path: str) -> None:
         required = sorted(key for key in layout if key not in _OPTIONAL_LAYOUT_FIELDS)
         if required != sorted(_LAYOUT_FIELDS) or not all(_is_count(v) for v in layout.values()):
             raise CheckpointError(f"{where}: 'layout' is {layout!r}, not {{{', '.join(_LAYOUT_FIELDS)}}} as numbers")
+        empty = [key for key, value in layout.items() if key != "zero_stage" and value < 1]
+        if empty:  # a size 0 matched no file and loaded nothing
+            raise CheckpointError(f"{where}: 'layout' has {empty[0]}={layout[empty[0]]}, not a number of processes "
+                                  f"(1 or more); restore the manifest, or resume from another checkpoint")
     step = step_of_tag(os.path.basename(os.path.normpath(path)))
     if step is not None and step != manifest["step"]:
         raise CheckpointError(f"checkpoint {path!r} is named for step {step} but its manifest says step "
