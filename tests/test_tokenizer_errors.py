@@ -360,3 +360,20 @@ def test_a_binary_corpus_is_refused_not_verified_on(gpt2_style, tmp_path):
     text = tmp_path / "accents.txt"
     text.write_text("Café 12, naïve 3.5 — “quoted” 2024\n" * 20, encoding="utf-8")
     assert read_corpus(text)  # real UTF-8 text beyond ASCII is text
+
+
+def test_inspect_flags_added_tokens_that_hide_digits_as_the_trainer_does(gpt2_style, tmp_path, tool, capsys):
+    """A digit-level tokenizer with an added token "07": inspect said "NTL can use this tokenizer as it is", the
+    trainer refused it at start-up (numbers.digit_hiding_added_tokens)."""
+    split_digits(gpt2_style, tmp_path / "split")
+    pipeline = json.loads((tmp_path / "split" / "tokenizer.json").read_text())
+    pipeline["added_tokens"].append({"id": max(t["id"] for t in pipeline["added_tokens"]) + 1000, "content": "07",
+                                     "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                                     "special": False})
+    (tmp_path / "split" / "tokenizer.json").write_text(json.dumps(pipeline))
+    tokenizer = load_tokenizer(tmp_path / "split")
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("2007", add_special_tokens=False)) == ["2", "0", "07"]
+    assert tool["main"](["inspect", str(tmp_path / "split")]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: NOT digit-level" in out and "added token(s) begin or end with a digit ('07')" in out, out
+    assert "NTL can use this tokenizer as it is" not in out
