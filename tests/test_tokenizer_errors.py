@@ -277,8 +277,8 @@ def test_digits_that_are_special_tokens_are_refused_at_inspect_and_at_start_up(s
     """Issue 40 item 2: such digits decode to nothing with skip_special_tokens=True ('12+3=15' -> '+=', as
     evaluation decodes), yet inspect said "NTL can use this tokenizer as it is" and number-vocab wrote them."""
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.preflight import number_vocab_for
-    from ntl_pretrain.training_objective import Objective
+    from ntl_pretrain.trainer.preflight import number_vocab_for
+    from ntl_pretrain.trainer.training_objective import Objective
 
     path = _gpt2_with_special_digits(shared_data, tmp_path / "special_digits")
     tokenizer = load_tokenizer(path)

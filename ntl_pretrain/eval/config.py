@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 from ntl_pretrain.eval.arithmetic import ALL_OPS, SPLITS
 from ntl_pretrain.eval.gsm8k import FEWSHOT_SAMPLERS, FewshotSampler, GSM8KVariant
-from ntl_pretrain.fs import write_json_atomic
+from ntl_pretrain.core.fs import write_json_atomic
+from ntl_pretrain.core.typed_yaml import build_dataclass
 
 GSM8K_VARIANTS: tuple[str, ...] = typing.get_args(GSM8KVariant)
 # How arithmetic prompts are encoded (EvalConfig.arithmetic_prompt_format).
@@ -138,15 +139,13 @@ class EvalConfig:
 def eval_config_from_dict(values: dict[str, Any], where: str = "eval") -> EvalConfig:
     """An EvalConfig from a mapping; an unknown key is an error naming the nearest valid one, and every value is
     type-checked as the trainer's config checks `eval.*` (`arithmetic_n=1.5` or `true` is refused, not used)."""
-    from ntl_pretrain.config.parsing import _build  # the run config's typed build; imported here (config imports us)
-
     names = [f.name for f in dataclasses.fields(EvalConfig)]
     for key in values:
         if key not in names:
             nearest = difflib.get_close_matches(str(key), names, n=1, cutoff=0.0)
             raise ValueError(f"unknown evaluation setting {key!r} in {where}; did you mean {nearest[0]!r}? "
                              f"Valid keys: {', '.join(names)}")
-    return _build(EvalConfig, dict(values), "eval.")
+    return build_dataclass(EvalConfig, dict(values), "eval.")
 
 
 def save_eval_settings(folder: str, cfg: EvalConfig) -> str:

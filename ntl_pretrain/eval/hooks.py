@@ -25,7 +25,7 @@ from ntl_pretrain.eval.config import EvalConfig
 from ntl_pretrain.eval.generate import data_parallel_group, greedy_generate
 from ntl_pretrain.eval.metrics import arithmetic_scores, parse_integer_answer
 from ntl_pretrain.eval.progress import GenerationProgress
-from ntl_pretrain.fs import atomic_write
+from ntl_pretrain.core.fs import atomic_write
 
 OP_NAMES = {"+": "add", "-": "sub", "*": "mul", "+*": "add_mul", "-*": "sub_mul"}
 # Arithmetic answers end at the line or document end; the demo corpus has one problem per document.
