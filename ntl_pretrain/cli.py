@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.lock.release()
-        distributed.shutdown_distributed()
+        if sys.exc_info()[1] is None:  # an exception on its way out: `distributed.run_process` first asks the
+            distributed.shutdown_distributed()  # process group which rank stalled, then shuts it down
 
 
 if __name__ == "__main__":

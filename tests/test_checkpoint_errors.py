@@ -6,6 +6,7 @@ tested on the reference run's checkpoints in test_checkpoint_resume.py.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ntl_pretrain.checkpoint import MANIFEST_NAME, CheckpointError, list_checkpoints, read_manifest, resolve_resume, step_of_tag
 from ntl_pretrain.trainer.preemption import PreemptionHandler
@@ -393,6 +395,8 @@ def test_a_folder_named_for_another_step_than_its_manifest_is_skipped(tmp_path, 
     ({"layout": [1, 1, 1, 0]}, r"'layout' is a list, not a mapping"),
     ({"layout": {"world_size": 1}}, r"'layout' is \{'world_size': 1\}, not \{world_size, dp_size, tp_size, zero_stage"),
     ({"data": []}, r"'data' is a list, not a mapping or null"),
+    ({"layout": {"world_size": 2, "dp_size": 1, "tp_size": 0, "zero_stage": 3}},
+     r"'layout' has tp_size=0, not a number of processes \(1 or more\)"),
 ])
 def test_a_manifest_of_the_wrong_shape_or_version_is_refused_in_one_line(tmp_path, changes, message):
     out = tmp_path / "run"
@@ -419,6 +423,8 @@ class _FileWritingEngine:
         import torch
 
         torch.save({"module": torch.ones(3), "client": client_state}, os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"))
+        # ZeRO-1 (the manager's zero_stage): the rank's optimizer partition too, which verification expects
+        torch.save({"optimizer_state_dict": {}}, os.path.join(save_dir, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
 
 
 def test_a_committed_checkpoint_keeps_no_staging_marker(tmp_path):
@@ -495,3 +501,111 @@ def test_data_keys_newer_than_a_checkpoint_do_not_refuse_its_resume_at_their_def
     assert "max_document_chars" not in described
     changed = load_config(demo, ["data.max_document_chars=1000"])
     assert "data.max_document_chars: null -> 1000" in describe_changes(described, data_description(changed.data), "data")
+
+
+def _torch_bytes(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _tp2_checkpoint(run, step: int, drop_tp_rank: int | None = None) -> Path:
+    """A checkpoint of layout world 2 = dp 1 x tp 2, ZeRO-3 (the files DeepSpeed names), its manifest re-signed
+    without the files of `drop_tp_rank` (as if they were deleted and the manifest written again)."""
+    files = {f"zero_pp_rank_0_mp_rank_{tp:02d}_{kind}_states.pt": _torch_bytes({"x": torch.ones(2)})
+             for tp in range(2) for kind in ("model", "optim") if tp != drop_tp_rank}
+    _hashed_manifest(run, step, files, "xxh3_128")
+    manifest_path = run / f"global_step{step}" / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["layout"] = {"world_size": 2, "dp_size": 1, "tp_size": 2, "zero_stage": 3, "sp_size": 1}
+    manifest_path.write_text(json.dumps(manifest))
+    return run / f"global_step{step}"
+
+
+def test_a_tensor_parallel_ranks_files_missing_from_a_resigned_manifest_are_named(tmp_path):
+    """Issue 40 item 11: export said "lm_head.weight has shape (256, 128), the model expects (512, 128)", resume
+    died in DeepSpeed's `AssertionError: checkpoint count 1 is different from saved mp_world_size 2`."""
+    from ntl_pretrain.checkpoint import export_hf
+    from ntl_pretrain.checkpoint.integrity import verify_checkpoint
+    from ntl_pretrain.checkpoint.universal import convert_to_universal
+
+    run = tmp_path / "run"
+    verify_checkpoint(str(_tp2_checkpoint(run, 1)))  # the whole layout: fine
+    broken = _tp2_checkpoint(run, 2, drop_tp_rank=1)
+    message = (r"lacks 1 model-states file\(s\) of its layout \(world 2 = dp 1 x tp 2, ZeRO-3\): those of "
+               r"\(tensor-parallel rank, ZeRO partition\) \[\(1, 0\)\], e.g. zero_pp_rank_0_mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match=message):
+        resolve_resume(str(run), "global_step2")
+    with pytest.raises(CheckpointError, match=message):
+        export_hf(str(broken), str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=message):
+        convert_to_universal(str(broken))
+    assert not (tmp_path / "hf").exists() and not (run / "global_step2_universal").exists()
+
+
+def test_an_export_into_another_checkpoint_of_the_run_is_refused(tmp_path):
+    """Issue 40 item 4: `export_hf.py RUN/global_step2 RUN/global_step1/exported` succeeded, after which
+    global_step1 failed verification and could no longer be resumed or exported."""
+    from ntl_pretrain.checkpoint import export_hf
+    from ntl_pretrain.checkpoint.integrity import verify_checkpoint
+    from ntl_pretrain.checkpoint.universal import convert_to_universal
+
+    run = tmp_path / "run"
+    first, second = _tp2_checkpoint(run, 1), _tp2_checkpoint(run, 2)
+    before = _snapshot(run)
+    for inside in (first / "exported", first / "hf" / "deeper"):
+        with pytest.raises(CheckpointError, match=rf"export folder .* is inside the checkpoint '{first}'"):
+            export_hf(str(second), str(inside))
+        with pytest.raises(CheckpointError, match=rf"universal folder .* is inside the checkpoint '{first}'"):
+            convert_to_universal(str(second), str(inside))
+    assert _snapshot(run) == before
+    verify_checkpoint(str(first))
+    assert [info.tag for info in list_checkpoints(str(run))] == ["global_step1", "global_step2"]
+
+
+def test_a_checkpoint_path_that_is_a_link_is_named_as_one(tmp_path, capsys):
+    """Issue 40 item 10: export said "holds no complete checkpoint", reshard "restore the checkpoint's hf/
+    folder"; both now say the path is a link, which is never followed, and name the real folder."""
+    import runpy
+
+    from ntl_pretrain.checkpoint import export_hf
+    from ntl_pretrain.checkpoint.universal import convert_to_universal
+
+    real = _tp2_checkpoint(tmp_path / "run", 1)
+    (tmp_path / "linked_step").symlink_to(real)
+    (tmp_path / "run_link").symlink_to(tmp_path / "run")
+    message = rf"is a symbolic link \(to '{real}'\), which is never followed; pass the real folder"
+    with pytest.raises(CheckpointError, match=message):
+        export_hf(str(tmp_path / "linked_step"), str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=message):
+        convert_to_universal(str(tmp_path / "linked_step"))
+    repo = Path(__file__).resolve().parents[1]
+    for tool, args in (("export_hf.py", [str(tmp_path / "linked_step"), str(tmp_path / "hf")]),
+                       ("export_hf.py", [str(tmp_path / "run_link"), str(tmp_path / "hf")]),
+                       ("reshard.py", [str(tmp_path / "linked_step")])):
+        assert runpy.run_path(str(repo / "tools" / tool))["main"](args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is a symbolic link (to " in err and "never followed" in err, err
+    assert not (tmp_path / "hf").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "linked_step", "run", "run_link"]
+
+
+def test_an_export_or_universal_folder_that_is_a_link_is_refused_before_the_work(tmp_path):
+    """A dangling link (or one to an empty folder) as the export's OUT failed only at the final rename, after the
+    whole export, with `[Errno 20] Not a directory` naming OUT.partial."""
+    from ntl_pretrain.checkpoint import export, export_hf
+    from ntl_pretrain.checkpoint.universal import convert_to_universal
+
+    checkpoint = _tp2_checkpoint(tmp_path / "run", 1)
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "nowhere", tmp_path / "empty"):
+        (tmp_path / "out").unlink(missing_ok=True)
+        (tmp_path / "out").symlink_to(target)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(export, "verify_checkpoint", lambda path: pytest.fail("the checkpoint was read first"))
+            with pytest.raises(CheckpointError, match=rf"export folder '{tmp_path / 'out'}' is a symbolic link \(to "
+                                                      rf"'{target}'\), which is never written through"):
+                export_hf(str(checkpoint), str(tmp_path / "out"))
+        with pytest.raises(CheckpointError, match=r"universal folder .* is a symbolic link"):
+            convert_to_universal(str(checkpoint), str(tmp_path / "out"))
+    assert list((tmp_path / "empty").iterdir()) == []

@@ -170,3 +170,20 @@ def test_a_generated_corpus_holding_interpolation_problems_is_refused(tmp_path):
                                          r".*delete it and it is generated again"):
         validate_eval_inputs(cfg, generated_corpora=where)
     assert validate_eval_inputs(EvalConfig(arithmetic_n=0), generated_corpora=where) == []
+
+
+@pytest.mark.parametrize("pointer", ["../../elsewhere", "global_step3/../../x", ""])
+def test_a_latest_file_that_names_no_tag_of_the_run_is_named(tmp_path, capsys, pointer):
+    """Issue 40 item 12: `latest` pointing outside the run folder gave a message about train.resume='../../...',
+    a setting the user never gave; the `latest` file is named, and nothing outside the run is read."""
+    import runpy
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("train: {}\n")
+    (run_dir / "latest").write_text(pointer + "\n")
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "evaluate.py"))
+    assert tool["main"](["--run", str(run_dir)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"{str(run_dir / 'latest')!r} names {pointer!r}" in err[0], err
+    assert "train.resume" not in err[0] and "--tag global_stepN" in err[0]

@@ -530,3 +530,45 @@ def test_a_stop_signal_before_step_1_ends_the_process_at_once_and_later_one_wait
                             env=dict(env, TRAINING="1"))
     assert during.returncode == 0, during.stderr
     assert "at the step boundary: SIGTERM" in during.stdout
+
+
+_CLI_STALL_SCRIPT = """
+import datetime, os, signal
+from types import SimpleNamespace
+import torch.distributed as dist
+from ntl_pretrain import cli
+
+class StallingTrainer:  # the trainer's collectives, one rank stopped (SIGSTOP) past the collective timeout
+    def __init__(self, cfg):
+        self.lock = SimpleNamespace(release=lambda: None)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+
+    def fit(self):
+        dist.barrier()
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        dist.all_gather_object([None] * dist.get_world_size(), dist.get_rank())
+
+cli.Trainer, cli.load_config, cli.check_versions = StallingTrainer, lambda path, overrides: None, lambda: None
+launcher = cli.launcher
+launcher.check_accelerate_launch = launcher.use_world_of_one = launcher.check_rendezvous_port = lambda: None
+cli.distributed.run_process(lambda: cli.main([]), lost_peer_hint=cli.LOST_PEER_HINT)
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_trainers_command_line_names_the_rank_that_stalled():
+    """Issue 40 item 14: cli.main's `finally` shut the process group down before `run_process` asked which rank
+    stalled: a thread's `ValueError: Default process group has not been initialized` traceback, then "global rank 0"
+    named when rank 1 was stopped. Now one line naming rank 1 on each rank that waited."""
+    procs = start_ranks([sys.executable, "-c", _CLI_STALL_SCRIPT], 3, merge_stderr=False)
+    others = [procs[0], procs[2]]
+    outputs = finish_ranks(others, timeout=120, what="the ranks that did not stall")
+    procs[1].kill()
+    procs[1].communicate(timeout=30)
+    for proc, (_, err) in zip(others, outputs):
+        lines = err.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, err
+        assert re.search(r"a collective timed out \(.*\): global rank 1 stalled \(", lines[0]), err
+        assert lines[0].endswith("rerun the same command with train.resume=auto (it continues from the last complete "
+                                 "checkpoint)"), err

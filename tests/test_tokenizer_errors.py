@@ -80,15 +80,68 @@ def test_existing_output_folder_needs_force(gpt2_style, tmp_path):
     with pytest.raises(FileExistsError, match="already exists; pass --force"):
         split_digits(gpt2_style, out)
     assert (out / "old.txt").read_text() == "previous run"  # untouched
-    report = split_digits(gpt2_style, out, force=True)
+    # --force replaces only a folder the tool wrote: not one holding a file it did not write
+    with pytest.raises(FileExistsError, match=r"holds old.txt\): --force replaces only a folder that tools/"):
+        split_digits(gpt2_style, out, force=True)
+    assert (out / "old.txt").read_text() == "previous run"
+    (out / "old.txt").unlink()
+    split_digits(gpt2_style, out, force=True)  # an empty folder is taken
+    report = split_digits(gpt2_style, out, force=True)  # and the tool's own output replaced
     assert report.verification.passed
-    assert not (out / "old.txt").exists() and (out / "tokenizer.json").is_file()
+    assert (out / "tokenizer.json").is_file()
     assert _leftovers(tmp_path) == []  # no staging or retired folders left behind
     with pytest.raises(FileExistsError, match="is the input's folder"):
         split_digits(out, out, force=True)
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="exists and is not a folder"):
         split_digits(gpt2_style, tmp_path / "file", force=True)
+
+
+def test_force_never_deletes_the_input_or_files_the_tool_did_not_write(gpt2_style, tmp_path, tool, capsys):
+    """Issue 40 item 1: `split-digits DIR/gpt2 DIR --force` replaced DIR, deleting the input tokenizer and a user's
+    file beside it."""
+    import shutil
+
+    user_dir = tmp_path / "DIR"
+    shutil.copytree(gpt2_style, user_dir / "gpt2")
+    (user_dir / "notes.txt").write_text("my notes")
+    before = sorted(str(p.relative_to(user_dir)) for p in user_dir.rglob("*"))
+    assert tool["main"](["split-digits", str(user_dir / "gpt2"), str(user_dir), "--force"]) == 2
+    assert "holds the input" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(user_dir)) for p in user_dir.rglob("*")) == before
+    # the input elsewhere: DIR still holds a file the tool did not write
+    assert tool["main"](["split-digits", str(gpt2_style), str(user_dir), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was not written by tools/tokenizer.py" in err, err
+    assert (user_dir / "notes.txt").read_text() == "my notes" and (user_dir / "gpt2" / "tokenizer.json").is_file()
+    # a folder the tool wrote, to which the user added a file: refused too
+    out = tmp_path / "out"
+    split_digits(gpt2_style, out)
+    (out / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"holds files tools/tokenizer.py did not write \(mine.txt\)"):
+        split_digits(gpt2_style, out, force=True)
+    (out / "mine.txt").unlink()
+    assert split_digits(gpt2_style, out, force=True).verification.passed
+    # train-spm: a corpus inside OUT
+    corpus = out / "corpus.txt"
+    (out / "corpus.txt").write_text("the 12 cats\n" * 50)
+    with pytest.raises(FileExistsError, match="is the input's folder"):
+        train_spm([corpus], out, SpmTrainConfig(vocab_size=300), force=True)
+
+
+@pytest.mark.parametrize("target", ["missing", "folder"])
+def test_output_path_that_is_a_symbolic_link(gpt2_style, tmp_path, tool, capsys, target):
+    """Issue 40 item 8: OUT a dangling link gave a raw `[Errno 20] Not a directory` naming a temporary path."""
+    real = tmp_path / "real"
+    if target == "folder":
+        real.mkdir()
+        (real / "keep.txt").write_text("keep")
+    (tmp_path / "link").symlink_to(real)
+    assert tool["main"](["split-digits", str(gpt2_style), str(tmp_path / "link"), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is a symbolic link (to {str(real)!r})" in err, err
+    assert (tmp_path / "link").is_symlink() and (target == "missing" or (real / "keep.txt").read_text() == "keep")
+    assert _leftovers(tmp_path) == []
 
 
 def test_empty_corpus(gpt2_style, tmp_path):
@@ -202,3 +255,125 @@ def test_a_tokenizer_path_that_is_a_pipe_is_named_as_such(tmp_path):
     os.mkfifo(tmp_path / "tokenizer.json")
     with pytest.raises(TokenizerLoadError, match="is neither a regular file nor a folder"):
         load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def _gpt2_with_special_digits(shared_data: Path, out: Path) -> Path:
+    """The real GPT-2 tokenizer with "0".."9" taken out of its vocabulary (and merges) and added back as special
+    added tokens (issue 40 item 2's input)."""
+    pipeline = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text())
+    for digit in "0123456789":
+        del pipeline["model"]["vocab"][digit]
+    pipeline["model"]["merges"] = [merge for merge in pipeline["model"]["merges"]
+                                   if not set(merge.split(" ") if isinstance(merge, str) else merge) & set("0123456789")]
+    pipeline["added_tokens"] += [{"id": 50257 + i, "content": digit, "single_word": False, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "special": True}
+                                 for i, digit in enumerate("0123456789")]
+    out.mkdir(parents=True)
+    (out / "tokenizer.json").write_text(json.dumps(pipeline))
+    return out / "tokenizer.json"
+
+
+def test_digits_that_are_special_tokens_are_refused_at_inspect_and_at_start_up(shared_data, tmp_path, tool, capsys):
+    """Issue 40 item 2: such digits decode to nothing with skip_special_tokens=True ('12+3=15' -> '+=', as
+    evaluation decodes), yet inspect said "NTL can use this tokenizer as it is" and number-vocab wrote them."""
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.trainer.preflight import number_vocab_for
+    from ntl_pretrain.trainer.training_objective import Objective
+
+    path = _gpt2_with_special_digits(shared_data, tmp_path / "special_digits")
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer.encode("12+3=15", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "12+3=15" and tokenizer.decode(ids, skip_special_tokens=True) == "+="
+    assert tool["main"](["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: NOT digit-level" in out and "are special added tokens" in out and '"special": false' in out
+    assert "NTL can use this tokenizer as it is" not in out
+    assert tool["main"](["number-vocab", str(path), "--out", str(tmp_path / "nv.json")]) == 2
+    assert "are special added tokens" in capsys.readouterr().err and not (tmp_path / "nv.json").exists()
+    for overrides in (["loss.ntl_weight=0.3"], ["loss.enabled=false"]):  # the trainer's and evaluation's start-up
+        cfg = load_config(None, ["model.architecture.model_type=llama", f"tokenizer.name_or_path={path}",
+                                 "data.sources.0.path=c.jsonl", *overrides])
+        with pytest.raises(ValueError, match=r"are special added tokens.*\"special\": false"):
+            number_vocab_for(cfg, Objective.from_config(cfg.loss), tokenizer)
+
+
+def test_two_digits_sharing_one_id_are_named(shared_data, tmp_path, tool, capsys):
+    """Issue 40 item 6: vocab["1"] = 15 (the id of "0") said "missing ['1']" although "1" is there."""
+    pipeline = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text())
+    pipeline["model"]["vocab"]["1"] = 15
+    (tmp_path / "shared_id").mkdir()
+    path = tmp_path / "shared_id" / "tokenizer.json"
+    path.write_text(json.dumps(pipeline))
+    for command in (["number-vocab", str(path), "--out", str(tmp_path / "nv.json")], ["inspect", str(path)],
+                    ["inspect", str(path.parent)]):
+        assert tool["main"](command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the tokens ['0', '1'] share the id 15" in err and "missing" not in err, err
+
+
+def test_number_vocabulary_refuses_digits_sharing_an_id():
+    """The same refusal for a tokenizer object that bypasses the loader (NumberVocab.from_tokenizer itself)."""
+    from ntl_pretrain.numbers import NumberVocab
+
+    class Shared:
+        name_or_path = "shared"
+
+        def get_vocab(self):
+            return {**{d: 10 + i for i, d in enumerate("0123456789")}, "1": 10, "a": 0, "b": 1}
+
+        def __len__(self):
+            return 20
+
+    with pytest.raises(ValueError, match=r"the number tokens \['0', '1'\] of tokenizer 'shared' share the id 10"):
+        NumberVocab.from_tokenizer(Shared())
+
+
+def test_split_digits_of_a_tokenizer_whose_bare_digits_were_removed(shared_data, tmp_path, tool, capsys):
+    """Issue 40 item 7: the original (GPT-2 without "0".."9", no <unk>) decodes "2024" to "", the converted keeps
+    it; that was reported as "the converted tokenizer failed verification". It is text restored, as for <unk>."""
+    pipeline = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text())
+    for digit in "0123456789":
+        del pipeline["model"]["vocab"][digit]
+    pipeline["model"]["merges"] = [merge for merge in pipeline["model"]["merges"]
+                                   if not set(merge.split(" ") if isinstance(merge, str) else merge) & set("0123456789")]
+    (tmp_path / "no_digits").mkdir()
+    (tmp_path / "no_digits" / "tokenizer.json").write_text(json.dumps(pipeline))
+    original = load_tokenizer(tmp_path / "no_digits")
+    assert original.decode(original.encode("In 2024, 12 cats", add_special_tokens=False)) == "In ,  cats"
+    assert tool["main"](["split-digits", str(tmp_path / "no_digits"), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "PASS (b)" in out and "restores text that the original lost" in out, out
+    converted = load_tokenizer(tmp_path / "out")
+    assert converted.decode(converted.encode("In 2024, 12 cats", add_special_tokens=False)) == "In 2024, 12 cats"
+
+
+def test_a_binary_corpus_is_refused_not_verified_on(gpt2_style, tmp_path):
+    """A gzip file given as --corpus was read with its undecodable bytes replaced, and the conversion "verified"
+    on that noise."""
+    import gzip
+
+    packed = tmp_path / "corpus.txt.gz"
+    packed.write_bytes(gzip.compress(("In 2024 the town counted 12345 residents.\n" * 200).encode()))
+    with pytest.raises(ValueError, match=r"corpus.txt.gz' is not text: \d+ of its characters are not UTF-8"):
+        split_digits(gpt2_style, tmp_path / "out", corpus=packed)
+    assert not (tmp_path / "out").exists()
+    text = tmp_path / "accents.txt"
+    text.write_text("Café 12, naïve 3.5 — “quoted” 2024\n" * 20, encoding="utf-8")
+    assert read_corpus(text)  # real UTF-8 text beyond ASCII is text
+
+
+def test_inspect_flags_added_tokens_that_hide_digits_as_the_trainer_does(gpt2_style, tmp_path, tool, capsys):
+    """A digit-level tokenizer with an added token "07": inspect said "NTL can use this tokenizer as it is", the
+    trainer refused it at start-up (numbers.digit_hiding_added_tokens)."""
+    split_digits(gpt2_style, tmp_path / "split")
+    pipeline = json.loads((tmp_path / "split" / "tokenizer.json").read_text())
+    pipeline["added_tokens"].append({"id": max(t["id"] for t in pipeline["added_tokens"]) + 1000, "content": "07",
+                                     "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                                     "special": False})
+    (tmp_path / "split" / "tokenizer.json").write_text(json.dumps(pipeline))
+    tokenizer = load_tokenizer(tmp_path / "split")
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("2007", add_special_tokens=False)) == ["2", "0", "07"]
+    assert tool["main"](["inspect", str(tmp_path / "split")]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: NOT digit-level" in out and "added token(s) begin or end with a digit ('07')" in out, out
+    assert "NTL can use this tokenizer as it is" not in out

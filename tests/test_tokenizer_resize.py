@@ -203,3 +203,34 @@ def test_resize_model_refuses_its_arguments_before_loading_the_model(tokenizers_
                              "--pad-to-multiple-of", bad]) == 2
         assert f"error: pad_to_multiple_of={bad} must be a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _error_line(stderr: str) -> str:
+    """The one `error:` line of a refused command (transformers' progress bars aside), no traceback."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    return errors[0]
+
+
+def test_resize_model_refuses_a_tokenizer_far_smaller_than_the_model(shared_data, tmp_path, capsys):
+    """Issue 40 item 3: a 50,257-row model with Llama-2's 32,000-token tokenizer grew to 50,304 rows ("0 new
+    tokens, 47 padding rows") without a word that the two are no pair."""
+    _tiny_llama(50257, tied=True).save_pretrained(str(tmp_path / "model"))
+    tool = runpy.run_path(str(REPO / "tools" / "tokenizer.py"))
+    llama2 = shared_data / "tokenizers" / "llama2" / "tokenizer.model"
+    assert tool["main"](["resize-model", str(tmp_path / "model"), str(llama2), str(tmp_path / "out")]) == 2
+    err = _error_line(capsys.readouterr().err)
+    assert "has 32000 tokens but the model" in err and "50257 embedding rows" in err, err
+    assert "18257 rows no token uses" in err and not (tmp_path / "out").exists()
+
+
+def test_resize_model_on_a_truncated_safetensors_file(tokenizers_before_after, tmp_path, capsys):
+    """Issue 40 item 9: a truncated model.safetensors gave a raw SafetensorError traceback."""
+    before, _after, root = tokenizers_before_after
+    _tiny_llama(len(before), tied=False).save_pretrained(str(tmp_path / "model"))
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    tool = runpy.run_path(str(REPO / "tools" / "tokenizer.py"))
+    assert tool["main"](["resize-model", str(tmp_path / "model"), str(root / "split"), str(tmp_path / "out")]) == 2
+    err = _error_line(capsys.readouterr().err)
+    assert "its safetensors weights are damaged" in err and "download or save" in err, err

@@ -143,11 +143,18 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
 def _checkpoint_tag(run_dir: str, tag: str | None) -> str:
     if tag:
         return tag
+    from ntl_pretrain.checkpoint import step_of_tag
+
     latest = os.path.join(run_dir, "latest")
-    if not os.path.isfile(latest):
-        raise ValueError(f"{run_dir!r} has no 'latest' checkpoint file; pass --tag (e.g. --tag global_step100)")
-    with open(latest, encoding="utf-8") as handle:
-        return handle.read().strip()
+    if os.path.islink(latest) or not os.path.isfile(latest):
+        raise ValueError(f"{run_dir!r} has no 'latest' checkpoint file (a regular file, never a link); pass --tag "
+                         f"(e.g. --tag global_step100)")
+    with open(latest, encoding="utf-8", errors="replace") as handle:
+        tag = handle.read(256).strip()
+    if step_of_tag(tag) is None:  # '../../elsewhere': never taken as a checkpoint, nor quoted as a setting
+        raise ValueError(f"{latest!r} names {tag[:80]!r}, which is not a checkpoint tag of the run (global_stepN, a "
+                         f"folder inside it); pass --tag global_stepN")
+    return tag
 
 
 def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalConfig, str, Any]:

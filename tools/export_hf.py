@@ -26,6 +26,7 @@ from typing import Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from ntl_pretrain.checkpoint import CheckpointError, export_hf, list_checkpoints, step_of_tag  # noqa: E402
+from ntl_pretrain.checkpoint.format import check_not_a_link  # noqa: E402
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -39,7 +40,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint folder as given, or the newest complete checkpoint of a run folder."""
+    """A checkpoint folder as given, or the newest complete checkpoint of a run folder (neither a link)."""
+    check_not_a_link(path, "checkpoint (or run)")
     if step_of_tag(os.path.basename(os.path.normpath(path))) is not None or path.rstrip("/").endswith("_universal"):
         return path
     if not os.path.isdir(path):

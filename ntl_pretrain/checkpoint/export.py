@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..core.fs import apply_umask_modes, commit_directory, is_full_disk, write_json_atomic
-from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, check_output_outside, folder_bytes
+from .format import (HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, check_not_a_link, check_output_outside,
+                     folder_bytes)
 from .integrity import verify_checkpoint
 from .safe_loading import safe_load
 from .staging import make_staging, remove_staging
@@ -486,6 +487,7 @@ def export_hf(checkpoint_path: str, out_dir: str, *, dtype: str | None = None, m
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     shard_bytes = max_shard_bytes(max_shard_size)  # the arguments first: before a checkpoint is hashed
+    check_not_a_link(checkpoint_path)
     _check_export_folder(checkpoint_path, out_dir)
     manifest = verify_checkpoint(checkpoint_path)
     assets = os.path.join(checkpoint_path, HF_DIR)

@@ -80,6 +80,14 @@ MANIFEST_FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def check_not_a_link(path: str, what: str = "checkpoint") -> None:
+    """Refuse a checkpoint (or run) path that is a symbolic link, naming its target: links are never followed
+    out of a run folder, and the messages further on would not say why the folder is refused."""
+    if os.path.islink(path.rstrip("/") or path):
+        raise CheckpointError(f"{what} path {path!r} is a symbolic link (to {os.path.realpath(path)!r}), which is "
+                              f"never followed; pass the real folder {os.path.realpath(path)!r}")
+
+
 def read_manifest(path: str) -> dict:
     """The manifest of a checkpoint folder, its schema checked (`check_manifest`); CheckpointError if the
     folder is missing, unreadable or incomplete, or the manifest is damaged, a link or of an unknown format."""
@@ -180,6 +188,10 @@ def check_manifest(manifest: Any, path: str) -> None:
         required = sorted(key for key in layout if key not in _OPTIONAL_LAYOUT_FIELDS)
         if required != sorted(_LAYOUT_FIELDS) or not all(_is_count(v) for v in layout.values()):
             raise CheckpointError(f"{where}: 'layout' is {layout!r}, not {{{', '.join(_LAYOUT_FIELDS)}}} as numbers")
+        empty = [key for key, value in layout.items() if key != "zero_stage" and value < 1]
+        if empty:  # a size 0 matched no file and loaded nothing
+            raise CheckpointError(f"{where}: 'layout' has {empty[0]}={layout[empty[0]]}, not a number of processes "
+                                  f"(1 or more); restore the manifest, or resume from another checkpoint")
     step = step_of_tag(os.path.basename(os.path.normpath(path)))
     if step is not None and step != manifest["step"]:
         raise CheckpointError(f"checkpoint {path!r} is named for step {step} but its manifest says step "
@@ -190,10 +202,29 @@ def check_manifest(manifest: Any, path: str) -> None:
 def check_output_outside(checkpoint_path: str, output_path: str, what: str) -> None:
     """Refuse an output folder inside the checkpoint: it would add an unlisted folder to the checkpoint, and
     verification then refuses the checkpoint (the run could no longer resume from it)."""
+    if os.path.islink(output_path.rstrip("/") or output_path):  # found only at the final rename, after all the work
+        raise CheckpointError(f"{what} folder {output_path!r} is a symbolic link (to {os.readlink(output_path)!r}), "
+                              f"which is never written through; pass a real folder that does not exist yet")
     checkpoint, output = os.path.realpath(checkpoint_path), os.path.realpath(output_path)
     if os.path.commonpath([checkpoint, output]) == checkpoint:
         raise CheckpointError(f"{what} folder {output_path!r} is inside the checkpoint {checkpoint_path!r}, whose "
                               f"verification would then refuse it; write it beside the checkpoint")
+    folder = os.path.dirname(output)
+    while True:  # any other checkpoint too (RUN/global_step1/exported while exporting global_step2)
+        if is_checkpoint_folder(folder):
+            raise CheckpointError(f"{what} folder {output_path!r} is inside the checkpoint {folder!r}, whose "
+                                  f"verification would then refuse it (it could no longer be resumed or exported); "
+                                  f"write it outside every checkpoint folder, e.g. beside them in the run folder")
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+
+
+def is_checkpoint_folder(path: str) -> bool:
+    """A folder a checkpoint save (or a universal conversion) wrote: it holds a manifest or the staging marker (a
+    folder merely named global_stepN, an export's say, is not one)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in (MANIFEST_NAME, STAGING_MARKER))
 
 
 def folder_bytes(path: str) -> int:

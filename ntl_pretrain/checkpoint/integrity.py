@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import stat
 from typing import Any, Callable
 
 import xxhash
 
 from .collective import agree, gather, is_collective, my_share
-from .format import HF_DIR, UNLISTED_ENTRIES, CheckpointError, UnsafeCheckpointError, read_manifest
+from .format import HF_DIR, UNLISTED_ENTRIES, CheckpointError, UnsafeCheckpointError, read_manifest, saved_layout
 from .safe_loading import LEGACY_RNG_GLOBALS, unsafe_pickle_globals, weights_only_loads
 
 logger = logging.getLogger("ntl_pretrain")
@@ -70,9 +71,41 @@ def verify_checkpoint(path: str, content: bool = True, collective: bool = False)
         if actual != size:
             raise CheckpointError(f"checkpoint {path!r} is damaged: {name} has {actual} bytes, {size} were written "
                                   f"(a truncated shard); resume from another checkpoint (train.resume=TAG)")
+    check_rank_files(path, manifest)
     if content:
         _verify_content(path, manifest, collective)
     return manifest
+
+
+_RANK_FILE = re.compile(r"^(?:bf16_)?(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_(optim|model)_states\.pt$")
+
+
+def check_rank_files(path: str, manifest: dict) -> None:
+    """Every rank's DeepSpeed files of the saved layout are listed: a tensor-parallel rank's files deleted (and the
+    manifest re-signed) otherwise surfaced as a weight of half its shape at export, or as DeepSpeed's assertion
+    "checkpoint count 1 is different from saved mp_world_size 2" at resume. Universal folders hold other files."""
+    if "layout" not in manifest or "universal_of" in manifest:
+        return
+    layout = saved_layout(manifest)
+    found: dict[str, set[tuple[int, int]]] = {"optim": set(), "model": set()}
+    for name in manifest["files"]:
+        match = _RANK_FILE.match(name)
+        if match:
+            found[match.group(3)].add((int(match.group(2)), int(match.group(1) or 0)))
+    partitions = layout.zero_partitions if layout.zero_stage else 1
+    wanted = {"model": range(partitions if layout.zero_stage == 3 else 1)}
+    if layout.zero_stage:
+        wanted["optim"] = range(partitions)
+    for kind, dp_ranks in wanted.items():
+        missing = [(tp, dp) for tp in range(layout.tp_size) for dp in dp_ranks if (tp, dp) not in found[kind]]
+        if missing:
+            tp, dp = missing[0]
+            name = (f"mp_rank_{tp:02d}_{kind}_states.pt" if kind == "model" and layout.zero_stage < 3 else
+                    f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_{kind}_states.pt")
+            raise CheckpointError(
+                f"checkpoint {path!r} lacks {len(missing)} {kind}-states file(s) of its layout ({layout.describe()}): "
+                f"those of (tensor-parallel rank, ZeRO partition) {missing[:4]}{' ...' if len(missing) > 4 else ''}, "
+                f"e.g. {name}; restore them, or resume from another checkpoint")
 
 
 def listed_file_sizes(path: str, manifest: dict) -> dict[str, int]:

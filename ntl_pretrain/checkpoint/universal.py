@@ -18,8 +18,8 @@ import torch.distributed as dist
 from ..core.fs import commit_directory, write_text_atomic
 from .collective import is_collective
 from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_MARKER, STAGING_SUFFIX, UNIVERSAL_SUFFIX,
-                     AgreedCheckpointError, CheckpointError, UnsafeCheckpointError, check_output_outside, file_sizes,
-                     saved_layout)
+                     AgreedCheckpointError, CheckpointError, UnsafeCheckpointError, check_not_a_link,
+                     check_output_outside, file_sizes, saved_layout)
 from .export import copy_regular_files, disk_full_error
 from .integrity import hash_files, hash_record, verify_checkpoint
 from .safe_loading import weights_only_loads
@@ -51,6 +51,7 @@ def convert_to_universal(checkpoint_path: str, output_path: str | None = None, w
     """
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+    check_not_a_link(checkpoint_path)
     output_path = output_path or universal_path(checkpoint_path)
     check_output_outside(checkpoint_path, output_path, "universal")
     manifest = verify_checkpoint(checkpoint_path, content=not verified)

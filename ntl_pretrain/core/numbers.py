@@ -54,6 +54,31 @@ def digit_hiding_added_tokens(tokenizer: Any) -> list[str]:
                   and (token.content[0] in DIGITS or token.content[-1] in DIGITS))
 
 
+class NumberTokenError(ValueError):
+    """The tokenizer's number tokens cannot stand for numbers as they are (two share an id, or they are special
+    tokens that decoding drops); the message names them and the fix to the tokenizer."""
+
+
+def _check_number_tokens(tokenizer: Any, by_id: Mapping[int, list[str]], name: str) -> None:
+    """Refuse number tokens that share an id (the id cannot say which number it is) or that are special added
+    tokens: `decode(..., skip_special_tokens=True)`, as evaluation decodes, drops them ("12+3=15" -> "+=")."""
+    shared = {token_id: tokens for token_id, tokens in by_id.items() if len(tokens) > 1}
+    if shared:
+        token_id, tokens = min(shared.items())
+        raise NumberTokenError(
+            f"the number tokens {sorted(tokens)} of tokenizer {name!r} share the id {token_id}: each needs its own "
+            f"id, or NTL cannot tell which number it is; restore the tokenizer's vocabulary (tokenizer.json) from "
+            f"its source")
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = sorted(by_id[token_id][0] for token_id in by_id
+                     if token_id in added and getattr(added[token_id], "special", False))
+    if special:
+        raise NumberTokenError(
+            f"the number tokens {special[:10]}{' ...' if len(special) > 10 else ''} of tokenizer {name!r} are special "
+            f"added tokens, which decoding with skip_special_tokens=True (as evaluation decodes) drops: '12+3=15' "
+            f"would read '+='; set \"special\": false for them in the added_tokens of its tokenizer.json")
+
+
 def _is_bare_digit(token: str) -> bool:
     return len(token) == 1 and token in DIGITS
 
@@ -123,15 +148,14 @@ class NumberVocab:
                 f"vocab_size={vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_size} tokens). "
                 f"Resize the model's embeddings to at least {tokenizer_size} (tools/tokenizer.py resize-model).")
         found: dict[int, tuple[str, float]] = {}
+        by_id: dict[int, list[str]] = {}
         for token, token_id in vocab.items():
-            if digit_level:
-                if _is_bare_digit(token):
-                    found[token_id] = (token, float(token))
-            else:
-                value = _parse_number(token)
-                if value is not None:
-                    found[token_id] = (token, value)
+            value = (float(token) if _is_bare_digit(token) else None) if digit_level else _parse_number(token)
+            if value is not None:
+                found[token_id] = (token, value)
+                by_id.setdefault(token_id, []).append(token)
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        _check_number_tokens(tokenizer, by_id, name)
         if not found:
             raise ValueError(
                 f"tokenizer {name!r} has no {'bare digit' if digit_level else 'number'} tokens, so NTL has nothing "

@@ -147,14 +147,25 @@ def lost_peer_message(error: BaseException) -> str | None:
 
 def _stalled_ranks() -> str:
     """Which rank(s) stalled, as far as the rendezvous store tells (see `lost_peer_message`)."""
-    found: list[list[int]] = []
+    found: list[list[int] | None] = []
+
+    def ask() -> None:
+        try:
+            found.append(_ranks_not_reporting())
+        except ValueError:  # this process's group is already shut down: the store is out of reach
+            found.append(None)
+        except (RuntimeError, dist.DistError):  # the store's holder, global rank 0, is gone
+            pass
+
     # a thread: a store request to a stopped process blocks whatever the store's timeout (os._exit ends it)
-    asker = threading.Thread(target=lambda: found.append(_ranks_not_reporting()), daemon=True)
+    asker = threading.Thread(target=ask, daemon=True)
     asker.start()
     asker.join(STALL_REPORT_WAIT_S + 5)
     if not found:
         return "global rank 0 (the rendezvous store it holds does not answer)"
     silent = found[0]
+    if silent is None:
+        return "a rank (which one is unknown: this process had shut its process group down before asking)"
     if not silent:
         return "another rank"
     return f"global rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"

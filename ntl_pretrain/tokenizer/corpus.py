@@ -59,6 +59,9 @@ SAMPLE_CORPUS: tuple[str, ...] = (
 TEXT_FIELDS_JSONL = ("text", "content", "question", "answer")
 
 
+BINARY_SHARE = 0.05  # more undecodable (or NUL) characters than this: a binary file, verification would be on noise
+
+
 def read_corpus(path: str | os.PathLike, max_samples: int = 2000, lines_per_sample: int = 8) -> list[str]:
     """Read a text (`.txt`, any extension) or JSON-lines (`.jsonl`) file into samples of a few lines.
 
@@ -85,6 +88,10 @@ def read_corpus(path: str | os.PathLike, max_samples: int = 2000, lines_per_samp
                 break
     if block and len(samples) < max_samples:
         samples.append("\n".join(block))
+    undecodable = sum(sample.count("\ufffd") + sample.count("\x00") for sample in samples)
+    if undecodable > BINARY_SHARE * sum(len(sample) for sample in samples):
+        raise ValueError(f"corpus file {str(path)!r} is not text: {undecodable} of its characters are not UTF-8 or are "
+                         f"NUL bytes (a compressed, Parquet or Arrow file?); give a plain .txt or .jsonl file")
     if not samples:
         raise ValueError(f"corpus file {str(path)!r} is empty: it holds no non-blank text to verify or train on"
                          + (f" (JSON lines give their string fields {', '.join(TEXT_FIELDS_JSONL)}, else every string "

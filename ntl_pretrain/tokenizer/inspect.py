@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ntl_pretrain.core.numbers import DIGITS, NumberVocab
+from ntl_pretrain.core.numbers import DIGITS, NumberTokenError, NumberVocab, digit_hiding_added_tokens
 from ntl_pretrain.tokenizer.analysis import digit_split_problems, encode_plain, token_digits
 from ntl_pretrain.tokenizer.split_digits import describe_pipeline, tokenizer_family
 
@@ -146,8 +146,11 @@ def inspect_tokenizer(tokenizer: TokenizersBackend, source: str = "") -> Inspect
             (spaced if len(surface) == 1 else multi).append(token)
         else:
             other.append(token)
+    number_token_problem = None
     try:
         number_vocab, number_vocab_error = NumberVocab.from_tokenizer(tokenizer).to_dict(), None
+    except NumberTokenError as error:
+        number_vocab, number_vocab_error, number_token_problem = None, str(error), str(error)
     except ValueError as error:
         number_vocab, number_vocab_error = None, str(error)
     try:
@@ -162,8 +165,17 @@ def inspect_tokenizer(tokenizer: TokenizersBackend, source: str = "") -> Inspect
     if failing:
         problems.append(f"{len(failing)} of {len(probes)} probes put several digits (or a digit and other text) "
                         f"into one token, e.g. {failing[0].text!r} -> {failing[0].tokens}")
+    if number_token_problem:  # digits that share an id, or special digit tokens: the tokenizer must be fixed first
+        problems.append(number_token_problem)
+    hiding = digit_hiding_added_tokens(tokenizer)  # the trainer refuses these at start-up with digit-level NTL
+    if hiding:
+        problems.append(f"{len(hiding)} added token(s) begin or end with a digit ({', '.join(map(repr, hiding[:5]))}"
+                        f"{', ...' if len(hiding) > 5 else ''}): added tokens are matched before digits are split, so "
+                        f"they hide digits ('2007' -> '20', '07'); remove them from tokenizer.json's added_tokens")
     digit_level = not problems
-    if digit_level:
+    if number_token_problem or hiding:
+        advice = "NTL cannot use this tokenizer until the tokens named above are fixed"
+    elif digit_level:
         advice = ("NTL can use this tokenizer as it is; write its number vocabulary with: "
                   f"python tools/tokenizer.py number-vocab {source}")
     else:

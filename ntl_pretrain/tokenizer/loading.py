@@ -37,6 +37,8 @@ GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # Per-call encoding options a tokenizer.json may carry; files this project writes never keep them.
 ENCODING_SETTINGS = ("truncation", "padding")
 # Vocabulary files of slow tokenizers; beside a rewritten tokenizer.json they would describe another tokenization.
+# In every folder the tools write: what they wrote there. `--force` replaces only a folder holding it (and nothing else).
+OUTPUT_MARKER = ".ntl_tokenizer_output.json"
 STALE_VOCAB_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "added_tokens.json")
 
 
@@ -87,6 +89,24 @@ def ensure_fast(tokenizer, source: str = "") -> TokenizersBackend:
         f"with: python tools/tokenizer.py train-spm CORPUS OUT_DIR --vocab-size N")
 
 
+def _check_vocabulary_ids(pipeline: dict, path: Path) -> None:
+    """Refuse a model vocabulary in which two tokens share an id: tokenizers loads it, but an id then stands for
+    two tokens (NTL's "1" would read as "0"), and copying the tokenizer fails at random (its id -> token table
+    keeps one of them)."""
+    vocab = (pipeline.get("model") or {}).get("vocab") if isinstance(pipeline.get("model"), dict) else None
+    if not isinstance(vocab, dict):
+        return  # Unigram keeps a list (ids are positions); anything else is the loader's to refuse
+    by_id: dict[object, list[str]] = {}
+    for token, token_id in vocab.items():
+        by_id.setdefault(token_id, []).append(token)
+    shared = sorted(((tokens, token_id) for token_id, tokens in by_id.items() if len(tokens) > 1), key=str)
+    if shared:
+        tokens, token_id = shared[0]
+        raise TokenizerLoadError(f"{str(path)!r}: the tokens {tokens[:5]} share the id {token_id!r} in its model "
+                                 f"vocabulary ({len(shared)} id(s) shared); every token needs its own id: restore "
+                                 f"the file from the model's source")
+
+
 def _load_tokenizer_json(path: Path) -> TokenizersBackend:
     try:
         backend = Tokenizer.from_file(str(path))
@@ -94,7 +114,12 @@ def _load_tokenizer_json(path: Path) -> TokenizersBackend:
         raise TokenizerLoadError(
             f"{str(path)!r} is not a valid tokenizer.json ({error}). Re-export it with "
             f"tokenizer.save_pretrained(folder) or point at the tokenizer's folder") from None
-    tokenizer = TokenizersBackend(tokenizer_object=backend)
+    _check_vocabulary_ids(json.loads(path.read_text(encoding="utf-8")), path)  # valid JSON: tokenizers read it
+    try:
+        tokenizer = TokenizersBackend(tokenizer_object=backend)
+    except Exception as error:  # transformers copies the pipeline; tokenizers raises a bare Exception
+        raise TokenizerLoadError(f"{str(path)!r} could not be loaded: {_one_line(error)}. Restore it from the "
+                                 f"model's source") from None
     tokenizer.name_or_path = str(path)
     return tokenizer
 
@@ -152,9 +177,11 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
             f"folder {str(path)!r} holds no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it")
     restore = "Restore it from the model's source, or save the tokenizer again with tokenizer.save_pretrained(folder)"
     if (path / TOKENIZER_JSON).is_file():
-        if "model" not in _read_json_object(path / TOKENIZER_JSON, restore):
+        pipeline = _read_json_object(path / TOKENIZER_JSON, restore)
+        if "model" not in pipeline:
             raise TokenizerLoadError(f"{str(path / TOKENIZER_JSON)!r} is not a tokenizers pipeline (it has no 'model' "
                                      f"entry). {restore}")
+        _check_vocabulary_ids(pipeline, path / TOKENIZER_JSON)
     if (path / TOKENIZER_CONFIG).is_file():
         _read_json_object(path / TOKENIZER_CONFIG, restore)
     no_vocabulary = None if any(name in VOCABULARY_FILES for name in present) else TokenizerLoadError(
@@ -262,26 +289,67 @@ def load_verbatim(folder: str | os.PathLike) -> None:
 
 
 def check_output_dir(out_dir: str | os.PathLike, force: bool, sources: tuple[str | os.PathLike, ...] = ()) -> Path:
-    """Refuse an output folder that exists (unless `force`) or that is one of the inputs."""
+    """Refuse an output path that is a link, that is or holds one of the inputs, or that exists: with `force` an
+    existing folder is replaced only if this project's tools wrote it (`OUTPUT_MARKER`) and it holds nothing else."""
     out = Path(out_dir)
+    if out.is_symlink():  # a dangling link too: exists() is False for it, the final rename would fail on it
+        raise FileExistsError(f"output path {str(out)!r} is a symbolic link (to {os.readlink(out)!r}), which is never "
+                              f"followed or replaced; pass the real folder or a new one as OUT")
     for source in sources:
         source_path = Path(source)
-        if source_path.exists() and out.exists() and out.resolve() == (
-                source_path if source_path.is_dir() else source_path.parent).resolve():
+        if not (source_path.exists() and out.exists()):
+            continue
+        source_real = source_path.resolve()
+        if out.resolve() == (source_real if source_real.is_dir() else source_real.parent):
             raise FileExistsError(f"output folder {str(out)!r} is the input's folder; write to a new folder")
+        if out.resolve() in source_real.parents:
+            raise FileExistsError(f"output folder {str(out)!r} holds the input {str(source)!r}; replacing it would "
+                                  f"delete the input: write to a new folder")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output path {str(out)!r} exists and is not a folder; choose another OUT")
     if out.exists() and not force:
         raise FileExistsError(f"output folder {str(out)!r} already exists; pass --force to replace it")
+    if out.exists():
+        _check_replaceable(out)
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """`--force` deletes the old folder: only one our tools wrote (their marker, listing the files they wrote)
+    and that holds nothing else; an empty folder too."""
+    present = sorted(os.listdir(out))
+    if not present:
+        return
+    marker = out / OUTPUT_MARKER
+    refuse = (f"--force replaces only a folder that tools/tokenizer.py wrote; choose a new OUT, or move away what "
+              f"you want to keep and remove {str(out)!r} yourself")
+    written: object = None
+    if marker.is_file() and not marker.is_symlink():
+        try:
+            written = json.loads(marker.read_text(encoding="utf-8")).get("files")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            written = None
+    if not isinstance(written, list):
+        listed = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise FileExistsError(f"output folder {str(out)!r} was not written by tools/tokenizer.py (no valid "
+                              f"{OUTPUT_MARKER}; it holds {listed}): {refuse}")
+    foreign = [name for name in present if name not in written and name != OUTPUT_MARKER]
+    if foreign:
+        raise FileExistsError(f"output folder {str(out)!r} holds files tools/tokenizer.py did not write "
+                              f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): {refuse}")
 
 
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside `out_dir` that becomes `out_dir` only if the block succeeds.
 
-    A failure (or an interrupt) leaves any previous `out_dir` untouched and no half-written folder.
+    A failure (or an interrupt) leaves any previous `out_dir` untouched and no half-written folder. The
+    folder gets `OUTPUT_MARKER`, the list of what was written, so that `--force` may replace it later.
     """
     out = check_output_dir(out_dir, force)
     with atomic_directory(out, replace=force) as staging:
         yield Path(staging)
+        files = sorted(os.listdir(staging)) + [OUTPUT_MARKER]
+        (Path(staging) / OUTPUT_MARKER).write_text(
+            json.dumps({"written_by": "ntl_pretrain tools/tokenizer.py", "files": files}, indent=1) + "\n",
+            encoding="utf-8")

@@ -147,7 +147,7 @@ def train_spm(corpus: list[str | os.PathLike] | str | os.PathLike, out_dir: str 
     files = [corpus] if isinstance(corpus, (str, os.PathLike)) else list(corpus)
     if not files:
         raise ValueError("train-spm needs at least one corpus file")
-    check_output_dir(out_dir, force)
+    check_output_dir(out_dir, force, sources=tuple(files))
     samples = [text for path in files for text in read_corpus(path, max_samples=PARITY_SAMPLES, lines_per_sample=1)]
     model_bytes = _train(iter(_sample_lines(files, config.max_sentences)), config)
     with atomic_output_dir(out_dir, force) as staging:

@@ -15,7 +15,7 @@ from ..checkpoint import resolve_resume
 from ..config import Config, ConfigError, to_yaml
 from ..core.agreement import AgreedError
 from ..core.fs import writable_problem
-from ..core.numbers import NumberVocab, digit_hiding_added_tokens
+from ..core.numbers import NumberTokenError, NumberVocab, digit_hiding_added_tokens
 from ..data import DataError, resolve_files
 from ..eval.config import validate_eval_inputs
 from ..models.build import check_sequence_length, load_model_config, max_positions
@@ -187,6 +187,8 @@ def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> Numbe
         logger.warning("%s (tokenizer.allow_non_digit_level=true: training anyway)", problem)
     try:
         return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level)
+    except NumberTokenError:  # a broken tokenizer, with NTL on or off: its message names the fix
+        raise
     except ValueError as error:
         if objective.ntl_on:
             raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "
