@@ -1,4 +1,5 @@
-"""Evaluation settings. The trainer's config embeds this as `eval`, so users write `eval.every_n_steps=100`."""
+"""Evaluation settings, built from the benchmark registry. The trainer's config embeds them as `eval`, so users write
+`eval.every_n_steps=100`; each benchmark's keys are its `Settings` (`ntl_pretrain.eval.benchmarks`)."""
 
 from __future__ import annotations
 
