@@ -10,9 +10,9 @@
 #   bash launch/pretrain.sh --config configs/demo.yaml [key=value ...]
 #       starts DeepSpeed's launcher on this machine: all local GPUs, or NTL_CPU_PROCS (default 2)
 #       CPU processes with DS_ACCELERATOR=cpu (gloo) when there is no GPU. --help, --dry-run run directly.
-#       The launcher runs under ntl_pretrain/supervisor.py, which stays the parent: SIGTERM / Ctrl-C to
+#       The launcher runs under ntl_pretrain/runtime/supervisor.py, which stays the parent: SIGTERM / Ctrl-C to
 #       it (or to any process of the job) makes every rank save at its next step boundary; exit 0.
-#   --verbose (any form) shows the libraries' known-harmless lines too (ntl_pretrain/log_filter.py).
+#   --verbose (any form) shows the libraries' known-harmless lines too (ntl_pretrain/runtime/log_filter.py).
 """:"
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,7 +25,7 @@ for arg in "$@"; do
     esac
 done
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    exec "$python_bin" -u -m ntl_pretrain.supervisor ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
+    exec "$python_bin" -u -m ntl_pretrain.runtime.supervisor ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 procs="${NTL_CPU_PROCS:-2}"
@@ -38,7 +38,7 @@ procs="$(( 10#$procs ))"
 cores="$(nproc)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / procs > 0 ? cores / procs : 1 ))}"
 echo "no GPU found: starting $procs CPU processes (DS_ACCELERATOR=$DS_ACCELERATOR, OMP_NUM_THREADS=$OMP_NUM_THREADS)" >&2
-exec "$python_bin" -u -m ntl_pretrain.supervisor --num_gpus "$procs" ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
+exec "$python_bin" -u -m ntl_pretrain.runtime.supervisor --num_gpus "$procs" ${NTL_DEEPSPEED_ARGS:-} "$here/pretrain.sh" "$@"
 ":"""
 # ---------------------------------------------------------------------------------------------- Python
 import os
@@ -46,12 +46,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from ntl_pretrain import log_filter  # noqa: E402
+from ntl_pretrain.runtime import log_filter  # noqa: E402
 
 log_filter.install(verbose=log_filter.wants_verbose(sys.argv))  # first: the imports below already warn
 
 from ntl_pretrain.cli import LOST_PEER_HINT, main  # noqa: E402
-from ntl_pretrain.distributed import run_process  # noqa: E402
+from ntl_pretrain.parallel.distributed import run_process  # noqa: E402
 
 # main raises (traceback, exit 1) only on a bug; errors a user can fix return 2. By the time it returns the
 # lock is released and TensorBoard closed; run_process leaves without the interpreter's teardown (and turns a

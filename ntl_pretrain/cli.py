@@ -10,18 +10,20 @@ once, one line naming the key, file or value), 1 a bug (traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
-from . import distributed, launcher, lifecycle, log_filter
 from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
-from .monitor import MonitorError
-from .nonfinite import TrainingDiverged
-from .preflight import dry_run
-from .train import Trainer
-from .versions import UnsupportedVersionError, check_versions
-
+from .core.agreement import AgreedError
+from .core.versions import UnsupportedVersionError, check_versions
+from .observability.monitor import MonitorError
+from .parallel import distributed
+from .runtime import launcher, lifecycle, log_filter
+from .trainer.preflight import dry_run
+from .trainer.step_guard import TrainingDiverged
+from .trainer.trainer import Trainer
 
 # what a rank says after its collective failed because another rank ended or stalled (`distributed.run_process`)
 LOST_PEER_HINT = ("once every rank has stopped, rerun the same command with train.resume=auto (it continues from the "
@@ -64,7 +66,7 @@ def _report_error(error: BaseException) -> None:
     """Print a start-up or run error once: errors every rank raises together (configuration, agreed by a
     collective) are printed by global rank 0 only; those of every rank of a node (its library versions, how it
     was launched) by local rank 0; anything else by the rank that hit it."""
-    shared = isinstance(error, (ConfigError, distributed.AgreedError))
+    shared = isinstance(error, (ConfigError, AgreedError))
     per_node = isinstance(error, (launcher.LauncherError, UnsupportedVersionError))
     rank = lifecycle.global_rank()
     if rank == 0:
@@ -89,8 +91,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dry_run(cfg, args.world_size)
                 return 0
             launcher.use_world_of_one()
-            launcher.check_rendezvous_port()
-            trainer = Trainer(cfg)
+            try:
+                launcher.check_rendezvous_port()
+                trainer = Trainer(cfg)
+            except RuntimeError as error:  # the store's bind: another process took the port after it was chosen
+                taken = launcher.port_taken_message(error)
+                if taken is None:
+                    raise
+                raise launcher.PortTakenError(taken) from error
+        except launcher.PortTakenError as error:
+            lifecycle.report_to_supervisor(launcher.PORT_TAKEN_EVENT, port=os.environ.get("MASTER_PORT"))
+            _report_error(error)
+            return 2
         except ValueError as error:  # ConfigError, DataError, CheckpointError, RunLockError, ...: exit 2
             _report_error(error)
             return 2

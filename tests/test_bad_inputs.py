@@ -132,7 +132,7 @@ def test_unreadable_config_files_are_named(tmp_path):
 
 
 def test_deepspeed_json_that_is_no_regular_file_is_refused_not_read_forever(tmp_path):
-    from ntl_pretrain.ds_config import deepspeed_config
+    from ntl_pretrain.trainer.ds_config import deepspeed_config
 
     for path, problem in (("/dev/zero", "is not a regular file"), (str(tmp_path), "is a folder")):
         cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}"])
@@ -151,7 +151,7 @@ def test_good_values_at_the_edges_still_load():
 def test_misspelt_architecture_key_is_refused_before_the_build(tmp_path):
     from transformers import LlamaConfig
 
-    from ntl_pretrain.model import load_model_config
+    from ntl_pretrain.models.build import load_model_config
 
     cfg = load_config(DEMO, ["model.architecture.num_hiden_layers=2"])
     with pytest.raises(ValueError, match=r"model.architecture.num_hiden_layers is not a key of the llama config.*"
@@ -172,7 +172,7 @@ def test_misspelt_architecture_key_is_refused_before_the_build(tmp_path):
 
 @pytest.mark.parametrize("path", ["./no/such/model", "runs/missing/model"])
 def test_missing_local_model_folder_is_not_read_as_a_hub_id(path):
-    from ntl_pretrain.model import load_model_config
+    from ntl_pretrain.models.build import load_model_config
 
     cfg = load_config(DEMO, [f"model.name_or_path={path}"])
     with pytest.raises(ValueError) as info:
@@ -182,7 +182,7 @@ def test_missing_local_model_folder_is_not_read_as_a_hub_id(path):
 
 
 def test_seq_len_beyond_the_models_positions_is_refused():
-    from ntl_pretrain.model import check_sequence_length, load_model_config
+    from ntl_pretrain.models.build import check_sequence_length, load_model_config
 
     cfg = load_config(DEMO, ["data.seq_len=512"])
     with pytest.raises(ValueError, match=r"data.seq_len=512 is longer than the model's max_position_embeddings=256"):
@@ -192,7 +192,7 @@ def test_seq_len_beyond_the_models_positions_is_refused():
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed JSON
 def test_deepspeed_train_batch_size_is_resolved_or_refused(tmp_path):
-    from ntl_pretrain.ds_config import deepspeed_config, resolve_run
+    from ntl_pretrain.trainer.ds_config import deepspeed_config, resolve_run
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 64}))
@@ -264,7 +264,7 @@ def test_dry_run_warns_about_an_output_folder_it_cannot_create(tmp_path):
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from ntl_pretrain.model import train_digit_bpe
+    from ntl_pretrain.tokenizer.run import train_digit_bpe
 
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
     train_digit_bpe([f"{i} apples cost {i * 7} coins" for i in range(300)], vocab_size=300, out_dir=str(out))
@@ -405,7 +405,7 @@ def _mode(path: Path) -> int:
 def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
     from ntl_pretrain.eval.arithmetic import write_training_corpus
     from ntl_pretrain.eval.hooks import _write_jsonl
-    from ntl_pretrain.model import train_digit_bpe
+    from ntl_pretrain.tokenizer.run import train_digit_bpe
 
     files, folders = 0o666 & ~umask, 0o777 & ~umask
     corpus = write_training_corpus(str(tmp_path / "corpus.jsonl"), n=20, seed=1)
@@ -423,7 +423,7 @@ def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
 
 
 def test_atomic_helpers_leave_nothing_half_written(tmp_path, umask):
-    from ntl_pretrain.fs import atomic_directory, atomic_write, write_json_atomic
+    from ntl_pretrain.core.fs import atomic_directory, atomic_write, write_json_atomic
 
     target = tmp_path / "a.json"
     write_json_atomic(target, {"v": 1})
@@ -470,3 +470,94 @@ def test_a_real_run_and_its_export_follow_the_umask(tmp_path, tokenizer):
             expected = 0o775 if path.is_dir() else 0o664  # (DeepSpeed's copied zero_to_fp32.py keeps its x bits)
             assert _mode(path) & expected == expected and not _mode(path) & 0o002, \
                 f"{path} has mode {oct(_mode(path))}, the umask 002 gives {oct(expected)}"
+
+
+# ---------------------------------------------------------------------------------------------- issue 36 items 2-3
+def _dry_run_in_process(monkeypatch, capsys, tmp_path: Path, world: int, *overrides: str) -> tuple[int, str, str]:
+    """`launch/pretrain.sh --dry-run` through cli.main in this process (no interpreter start per case)."""
+    from ntl_pretrain import cli
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
+    monkeypatch.chdir(REPO)
+    code = cli.main(["--config", DEMO, "--dry-run", "--world-size", str(world),
+                     f"train.output_dir={tmp_path / 'run'}", *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    # the demo has 4 heads and 2 key-value heads: tp 3 passed the dry run, then AutoTP failed with a raw AssertionError
+    (["parallel.tp_size=3"], 3, "parallel.tp_size=3 does not divide the model's num_attention_heads=4"),
+    (["parallel.tp_size=4"], 4, "parallel.tp_size=4 does not divide the model's num_key_value_heads=2"),
+    (["parallel.tp_size=2", "model.architecture.intermediate_size=1"], 2,
+     "parallel.tp_size=2 is more ranks than the model's intermediate_size=1"),
+    (["train.max_steps=1000000000000000000000000000000"], 2, "train.max_steps=1000000000000000000000000000000 is more"),
+    (["loss.ntl_weight=1e30"], 2, "loss.ntl_weight=1e+30 must be < 10000"),
+    (["train.output_dir=/"], 2, "train.output_dir='/' is the filesystem root"),
+])
+def test_dry_run_refuses_sizes_and_values_the_run_cannot_use(monkeypatch, capsys, tmp_path, overrides, world, message):
+    code, _, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, world, *overrides)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], (code, lines)
+
+
+def test_dry_run_refuses_an_output_dir_that_is_a_dangling_link(monkeypatch, capsys, tmp_path):
+    link = tmp_path / "runs_link"
+    link.symlink_to(tmp_path / "gone")
+    code, _, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, 2, f"train.output_dir={link}")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"is a symbolic link to {str(tmp_path / 'gone')!r}, which does not exist" in lines[0], lines
+    assert "RunLockError" not in err and not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.warmup_steps=1000", "train.max_steps=5"],
+     "optim.warmup_steps=1000 >= train.max_steps=5: the learning rate never reaches optim.lr"),
+    (["loss.ntl_weight=50"], "loss.ntl_weight=50 is far above the paper's 0.1-1"),
+])
+def test_dry_run_warns_of_settings_that_run_but_not_as_meant(monkeypatch, capsys, tmp_path, overrides, message):
+    code, out, err = _dry_run_in_process(monkeypatch, capsys, tmp_path, 2, *overrides)
+    assert code == 0 and "dry run OK" in out
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and message in warnings[0], err
+
+
+@pytest.mark.parametrize("line,why", [("[1, 2, 3]", "a JSON list, not an object"), ('"a string"', "a JSON str, not an object"),
+                                      ("7", "a JSON int, not an object"),
+                                      ('{"text": "1+1=2", "text": "2+2=4"}', "an object whose key 'text' appears twice")])
+def test_a_json_lines_row_that_is_not_an_object_is_named_by_file_and_line(tmp_path, line, why):
+    """datasets' reader failed on the whole file ("check that the files are valid json data") with no line."""
+    from ntl_pretrain.data.sources import load_documents
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "12+3=15"}\n\n{"text": "4+4=8"}\n' + line + '\n{"text": "9+1=10"}\n')
+    with pytest.raises(DataError) as refused:
+        load_documents(DataSourceConfig(path=str(path)), "data.sources.0", str(tmp_path / "cache"))
+    assert f"{str(path)!r} line 4 is {why}" in str(refused.value), refused.value
+
+
+def test_a_streamed_row_with_a_key_given_twice_is_skipped_and_named(tmp_path):
+    """json.loads kept the last value of a repeated key silently; the stream now skips the row and names it."""
+    from ntl_pretrain.data.reader import LocalRows
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b", "text": "c"}\n{"text": "d"}\n')
+    rows = list(LocalRows([str(path)], "json", [0]).rows())
+    assert [row for row, _, _ in rows] == [{"text": "a"}, "an object whose key 'text' appears twice", {"text": "d"}]
+    assert rows[1][2] == f"{str(path)!r} line 2"
+
+
+def test_a_source_that_is_a_symbolic_link_loop_says_so(tmp_path):
+    from ntl_pretrain.data.sources import resolve_files
+
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    with pytest.raises(DataError, match="is a symbolic link loop"):
+        resolve_files(DataSourceConfig(path=str(loop)), "data.sources.0")
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(DataError, match="is a symbolic link to .*gone.jsonl', which does not exist"):
+        resolve_files(DataSourceConfig(path=str(dangling)), "data.sources.0")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ntl_pretrain.checkpoint import MANIFEST_NAME, CheckpointError, list_checkpoints, read_manifest, resolve_resume, step_of_tag
-from ntl_pretrain.preemption import PreemptionHandler
+from ntl_pretrain.trainer.preemption import PreemptionHandler
 from ntl_pretrain.config import ConfigError, load_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,7 +150,7 @@ def test_preemption_handler_records_the_signal_and_bounds_the_exit():
 def test_preemption_grace_time_exceeded_ends_the_process():
     """A process that does not reach a step boundary in time exits (non-zero) when the grace time is over."""
     script = ("import os, signal, time\n"
-              "from ntl_pretrain.preemption import PreemptionHandler\n"
+              "from ntl_pretrain.trainer.preemption import PreemptionHandler\n"
               "h = PreemptionHandler(['SIGTERM'], grace_s=0.5); h.install(); h.training_starts()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "time.sleep(30)\n")
@@ -249,7 +249,7 @@ def test_errors_of_checkpoint_work_on_main_are_agreed_checkpoint_errors():
     """One primitive agrees on errors (`distributed.run_agreed`); the checkpoint's kind stays a CheckpointError
     (exit 2 in the trainer) and is an AgreedError (printed once, by global rank 0)."""
     from ntl_pretrain.checkpoint import AgreedCheckpointError, run_on_main
-    from ntl_pretrain.distributed import AgreedError
+    from ntl_pretrain.core.agreement import AgreedError
 
     def fails(error: Exception):
         def fn():
@@ -269,7 +269,7 @@ def test_errors_of_checkpoint_work_on_main_are_agreed_checkpoint_errors():
 def _manager(out, keep_last: int):
     from ntl_pretrain.checkpoint import CheckpointManager
     from ntl_pretrain.config.schema import CheckpointConfig
-    from ntl_pretrain.distributed import ParallelLayout
+    from ntl_pretrain.parallel.layout import ParallelLayout
 
     layout = ParallelLayout(world_size=1, rank=0, local_rank=0, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0)
     return CheckpointManager(CheckpointConfig(keep_last=keep_last), str(out), layout, 1, {}, seed=0)
@@ -482,7 +482,7 @@ def test_data_keys_newer_than_a_checkpoint_do_not_refuse_its_resume_at_their_def
     """A checkpoint written before data.sources.*.format / prompt_template and data.max_document_chars
     existed records the source keys of that time: at their defaults the new keys are left out of the
     description, so it still matches; set, they are recorded and a change is named."""
-    from ntl_pretrain.checkpoint import data_description
+    from ntl_pretrain.data import data_description
     from ntl_pretrain.checkpoint.fingerprint import describe_changes
     from ntl_pretrain.config import load_config
 

@@ -273,7 +273,7 @@ def test_resume_errors_on_real_checkpoints(reference, tmp_path, bpe_tokenizer):
 
     from ntl_pretrain.checkpoint import CheckpointError, CheckpointManager, fingerprint, resolve_resume
     from ntl_pretrain.config import CheckpointConfig
-    from ntl_pretrain.parallel_layout import ParallelLayout
+    from ntl_pretrain.parallel.layout import ParallelLayout
     from ntl_pretrain.numbers import NumberVocab
 
     out = tmp_path / "run"

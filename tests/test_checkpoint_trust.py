@@ -193,10 +193,11 @@ def test_weights_only_loads_override_deepspeeds_own_unsafe_calls(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- item 8
 def test_another_max_steps_stops_unless_the_schedule_choice_is_given(run, assets, tmp_path):
-    from ntl_pretrain.checkpoint import CheckpointManager, data_description, lr_schedule_description
+    from ntl_pretrain.checkpoint import CheckpointManager, lr_schedule_description
+    from ntl_pretrain.data import data_description
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.parallel_layout import ParallelLayout
-    from ntl_pretrain.ds_config import deepspeed_config
+    from ntl_pretrain.parallel.layout import ParallelLayout
+    from ntl_pretrain.trainer.ds_config import deepspeed_config
 
     out = _copy(run, tmp_path)
     saved = json.loads((out / "global_step3" / MANIFEST_NAME).read_text())

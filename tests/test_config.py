@@ -14,9 +14,9 @@ import yaml
 
 from helpers.launch import dry_run
 from ntl_pretrain.config import Config, ConfigError, help_text, iter_keys, load_config, to_dict, write_resolved
-from ntl_pretrain.ds_config import deepspeed_config, generated_deepspeed_config, resolve_run
+from ntl_pretrain.trainer.ds_config import deepspeed_config, generated_deepspeed_config, resolve_run
 from ntl_pretrain.cli import main, parse_args
-from ntl_pretrain.training_objective import Objective
+from ntl_pretrain.trainer.training_objective import Objective
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.fast
@@ -255,7 +255,7 @@ def test_dry_run_checks_eval_budgets_against_a_pretrained_models_positions(tmp_p
 
 
 def test_preflight_resolves_a_copy_once():
-    from ntl_pretrain.preflight import preflight
+    from ntl_pretrain.trainer.preflight import preflight
 
     cfg = load_config(REPO / "configs" / "demo.yaml")
     before = to_dict(cfg)

@@ -12,7 +12,7 @@ import pytest
 
 from ntl_pretrain.config import DataConfig, DataSourceConfig
 from ntl_pretrain.data import DataError, Mixture, PretrainingData
-from ntl_pretrain.model import train_digit_bpe
+from ntl_pretrain.tokenizer.run import train_digit_bpe
 
 pytestmark = pytest.mark.fast
 SEQ = 16
@@ -391,7 +391,7 @@ def _corpus_config(path: Path, *overrides: str):
 
 
 def test_generated_corpus_depends_only_on_its_settings_not_on_the_run_seed(tmp_path):
-    from ntl_pretrain.train import _prepare_assets
+    from ntl_pretrain.trainer.trainer import _prepare_assets
 
     for seed in (1, 2):  # two runs of one config with other data seeds, each the first to start
         _prepare_assets(_corpus_config(tmp_path / f"run{seed}" / "arith.jsonl", f"data.seed={seed}"))
@@ -413,7 +413,7 @@ def test_generated_corpus_depends_only_on_its_settings_not_on_the_run_seed(tmp_p
     ("data.sources.0.generate_options.text_share=0.0", "text_share 0.2 (this config: 0.0)"),
 ])
 def test_a_corpus_generated_with_other_settings_is_refused_never_reused(tmp_path, override, differ):
-    from ntl_pretrain.train import _prepare_assets
+    from ntl_pretrain.trainer.trainer import _prepare_assets
 
     path = tmp_path / "arith.jsonl"
     _prepare_assets(_corpus_config(path))
@@ -425,7 +425,7 @@ def test_a_corpus_generated_with_other_settings_is_refused_never_reused(tmp_path
 
 
 def test_a_corpus_without_settings_or_edited_since_is_refused(tmp_path):
-    from ntl_pretrain.train import _prepare_assets
+    from ntl_pretrain.trainer.trainer import _prepare_assets
 
     path = tmp_path / "arith.jsonl"
     _write_jsonl(path, ["1+1=2"] * 300)  # by hand, or by a version that wrote no settings
@@ -440,7 +440,7 @@ def test_a_corpus_without_settings_or_edited_since_is_refused(tmp_path):
 
 
 def test_generated_corpus_trains_completion_only(tokenizer, tmp_path):
-    from ntl_pretrain.train import _prepare_assets
+    from ntl_pretrain.trainer.trainer import _prepare_assets
 
     path = tmp_path / "arith.jsonl"
     _prepare_assets(_corpus_config(path, "data.sources.0.generate_options.text_share=0.0"))

@@ -15,7 +15,7 @@ import pytest
 
 from ntl_pretrain.config import DataConfig, DataSourceConfig
 from ntl_pretrain.data import DataError, PretrainingData
-from ntl_pretrain.model import train_digit_bpe
+from ntl_pretrain.tokenizer.run import train_digit_bpe
 
 SEQ = 16
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ import pytest
 
 from ntl_pretrain.config import load_config
 from ntl_pretrain.data import PretrainingData
-from ntl_pretrain.model import load_tokenizer, train_digit_bpe
+from ntl_pretrain.models.build import load_run_tokenizer as load_tokenizer
+from ntl_pretrain.tokenizer.run import train_digit_bpe
 from ntl_pretrain.numbers import DIGITS, NumberVocab
 from ntl_pretrain.tokenizer import split_digits
 from ntl_pretrain.tokenizer.coverage import DIGIT_LEVEL_SHARE, check_training_digits, first_samples

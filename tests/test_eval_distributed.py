@@ -154,6 +154,6 @@ def test_distributed_generation_matches_single_process(reference, tmp_path: Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ntl_pretrain import distributed
+    from ntl_pretrain.parallel import distributed
 
     distributed.run_process(lambda: worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

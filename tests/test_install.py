@@ -26,7 +26,7 @@ def _project_copy(root: Path) -> Path:
     """The project as a user's clone has it, with PROBE added to its requirements."""
     project = root / "project"
     project.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "constraints.txt"):
         shutil.copy2(REPO_ROOT / name, project / name)
     shutil.copytree(REPO_ROOT / "ntl_pretrain", project / "ntl_pretrain",
                     ignore=shutil.ignore_patterns("__pycache__"))

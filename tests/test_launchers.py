@@ -53,7 +53,7 @@ def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tm
                   env=_no_launcher_env(), timeout=TIMEOUT)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
         "error: train.resume='global_step9': no such checkpoint"), missing.stderr[-2000:]
-    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/log_filter.py
+    for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/runtime/log_filter.py
         assert noise not in alone.stdout + alone.stderr, noise
     reference = read_scalars(runs["deepspeed"] / "tensorboard")
     for name in ("torchrun", "alone"):
@@ -104,7 +104,7 @@ def test_a_busy_explicit_master_port_is_refused_before_any_rank_starts(assets, t
 
 
 def test_the_supported_ranges_are_pyprojects(monkeypatch):
-    from ntl_pretrain import versions
+    from ntl_pretrain.core import versions
 
     declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     for name, spec in versions.SUPPORTED.items():
@@ -115,7 +115,8 @@ def test_the_supported_ranges_are_pyprojects(monkeypatch):
 
 @pytest.mark.parametrize("name,fake", [("deepspeed", "0.20.1"), ("transformers", "4.56.2"), ("transformers", None)])
 def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monkeypatch, capsys, name, fake):
-    from ntl_pretrain import cli, versions
+    from ntl_pretrain import cli
+    from ntl_pretrain.core import versions
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda dist: fake if dist == name else real(dist))
@@ -128,6 +129,22 @@ def test_an_unsupported_library_version_is_named_with_the_supported_ranges(monke
     assert f"{name} {fake or '(not installed)'} installed" in lines[0]
     assert all(f"{dist}{spec}" in lines[0] for dist, spec in versions.SUPPORTED.items())
     assert "RANK" not in os.environ  # refused before a world of one is set up
+
+
+def test_untested_versions_run_with_a_warning_only_when_asked(monkeypatch, caplog):
+    """NTL_ALLOW_UNTESTED_VERSIONS=1 turns the refusal into one warning naming the version; unset (or another
+    value) it stays a refusal that names the variable."""
+    from ntl_pretrain.core import versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda dist: "5.99.0" if dist == "transformers" else real(dist))
+    monkeypatch.setenv("NTL_ALLOW_UNTESTED_VERSIONS", "yes")
+    with pytest.raises(versions.UnsupportedVersionError, match="NTL_ALLOW_UNTESTED_VERSIONS=1"):
+        versions.check_versions()
+    monkeypatch.setenv("NTL_ALLOW_UNTESTED_VERSIONS", "1")
+    with caplog.at_level("WARNING", logger="ntl_pretrain"):
+        versions.check_versions()
+    assert [r.getMessage() for r in caplog.records if "transformers 5.99.0 installed" in r.getMessage()], caplog.text
 
 
 def test_config_given_twice_and_a_bad_world_size_are_refused_in_one_line(monkeypatch, capsys, tmp_path):
@@ -164,3 +181,61 @@ def test_a_bad_cpu_process_count_is_refused_before_the_launcher_starts(tmp_path)
         assert result.stderr.strip().splitlines() == [
             f"error: NTL_CPU_PROCS='{procs}' is not a positive number of CPU processes; set NTL_CPU_PROCS=N (default 2)"]
         assert not (tmp_path / "run").exists()
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_one_line_and_reported_to_the_supervisor(monkeypatch, capfd, tmp_path):
+    """The race of issue 36: the port was free when it was checked (and chosen), another process took it before global
+    rank 0's store bound it (the first start compiles DeepSpeed's CPU op meanwhile). Rank 0 says so in one line,
+    names the port and the fix, writes nothing, and reports it to the supervisor, which starts again elsewhere."""
+    from ntl_pretrain import cli
+    from ntl_pretrain.runtime import launcher, lifecycle
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    supervisor_dir = tmp_path / "supervisor"
+    supervisor_dir.mkdir()
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), **{lifecycle.SUPERVISOR_DIR_ENV: str(supervisor_dir)})
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launcher, "check_rendezvous_port", lambda: None)  # the port was free when it was checked
+    monkeypatch.setattr(sys, "argv", ["launch/pretrain.sh"])
+    try:
+        code = cli.main(["--config", "configs/demo.yaml", f"train.output_dir={tmp_path / 'run'}",
+                         "train.dist_timeout_minutes=1"])
+    finally:
+        holder.close()
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(lines) == 1, lines
+    assert f"the rendezvous port {port} was taken by another process" in lines[0] and "--master_port N" in lines[0]
+    assert "another rank ended" not in lines[0] and "checkpoint" not in lines[0]
+    assert [p.name for p in supervisor_dir.iterdir()] == [f"{launcher.PORT_TAKEN_EVENT}.0.json"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_supervisor_starts_again_on_another_port_only_when_it_chose_the_port(monkeypatch, capsys):
+    """A taken port that the user did not name: the job starts again on a new free port (at most PORT_ATTEMPTS
+    starts); a port the user named, or a multi-node job, is never moved."""
+    from ntl_pretrain.runtime import supervisor
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    starts: list[list[str]] = []
+
+    def start(args):
+        starts.append(list(args))
+        return (2, True) if len(starts) == 1 else (0, False)
+
+    assert supervisor.run_with_port_retries(["--num_gpus", "2", "launch/pretrain.sh", "--config", "x"], start) == 0
+    assert len(starts) == 2 and starts[1][0] == "--master_port" and starts[1][1].isdigit(), starts
+    assert starts[1][2:] == starts[0], starts
+    assert "starting again on port" in capsys.readouterr().err
+    for named in (["--master_port", "23456"], ["--master_port=23456"], ["--hostfile", "hosts"]):
+        starts.clear()
+        assert supervisor.run_with_port_retries([*named, "launch/pretrain.sh"], start) == 2
+        assert len(starts) == 1, named
+    starts.clear()
+    always_taken = lambda args: (starts.append(args), (2, True))[1]  # noqa: E731
+    assert supervisor.run_with_port_retries(["launch/pretrain.sh"], always_taken) == 2
+    assert len(starts) == supervisor.PORT_ATTEMPTS

@@ -1,4 +1,4 @@
-"""The process lifecycle outside the step (ntl_pretrain/lifecycle.py): the run-folder lock, bounded start-up
+"""The process lifecycle outside the step (ntl_pretrain/runtime/lifecycle.py): the run-folder lock, bounded start-up
 waits, the TP size chosen for the world, errors printed once, DeepSpeed's compiled op per environment.
 
 The lock is held by a real second process (and then killed with SIGKILL); the start-up wait is a real
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from ntl_pretrain import distributed, lifecycle
+from ntl_pretrain.parallel import distributed
+from ntl_pretrain.runtime import lifecycle
 from ntl_pretrain.config import ConfigError, load_config
-from ntl_pretrain.lifecycle import RunLock, RunLockError
+from ntl_pretrain.runtime.lifecycle import RunLock, RunLockError
 
 from helpers.distributed import finish_ranks, free_port, start_ranks  # noqa: E402
 
@@ -32,7 +33,7 @@ DEMO = str(REPO / "configs" / "demo.yaml")
 
 
 def _hold_lock(folder: Path) -> subprocess.Popen:
-    script = ("import sys, time; from ntl_pretrain.lifecycle import RunLock\n"
+    script = ("import sys, time; from ntl_pretrain.runtime.lifecycle import RunLock\n"
               "lock = RunLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(600)\n")
     holder = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -193,7 +194,7 @@ def test_after_a_killed_build_local_rank_0_alone_decides_and_the_others_wait_for
 _STOPPED_BUILD_SCRIPT = """
 import subprocess, sys, time
 from pathlib import Path
-from ntl_pretrain import lifecycle
+from ntl_pretrain.runtime import lifecycle
 
 folder = Path(sys.argv[1])
 
@@ -243,7 +244,7 @@ def test_the_supervisor_ends_the_job_at_once_on_a_stop_before_any_rank_started(t
     a checkpoint at a step boundary; the job (here a stand-in runner) ends within seconds."""
     import psutil
 
-    script = ("import sys, tempfile\nfrom ntl_pretrain.supervisor import Supervisor\n"
+    script = ("import sys, tempfile\nfrom ntl_pretrain.runtime.supervisor import Supervisor\n"
               "sys.exit(Supervisor([sys.executable, '-c', 'import time; time.sleep(120)'], tempfile.mkdtemp()).run())")
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, text=True, stderr=subprocess.PIPE)
@@ -335,7 +336,7 @@ def test_an_error_of_every_rank_is_printed_once_before_the_communication_start_u
 
 
 def test_a_start_up_wait_that_never_ends_names_what_it_waited_for():
-    script = ("import time\nfrom ntl_pretrain.lifecycle import StartupWatchdog\n"
+    script = ("import time\nfrom ntl_pretrain.runtime.lifecycle import StartupWatchdog\n"
               "with StartupWatchdog(1.0, notice_s=0.3).waiting('global rank 0 to prepare the corpus'):\n"
               "    time.sleep(120)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
@@ -361,7 +362,7 @@ def test_a_finished_run_leaves_no_shared_memory_buffer(tmp_path):
 
 
 def test_a_one_node_job_gets_a_free_port_when_the_default_is_taken(monkeypatch):
-    from ntl_pretrain import supervisor
+    from ntl_pretrain.runtime import supervisor
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.setattr(supervisor, "DEEPSPEED_DEFAULT_HOSTFILE", "/nonexistent/hostfile")
@@ -387,7 +388,7 @@ _RUN_PROCESS_SCRIPT = """
 import atexit, sys
 import torch
 import torch.distributed as dist
-from ntl_pretrain.distributed import run_process
+from ntl_pretrain.parallel.distributed import run_process
 
 case = sys.argv[1]
 atexit.register(lambda: print("atexit ran", flush=True))
@@ -455,7 +456,7 @@ def test_run_lock_never_follows_a_link_nor_writes_into_a_shared_file(tmp_path):
 _PEER_SCRIPT = """
 import datetime, os, signal, sys
 import torch.distributed as dist
-from ntl_pretrain.distributed import run_process
+from ntl_pretrain.parallel.distributed import run_process
 
 case = sys.argv[1]
 
@@ -514,7 +515,7 @@ def test_a_folder_with_another_runs_checkpoints_is_refused_once_by_two_ranks(tmp
 def test_a_stop_signal_before_step_1_ends_the_process_at_once_and_later_one_waits_for_the_step_boundary():
     """No step has run during start-up, so a stop signal there ends the rank at once saying nothing is saved;
     once training starts the same signal is recorded for the next step boundary."""
-    script = ("import os, signal, time\nfrom ntl_pretrain.preemption import PreemptionHandler\n"
+    script = ("import os, signal, time\nfrom ntl_pretrain.trainer.preemption import PreemptionHandler\n"
               "handler = PreemptionHandler(['SIGTERM'], 60.0)\nhandler.install()\n"
               "if os.environ.get('TRAINING'):\n    handler.training_starts()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\n"

@@ -1,4 +1,4 @@
-"""ntl_pretrain/log_filter.py: the libraries' known-harmless output is dropped where it is raised (the real torch
+"""ntl_pretrain/runtime/log_filter.py: the libraries' known-harmless output is dropped where it is raised (the real torch
 deprecation, DeepSpeed's scheduler warning and op message, huggingface_hub's save line), other warnings of the same
 modules still show, and `verbose` keeps everything."""
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import free_port
-from ntl_pretrain import log_filter
+from ntl_pretrain.runtime import log_filter
 from ntl_pretrain.checkpoint.format import STAGING_SUFFIX
 
 pytestmark = pytest.mark.fast
@@ -109,7 +109,7 @@ def test_verbose_keeps_everything(filtered, monkeypatch):
 
 
 def test_the_launcher_runs_quietly_unless_verbose():
-    from ntl_pretrain.supervisor import with_quiet_launcher
+    from ntl_pretrain.runtime.supervisor import with_quiet_launcher
 
     args = ["--num_gpus", "2", "launch/pretrain.sh", "--config", "c.yaml"]
     assert with_quiet_launcher(args) == ["--log_level", "warning", *args]

@@ -353,7 +353,7 @@ def test_config_refuses_number_level_without_digit_level():
 def test_reweigh_defaults_differ_between_the_drop_in_and_ours_and_the_start_up_line_names_it(word_tokenizer):
     # ntloss's NTLoss (and our drop-in) reweigh by default; number_token_loss, ce_ntl_loss and the trainer do not
     from ntl_pretrain.config import LossConfig
-    from ntl_pretrain.training_objective import Objective
+    from ntl_pretrain.trainer.training_objective import Objective
 
     vocab = NumberVocab.from_tokenizer(word_tokenizer)
     logits, labels, _ = _batch(len(word_tokenizer), list(vocab.token_ids), seed=3)

@@ -1,4 +1,4 @@
-"""Every family of `ntl_pretrain.model_families.FAMILIES` on a tiny model of its own transformers config class
+"""Every family of `ntl_pretrain.models.families.FAMILIES` on a tiny model of its own transformers config class
 with its published features (`TINY`): the real Trainer's first step at T=1 and at T=2 (2 CPU ranks, ZeRO-3, NTL
 on, the default load: partitioned from the saved folder) has the CE, NTL, loss and gradient norm of plain
 transformers + ntloss in one process (at T=2 split as the family's own layer specs say, and exporting what T=1
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers.distributed import REPO, run_workers
-from ntl_pretrain.model_families import FAMILIES, family_problem
+from ntl_pretrain.models.families import FAMILIES, family_problem
 
 WORDS = ["[UNK]", "[PAD]", "</s>", "the", "answer", "is", "plus", "minus", "times", "equals", "7", "3", "0", "9",
          "1", "5", "2", "8", "4", "6", ".", ",", "apples", "cost", "and", "of", "to", "a", "we", "get", "so", "it"]
@@ -264,8 +264,8 @@ def test_dry_run_refuses_what_the_trainer_refuses_and_auto_picks_a_size_that_run
     """`--dry-run` at 2 processes gives the Trainer's refusal (the launches above) for each TP size, and
     parallel.tp_size=auto picks 2 only where T=2 runs with the default load."""
     from ntl_pretrain.config import ConfigError
-    from ntl_pretrain.ds_config import resolve_run
-    from ntl_pretrain.preflight import dry_run
+    from ntl_pretrain.trainer.ds_config import resolve_run
+    from ntl_pretrain.trainer.preflight import dry_run
 
     root = setup[0]
     for tp in TP_SIZES:
@@ -289,7 +289,7 @@ def test_published_state_dict_is_the_save_pretrained_layout_and_reloads(tmp_path
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from ntl_pretrain.model_families import published_state_dict
+    from ntl_pretrain.models.families import published_state_dict
 
     model = tiny_model(model_type)
     model.save_pretrained(tmp_path / "saved")
@@ -310,7 +310,7 @@ def test_published_state_dict_is_the_save_pretrained_layout_and_reloads(tmp_path
 
 
 def test_docs_table_is_the_registry():
-    from ntl_pretrain.model_families import families_table
+    from ntl_pretrain.models.families import families_table
 
     assert families_table() in (REPO / "docs" / "training.md").read_text(encoding="utf-8")
 
@@ -322,7 +322,7 @@ def test_a_config_json_transformers_refuses_is_one_line_naming_the_folder(tmp_pa
     from transformers import LlamaConfig
 
     from ntl_pretrain.config import ModelConfig
-    from ntl_pretrain.model import load_model_config
+    from ntl_pretrain.models.build import load_model_config
 
     good = LlamaConfig(vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=2).to_dict()

@@ -1,4 +1,4 @@
-"""Partitioned ZeRO-3 loading (`ntl_pretrain.model_loading`), 2 CPU ranks through real DeepSpeed.
+"""Partitioned ZeRO-3 loading (`ntl_pretrain.models.loading`), 2 CPU ranks through real DeepSpeed.
 
 The weights each rank ends up with, gathered after `deepspeed.initialize` (T=1: every parameter; AutoTP
 T=2: DeepSpeed's own 16-bit export, which gathers the TP slices), must be the ones in the safetensors
@@ -171,7 +171,7 @@ def test_from_scratch_build_is_partitioned_with_the_whole_builds_weights(t1_load
     the weights are those of the whole build (`build_model` without a DeepSpeed config) with the same seed (the
     launch's third job: the seed is the build's own, not the process's state after the two loads before it)."""
     from ntl_pretrain.config import ModelConfig
-    from ntl_pretrain.model import build_model
+    from ntl_pretrain.models.build import build_model
 
     _, result = t1_loads["scratch"]
     whole, report = build_model(ModelConfig(architecture=SCRATCH_ARCHITECTURE, dtype="fp32", attn_implementation="eager"),
@@ -227,7 +227,7 @@ def test_trainer_checkpoint_of_the_partitioned_load_exports_the_input(tmp_path, 
 
 
 def test_a_folder_without_safetensors_names_the_fix(tmp_path):
-    from ntl_pretrain.model_loading import safetensors_files
+    from ntl_pretrain.models.loading import safetensors_files
 
     with pytest.raises(ValueError, match="model.partitioned_load=false"):
         safetensors_files(str(tmp_path))
@@ -245,7 +245,7 @@ def test_a_damaged_download_is_named_before_the_model_is_built(tmp_path):
     """An index naming a shard that is absent, outside the folder or without the tensor; an index or a shard that
     is not JSON / cut short: one ValueError naming the file (before: FileNotFoundError, JSONDecodeError, KeyError
     or AttributeError from inside the build), raised by `safetensors_files`, which every rank calls first."""
-    from ntl_pretrain.model_loading import safetensors_files
+    from ntl_pretrain.models.loading import safetensors_files
 
     source = _save_model(tmp_path / "model", vocab=64, tied=False, max_shard_size="40KB")
     index = json.loads((source / "model.safetensors.index.json").read_text())
@@ -291,8 +291,8 @@ def test_an_untied_config_without_a_head_in_the_files_names_the_tie_setting(tmp_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ntl_pretrain.config import ModelConfig
-    from ntl_pretrain.model import build_model
-    from ntl_pretrain.model_loading.reading import TensorReader, file_keys, safetensors_files
+    from ntl_pretrain.models.build import build_model
+    from ntl_pretrain.models.loading.reading import TensorReader, file_keys, safetensors_files
 
     folder = _save_model(tmp_path / "model", vocab=64, tied=False)
     weights = _file_weights(folder)
@@ -320,7 +320,7 @@ def test_an_untied_config_without_a_head_in_the_files_names_the_tie_setting(tmp_
 
 
 def test_partitioned_load_applies_to_zero3_only():
-    from ntl_pretrain.model_loading import partitioned_load_applies
+    from ntl_pretrain.models.loading import partitioned_load_applies
 
     zero3 = {"zero_optimization": {"stage": 3}}
     assert partitioned_load_applies(zero3, 1)
@@ -334,7 +334,7 @@ def test_partitioned_load_applies_to_zero3_only():
 def test_tp_slice_reads_deepspeeds_layout_and_refuses_a_fused_one():
     from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
 
-    from ntl_pretrain.model_loading import _tp_slice
+    from ntl_pretrain.models.loading import _tp_slice
 
     row_parallel = torch.empty(48, 20, device="meta")
     setattr(row_parallel, DS_AUTOTP_UC_META, {"partition_dim": 1, "partition_sizes": (28, 20), "replicated": False})
@@ -349,7 +349,7 @@ def test_tp_slice_reads_deepspeeds_layout_and_refuses_a_fused_one():
 
 _HEAP_SCRIPT = """
 import torch
-from ntl_pretrain.model_loading.reading import heap_returned_to_os
+from ntl_pretrain.models.loading.reading import heap_returned_to_os
 
 def rss_mib():
     with open("/proc/self/status") as handle:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.fast
 
 SCRIPT = textwrap.dedent("""
     import shutil, sys, threading, time
-    from ntl_pretrain.monitor import Monitor, MonitorError
+    from ntl_pretrain.observability.monitor import Monitor, MonitorError
     run = sys.argv[1]
     monitor = Monitor(True, run + "/tensorboard", total_steps=10, progress_bar="never")
     monitor.log_step(1, {"train/loss": 1.0})

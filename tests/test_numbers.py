@@ -116,9 +116,9 @@ def test_added_tokens_that_hide_digits_are_refused_at_start_up(tmp_path, caplog)
     from transformers import AddedToken, AutoTokenizer
 
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.model import train_digit_bpe
-    from ntl_pretrain.preflight import number_vocab_for
-    from ntl_pretrain.training_objective import Objective
+    from ntl_pretrain.tokenizer.run import train_digit_bpe
+    from ntl_pretrain.trainer.preflight import number_vocab_for
+    from ntl_pretrain.trainer.training_objective import Objective
 
     train_digit_bpe([f"in {1990 + i} we sold {i * 7} apples" for i in range(40)], vocab_size=300,
                     out_dir=str(tmp_path / "tok"))

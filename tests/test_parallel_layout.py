@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ntl_pretrain.config import ConfigError
-from ntl_pretrain.parallel_layout import ParallelLayout, check_sequence_parallel
+from ntl_pretrain.parallel.layout import ParallelLayout, check_sequence_parallel
 
 pytestmark = pytest.mark.fast
 
@@ -85,7 +85,7 @@ def test_sequence_parallel_sizes_that_do_not_fit_are_refused(world: int, tp: int
 
 def test_sp_size_is_a_config_key_and_tp_beside_it_is_refused(tmp_path):
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.preflight import preflight
+    from ntl_pretrain.trainer.preflight import preflight
 
     cfg = load_config("configs/demo.yaml", [f"train.output_dir={tmp_path}", "parallel.sp_size=2"])
     assert cfg.parallel.sp_size == 2 and cfg.parallel.tp_size == "auto"  # auto: tp 1 beside sp

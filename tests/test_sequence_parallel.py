@@ -12,7 +12,7 @@ from ntl_pretrain.loss import NTLSettings
 from ntl_pretrain.loss.ntl import number_spans, term_positions
 from ntl_pretrain.loss.sequence_shard import SequenceShard, shard_number_spans, shard_term_positions
 from ntl_pretrain.numbers import NumberVocab
-from ntl_pretrain.sequence_parallel import check_sequence_split, shard_inputs
+from ntl_pretrain.parallel.ulysses import check_sequence_split, shard_inputs
 
 
 @pytest.mark.fast
@@ -84,7 +84,7 @@ def test_sequence_parallel_equals_one_process(world_size):
     ({"stage": 3, "reduce_scatter": False}, r"needs zero_optimization.reduce_scatter"),
 ])
 def test_deepspeed_configs_whose_averaging_is_not_undone_are_refused(zero, message):
-    from ntl_pretrain.sequence_parallel import check_deepspeed_config
+    from ntl_pretrain.parallel.ulysses import check_deepspeed_config
 
     with pytest.raises(ConfigError, match=message):
         check_deepspeed_config({"zero_optimization": zero}, 2)

@@ -21,8 +21,8 @@ import torch
 from helpers.distributed import run_workers
 from helpers.launch import DEMO, demo_overrides
 from helpers.sync_counter import SYNCING_OPS, SyncCounter
-from ntl_pretrain.supervisor import COMMAND_START_ENV
-from ntl_pretrain.throughput import peak_tflops_per_device
+from ntl_pretrain.runtime.supervisor import COMMAND_START_ENV
+from ntl_pretrain.observability.throughput import peak_tflops_per_device
 
 TIMEOUT = 400
 SEQ_LEN = 64

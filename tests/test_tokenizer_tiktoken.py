@@ -65,7 +65,7 @@ def test_tools_and_trainer_take_meta_llama3_tokenizer_model(tmp_path, capsys):
     import sys
 
     from ntl_pretrain.config import ModelConfig, TokenizerConfig
-    from ntl_pretrain.model import load_tokenizer as trainer_load_tokenizer
+    from ntl_pretrain.models.build import load_run_tokenizer as trainer_load_tokenizer
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import tokenizer as tool

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from helpers.models import tiny_llama
 from ntl_pretrain.config import load_config
-from ntl_pretrain.model import load_tokenizer
+from ntl_pretrain.models.build import load_run_tokenizer as load_tokenizer
 
 from test_tokenizer_families import all_digit_texts, build_spm
 from test_train_errors import _cli

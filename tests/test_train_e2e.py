@@ -20,7 +20,7 @@ import pytest
 from helpers.launch import demo_args, deepspeed_command, launch_env, run, run_ok
 from helpers.distributed import free_port
 from helpers.tensorboard import scalars as read_scalars, tensor_tags
-from ntl_pretrain.monitor import STEP_TAGS, VAL_TAGS
+from ntl_pretrain.observability.monitor import STEP_TAGS, VAL_TAGS
 
 TIMEOUT = 420  # a hang (a rank waiting on a dead one) fails the test instead of blocking the suite
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT)]

@@ -13,10 +13,11 @@ import torch
 
 from ntl_pretrain.config import load_config
 from ntl_pretrain.config.schema import ParallelConfig
-from ntl_pretrain.distributed import check_tp_divides, layout
-from ntl_pretrain.model import build_model, padded_vocab_size, train_digit_bpe
-from ntl_pretrain.preflight import check_output_dir, number_vocab_for
-from ntl_pretrain.training_objective import Objective
+from ntl_pretrain.parallel.distributed import check_tp_divides, layout
+from ntl_pretrain.models.build import build_model, padded_vocab_size
+from ntl_pretrain.tokenizer.run import train_digit_bpe
+from ntl_pretrain.trainer.preflight import check_output_dir, number_vocab_for
+from ntl_pretrain.trainer.training_objective import Objective
 from helpers.distributed import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

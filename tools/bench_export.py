@@ -65,7 +65,7 @@ def make_checkpoint(run_dir: str, arch: str, layers: int | None, tp_size: int) -
 
     from ntl_pretrain.checkpoint import CheckpointManager
     from ntl_pretrain.config.schema import CheckpointConfig
-    from ntl_pretrain.parallel_layout import ParallelLayout
+    from ntl_pretrain.parallel.layout import ParallelLayout
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

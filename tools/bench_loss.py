@@ -304,7 +304,7 @@ def _reset_peak_rss() -> bool:
 
 # ------------------------------------------------------------------------------------ parent
 def launch(args, mode: str, methods: list[str], vocab: int, tp: int) -> dict:
-    from ntl_pretrain.supervisor import free_port
+    from ntl_pretrain.runtime.supervisor import free_port
 
     port = free_port()
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--tokens", str(args.tokens), "--vocab", str(vocab),
@@ -392,7 +392,7 @@ def _loads(averages: tuple[float, ...]) -> str:
 
 
 def _write_json(path: str, document: dict) -> None:
-    from ntl_pretrain.fs import write_json_atomic
+    from ntl_pretrain.core.fs import write_json_atomic
 
     write_json_atomic(path, document, indent=1)
 
@@ -441,6 +441,6 @@ def _format_row(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain import distributed
+    from ntl_pretrain.parallel import distributed
 
     distributed.run_process(main)

@@ -5,7 +5,7 @@ CE + NTL on the sequence shard, backward, AdamW) at each sequence length, with s
 The model is configs/demo.yaml's architecture (Llama, hidden 128, 4 layers, 4 heads, 2 kv heads; `--hidden`
 and `--layers` make it larger), vocabulary `--vocab`, float32, sdpa attention, under DeepSpeed ZeRO-3 on CPU
 ranks (gloo), one micro-batch of one packed row per sequence-parallel group and sp processes (dp = 1), with the
-same functions the trainer calls (`ntl_pretrain.sequence_parallel`, `loss.sequence_shard`).
+same functions the trainer calls (`ntl_pretrain.parallel.ulysses`, `loss.sequence_shard`).
 
 Memory is the process's peak resident set (RSS, VmHWM, reset before the measured step: torch's CPU allocator
 keeps no statistics) above its RSS just before that step, on the step after one untimed warm-up step, with
@@ -60,7 +60,7 @@ def child(args) -> None:
     from ntl_pretrain.loss.normalize import StepCounts
     from ntl_pretrain.loss.sequence_shard import SequenceShard, shard_term_positions
     from ntl_pretrain.numbers import NumberVocab
-    from ntl_pretrain.sequence_parallel import register_ulysses_attention, shard_inputs
+    from ntl_pretrain.parallel.ulysses import register_ulysses_attention, shard_inputs
 
     torch.set_num_threads(args.threads)
     deepspeed.init_distributed("gloo")
@@ -126,7 +126,7 @@ def child(args) -> None:
 
 # ------------------------------------------------------------------------------------ parent
 def launch(args, seq_len: int, sp: int) -> dict:
-    from ntl_pretrain.launcher import free_port
+    from ntl_pretrain.runtime.launcher import free_port
 
     port = free_port()
     command = [sys.executable, __file__, "--child", "--seq-len", str(seq_len), "--sp", str(sp), "--steps",

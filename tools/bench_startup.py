@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from ntl_pretrain.supervisor import free_port  # noqa: E402
+from ntl_pretrain.runtime.supervisor import free_port  # noqa: E402
 
 SHARED_TOKENIZERS = "/work/shared/data/tokenizers"
 # Published configs (config.json on the hub), written out: Qwen/Qwen2.5-0.5B, HuggingFaceTB/SmolLM2-135M,
@@ -78,7 +78,7 @@ def make_model(folder: str, arch: str, dtype: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ntl_pretrain.model import DTYPES
+    from ntl_pretrain.models.build import DTYPES
 
     spec = dict(ARCHITECTURES[arch])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
@@ -113,8 +113,8 @@ def tokenizer_folder(arch: str, tmp: str) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import ntl_pretrain.engine as engine
-    import ntl_pretrain.train as train
+    import ntl_pretrain.trainer.engine as engine
+    import ntl_pretrain.trainer.trainer as train
     from ntl_pretrain.config import load_config
 
     figures = {"after_imports_rss_kib": status_kib("VmRSS")}
@@ -273,6 +273,6 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain import distributed
+    from ntl_pretrain.parallel import distributed
 
     distributed.run_process(main)

@@ -12,7 +12,7 @@ step time the trainer reports (its logging window) is that of the one step.
 
 `--zero-stage` and `--tp` set `parallel.zero_stage` and `parallel.tp_size` (the world size must be a
 multiple of the TP size). Model FLOP/s are estimated per token as the training log does
-(`ntl_pretrain/throughput.py`: 6 x parameters in matrix products + 12 x layers x hidden x seq_len, the PaLM
+(`ntl_pretrain/observability/throughput.py`: 6 x parameters in matrix products + 12 x layers x hidden x seq_len, the PaLM
 MFU convention); on a GPU MFU divides them by the devices' peak dense bf16/fp16 FLOP/s (the package's
 table of common GPUs, or `--peak-tflops` per device).
 `peak_memory_gib` is rank 0's peak over the whole run: `torch.cuda.max_memory_allocated` on a GPU, the
@@ -32,11 +32,11 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ntl_pretrain.config import load_config  # noqa: E402
-from ntl_pretrain.fs import write_json_atomic  # noqa: E402
-from ntl_pretrain import throughput  # noqa: E402
-from ntl_pretrain.monitor import memory_gib  # noqa: E402
-from ntl_pretrain.throughput import PEAK_TFLOPS  # noqa: E402,F401 (the table, also as bench_train.PEAK_TFLOPS)
-from ntl_pretrain.train import Trainer  # noqa: E402
+from ntl_pretrain.core.fs import write_json_atomic  # noqa: E402
+from ntl_pretrain.observability import throughput  # noqa: E402
+from ntl_pretrain.observability.monitor import memory_gib  # noqa: E402
+from ntl_pretrain.observability.throughput import PEAK_TFLOPS  # noqa: E402,F401 (the table, also as bench_train.PEAK_TFLOPS)
+from ntl_pretrain.trainer.trainer import Trainer  # noqa: E402
 
 def model_flops_per_token(trainer: Trainer) -> float:
     """Training FLOPs per token of the trainer's model (`throughput.model_flops_per_token`, as its log uses)."""

@@ -144,7 +144,7 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
         return model.eval(), tokenizer, f"{args.model} ({dtype}, 1 process)"
     import deepspeed
 
-    from ntl_pretrain.distributed import init_distributed
+    from ntl_pretrain.parallel.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
@@ -176,11 +176,12 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     """
     from deepspeed.accelerator import get_accelerator
 
-    from ntl_pretrain import distributed, launcher, lifecycle
+    from ntl_pretrain.parallel import distributed
+    from ntl_pretrain.runtime import launcher, lifecycle
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.model import load_tokenizer
-    from ntl_pretrain.preflight import check_output_dir, number_vocab_for, preflight
-    from ntl_pretrain.engine import build_engine
+    from ntl_pretrain.models.build import load_run_tokenizer
+    from ntl_pretrain.trainer.preflight import check_output_dir, number_vocab_for, preflight
+    from ntl_pretrain.trainer.engine import build_engine
 
     config_path = os.path.join(args.run, "config.yaml")
     if not os.path.isfile(config_path):
@@ -197,7 +198,7 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     cfg = checked.run.cfg
     distributed.init_distributed(cfg.train.dist_timeout_minutes)
     check_output_dir(cfg)  # every rank: the checkpoint's files checked in shares, the result agreed
-    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+    tokenizer = load_run_tokenizer(cfg.tokenizer, cfg.model)
     built = build_engine(cfg, checked.run.ds_config, tokenizer, number_vocab_for(cfg, checked.objective, tokenizer),
                          distributed.layout(cfg.parallel), resume_tag=tag)
     built.checkpoints.load(built.engine, built.load_tag)
@@ -220,13 +221,13 @@ def _notice(is_main: bool, text: str) -> None:
 
 
 def _write_json(path: str, data: Any) -> None:
-    from ntl_pretrain.fs import write_json_atomic
+    from ntl_pretrain.core.fs import write_json_atomic
 
     write_json_atomic(path, data, indent=1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ntl_pretrain.distributed import shutdown_distributed
+    from ntl_pretrain.parallel.distributed import shutdown_distributed
 
     try:
         return _evaluate(parse_args(sys.argv[1:] if argv is None else argv))
@@ -237,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from ntl_pretrain.config import ModelConfig
     from ntl_pretrain.eval.hooks import run_evaluation
-    from ntl_pretrain.model import load_model_config, max_positions
+    from ntl_pretrain.models.build import load_model_config, max_positions
 
     is_main = int(os.environ.get("RANK", "0")) == 0
     overridden = f", overridden by {' '.join(args.overrides)}" if args.overrides else ""
@@ -286,6 +287,6 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain import distributed
+    from ntl_pretrain.parallel import distributed
 
     distributed.run_process(main)

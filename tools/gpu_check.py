@@ -480,7 +480,7 @@ def _mean(values: list[float]) -> float:
 def training_process(spec: dict, records: Records) -> int:
     """Build the run's engine once (DeepSpeed ZeRO-3, 1 rank) and measure this process's parts on it."""
     from ntl_pretrain.config import load_config
-    from ntl_pretrain.train import Trainer
+    from ntl_pretrain.trainer.trainer import Trainer
 
     sizes = Sizes(**spec["sizes"])
     cfg = load_config(str(REPO / "configs" / "demo.yaml"),
@@ -785,6 +785,6 @@ def loss_bench(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from ntl_pretrain import distributed
+    from ntl_pretrain.parallel import distributed
 
     distributed.run_process(main)

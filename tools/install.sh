@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs ntl-pretrain (editable) and its dependencies.
-#   bash tools/install.sh [--dev] [--wheelhouse DIR]
+#   bash tools/install.sh [--dev] [--latest] [--wheelhouse DIR]
+# By default every package comes at the version in constraints.txt: the set the test suite passed with (CI installs
+# exactly this), so a new release of a dependency cannot change a fresh install under you. --latest drops the
+# constraints and installs the newest versions pyproject.toml allows (to try new releases; then run the tests).
 # --dev adds the test dependencies. --wheelhouse DIR installs offline from a folder of wheels only (no package
 # index is contacted): build that folder on a connected machine as docs/training.md ("Installing without
 # internet") shows.
@@ -9,17 +12,26 @@
 # (set TORCH_SPEC / PIP_EXTRA_INDEX_URL to choose another build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash tools/install.sh [--dev] [--wheelhouse DIR]"
+usage="usage: bash tools/install.sh [--dev] [--latest] [--wheelhouse DIR]"
 extras=""
 wheelhouse=""
+latest=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dev) extras="[dev]"; shift ;;
+        --latest) latest=1; shift ;;
         --wheelhouse) wheelhouse="${2:?--wheelhouse needs a folder of wheels; $usage}"; shift 2 ;;
         --wheelhouse=*) wheelhouse="${1#*=}"; shift ;;
         *) echo "error: unknown argument '$1'; $usage" >&2; exit 2 ;;
     esac
 done
+constraints=(-c constraints.txt)
+if [[ -n "$latest" ]]; then
+    constraints=()
+elif [[ ! -f constraints.txt ]]; then
+    echo "error: constraints.txt (the tested versions) is missing from $(pwd); restore it from git, or pass --latest" >&2
+    exit 2
+fi
 if [[ -n "$wheelhouse" ]]; then
     if ! ls "$wheelhouse"/*.whl >/dev/null 2>&1; then
         echo "error: --wheelhouse $wheelhouse holds no wheels (*.whl); build it on a connected machine as" \
@@ -28,15 +40,16 @@ if [[ -n "$wheelhouse" ]]; then
     fi
     offline=(--no-index --find-links "$(cd "$wheelhouse" && pwd)")
     # the editable install's build backend comes from the wheelhouse (or the environment), never an index
-    pip install -q "${offline[@]}" "setuptools>=68"
-    pip install -q "${offline[@]}" --no-build-isolation -e ".${extras}"
+    pip install -q "${offline[@]}" "${constraints[@]}" "setuptools>=68"
+    pip install -q "${offline[@]}" "${constraints[@]}" --no-build-isolation -e ".${extras}"
     exit 0
 fi
 if ! python -c "import torch" >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        pip install "${TORCH_SPEC:-torch}"
+        pip install "${constraints[@]}" "${TORCH_SPEC:-torch}"
     else
-        pip install "${TORCH_SPEC:-torch==2.13.0}"
+        tested_torch="$(sed -n 's/^torch==//p' constraints.txt 2>/dev/null)"
+        pip install "${constraints[@]}" "${TORCH_SPEC:-torch==${tested_torch:-2.13.0}}"
     fi
 fi
-pip install -q -e ".${extras}"
+pip install -q "${constraints[@]}" -e ".${extras}"

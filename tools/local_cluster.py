@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from ntl_pretrain.supervisor import free_port  # noqa: E402
+from ntl_pretrain.runtime.supervisor import free_port  # noqa: E402
 
 # binary -> the Debian package that provides it
 SSH_PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "pdsh": "pdsh"}

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
-from ntl_pretrain.fs import atomic_write  # noqa: E402
+from ntl_pretrain.core.fs import atomic_write  # noqa: E402
 
 DEFAULT_TAGS = (
     "train/ce", "train/ntl", "val/ce",

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ntl_pretrain.config import ConfigError, load_config  # noqa: E402
 from ntl_pretrain.data import DataError  # noqa: E402
 from ntl_pretrain.data.prepared import prepare_corpus  # noqa: E402
-from ntl_pretrain.model import load_tokenizer  # noqa: E402
+from ntl_pretrain.models.build import load_run_tokenizer  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_proc = args.num_proc or cfg.data.num_proc
         if num_proc < 1:
             raise ConfigError(f"--num-proc must be >= 1, got {num_proc}")
-        tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+        tokenizer = load_run_tokenizer(cfg.tokenizer, cfg.model)
         folders = prepare_corpus(cfg.data, tokenizer, args.out, num_proc)
     except FileExistsError as error:
         print(f"error: {error}; choose another --out or delete it", file=sys.stderr, flush=True)

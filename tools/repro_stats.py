@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ntl_pretrain.eval.metrics import arithmetic_scores
-from ntl_pretrain.fs import write_text_atomic
+from ntl_pretrain.core.fs import write_text_atomic
 
 SPLITS = ("interpolation", "extrapolation")
 METRICS = ("accuracy", "mae", "smape", "digit_accuracy", "parseable")

@@ -53,8 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ntl_pretrain.config import load_config  # noqa: E402
-from ntl_pretrain.fs import write_text_atomic  # noqa: E402
-from ntl_pretrain.supervisor import free_port  # noqa: E402
+from ntl_pretrain.core.fs import write_text_atomic  # noqa: E402
+from ntl_pretrain.runtime.supervisor import free_port  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 from repro_stats import (BEGIN_MARK, END_MARK, METRICS, OP_NAMES, SPLITS, compare, markdown, mean_std, paired, pairs_of,  # noqa: E402, F401

@@ -40,7 +40,7 @@ Modules (each imports only those above it):
 
 from .collective import run_on_main
 from .export import export_hf, write_hf_assets
-from .fingerprint import data_description, fingerprint, lr_schedule_description
+from .fingerprint import fingerprint, lr_schedule_description
 from .format import (HF_DIR, LATEST_NAME, MANIFEST_NAME, AgreedCheckpointError, CheckpointError, CheckpointInfo,
                      SavedLayout, UnsafeCheckpointError, folder_bytes, read_manifest, step_of_tag, tag_for_step)
 from .integrity import HASH_ALGORITHM, file_digest, hash_files, verify_checkpoint
@@ -52,7 +52,7 @@ from .universal import convert_to_universal, universal_path
 __all__ = [
     "HASH_ALGORITHM", "HF_DIR", "LATEST_NAME", "MANIFEST_NAME", "AgreedCheckpointError", "CheckpointError",
     "CheckpointInfo", "CheckpointManager", "SavedLayout", "UnsafeCheckpointError", "convert_to_universal",
-    "data_description", "export_hf", "file_digest", "fingerprint", "folder_bytes", "hash_files", "list_checkpoints",
+    "export_hf", "file_digest", "fingerprint", "folder_bytes", "hash_files", "list_checkpoints",
     "load_rng_state", "lr_schedule_description", "make_staging", "read_manifest", "remove_interrupted_saves",
     "remove_staging", "resolve_resume", "run_on_main", "safe_load", "step_of_tag", "tag_for_step", "universal_path",
     "verify_checkpoint", "weights_only_loads", "write_hf_assets",

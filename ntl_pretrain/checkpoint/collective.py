@@ -1,5 +1,5 @@
 """How the ranks share a checkpoint operation: global rank 0 acts while the others wait, the files are
-hashed or checked in shares, and an error on any rank is raised on every rank (`distributed.run_agreed`)
+hashed or checked in shares, and an error on any rank is raised on every rank (`core.agreement.run_agreed`)
 as an `AgreedCheckpointError`, so nobody waits in a collective for a rank that stopped.
 
 Every rank calls each function here at the same point.
@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..distributed import agree_on_error, run_agreed
+from ..core.agreement import agree_on_error, run_agreed
 from .format import AgreedCheckpointError, CheckpointError
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..fs import apply_umask_modes, commit_directory, is_full_disk, write_json_atomic
+from ..core.fs import apply_umask_modes, commit_directory, is_full_disk, write_json_atomic
 from .format import HF_DIR, STAGING_MARKER, STAGING_SUFFIX, CheckpointError, check_output_outside, folder_bytes
 from .integrity import verify_checkpoint
 from .safe_loading import safe_load

@@ -1,17 +1,16 @@
 """What a resume must find unchanged: the model, tokenizer and number vocabulary (`fingerprint`), the data
-configuration (`data_description`) and the learning-rate schedule (`lr_schedule_description`)."""
+configuration (`data.data_description`, compared here by `check_data`) and the learning-rate schedule
+(`lr_schedule_description`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
-import os
 from typing import Any
 
 import torch
 
+from ..core.hashing import short_sha as _sha
 from .format import CheckpointError
 
 logger = logging.getLogger("ntl_pretrain")
@@ -22,10 +21,6 @@ _VOLATILE_CONFIG_KEYS = frozenset({
     "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "_commit_hash",
     "output_attentions", "output_hidden_states", "return_dict", "_experts_implementation",
 })
-
-
-def _sha(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def model_fingerprint(model_config: Any) -> str:
@@ -76,40 +71,6 @@ def check_fingerprint(saved: dict, current: dict, where: str) -> None:
                 f"checkpoint {where} was saved with a different {what} than this run{detail}; fingerprint "
                 f"{saved[key]} != {current[key]}. Resume with the model and tokenizer it was trained with, or "
                 f"export it (tools/export_hf.py) and start a new run from the export in another train.output_dir")
-
-
-# data source keys newer than the first checkpoints: in a description only when not at their default
-SOURCE_KEYS_RECORDED_WHEN_SET = ("format", "prompt_template")
-
-
-def data_description(data_cfg: Any) -> dict:
-    """What a resume must find unchanged about the data: every key that decides which samples the stream
-    holds (sources with their weights and the files they resolve to, held-out documents, seq_len, seed),
-    not those that only decide how it is read (batch sizes, num_proc, cache_dir)."""
-    from ..data import DataError, resolve_files
-
-    sources = []
-    for index, source in enumerate(data_cfg.sources):
-        defaults = {f.name: f.default for f in dataclasses.fields(source)}
-        # keys added after checkpoints existed are recorded only when set, so a checkpoint written before
-        # them (which lacks them) still matches a source that leaves them at their defaults
-        entry = {k: v for k, v in dataclasses.asdict(source).items()
-                 if not (k in SOURCE_KEYS_RECORDED_WHEN_SET and v == defaults[k])}
-        try:
-            resolved = resolve_files(source, f"data.sources.{index}")
-        except DataError:
-            resolved = None  # reported by the data pipeline itself
-        if resolved is not None:
-            files = [(os.path.basename(f), os.path.getsize(f)) for f in resolved[1]]
-            entry["files"] = {"count": len(files), "bytes": sum(size for _, size in files), "names_and_sizes": _sha(files)}
-        sources.append(entry)
-    described = {"sources": sources, "seq_len": data_cfg.seq_len, "validation_documents": data_cfg.validation_documents,
-                 "mask_document_start": data_cfg.mask_document_start, "seed": data_cfg.seed}
-    # which documents are left out as too long decides the samples too (recorded when not the default)
-    limit = next(f.default for f in dataclasses.fields(data_cfg) if f.name == "max_document_chars")
-    if data_cfg.max_document_chars != limit:
-        described["max_document_chars"] = data_cfg.max_document_chars
-    return described
 
 
 def describe_changes(saved: Any, current: Any, prefix: str) -> str:

@@ -10,7 +10,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ..distributed import AgreedError
+from ..core.agreement import AgreedError
 
 MANIFEST_NAME = "ntl_checkpoint.json"
 LATEST_NAME = "latest"  # DeepSpeed's pointer file to the newest tag

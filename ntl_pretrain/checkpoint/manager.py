@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..fs import atomic_write, commit_directory, is_full_disk, is_short_write, write_text_atomic
+from ..core.fs import atomic_write, commit_directory, is_full_disk, is_short_write, write_text_atomic
 from .collective import agree, broadcast_from_main, run_on_main
 from .fingerprint import check_data, check_fingerprint, describe_changes, lr_text
 from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_MARKER,
@@ -147,7 +147,7 @@ class CheckpointManager:
     Args:
         cfg: the `checkpoint` section (keep_last, keep_every_n_steps, reshard_on_resume, ...).
         output_dir: the run folder.
-        layout: this run's `parallel_layout.ParallelLayout`.
+        layout: this run's `parallel.layout.ParallelLayout`.
         zero_stage: this run's ZeRO stage.
         run_fingerprint: `fingerprint(...)` of this run's model, tokenizer and number vocabulary.
         seed: train.seed (re-seeds RNGs when a resume changes the world size).

@@ -15,7 +15,7 @@ import time
 
 import torch.distributed as dist
 
-from ..fs import commit_directory, write_text_atomic
+from ..core.fs import commit_directory, write_text_atomic
 from .collective import is_collective
 from .format import (FORMAT_VERSION, HF_DIR, MANIFEST_NAME, STAGING_MARKER, STAGING_SUFFIX, UNIVERSAL_SUFFIX,
                      AgreedCheckpointError, CheckpointError, UnsafeCheckpointError, check_output_outside, file_sizes,

@@ -53,7 +53,7 @@ from .validation import (  # noqa: F401 (the package's API)
     ntl_settings,
     validate,
 )
-from .parsing import _build, _set_dotted, _validate_override_key, load_yaml
+from .parsing import _set_dotted, _validate_override_key, build, load_yaml
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -73,7 +73,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         seen[key] = text
         _validate_override_key(key)
         _set_dotted(tree, key, value)
-    config = _build(Config, tree)
+    config = build(Config, tree)
     validate(config)
     return config
 
@@ -119,6 +119,6 @@ def to_yaml(config: Config) -> str:
 
 def write_resolved(config: Config, directory: str, filename: str = "config.yaml") -> str:
     """Write the resolved configuration into the run folder (atomically)."""
-    from ..fs import write_text_atomic
+    from ..core.fs import write_text_atomic
 
     return write_text_atomic(os.path.join(directory, filename), to_yaml(config))

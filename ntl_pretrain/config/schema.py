@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..core.errors import ConfigError  # noqa: F401 (the config package's API)
 from ..eval.config import EvalConfig
 
 # The allowed values of every choice key, in one place: loading refuses any other value, naming these.
@@ -312,6 +313,3 @@ class Config:
     deepspeed: DeepSpeedSection = _doc("DeepSpeed JSON merge", default_factory=DeepSpeedSection)
     eval: EvalConfig = _doc("evaluation hooks (ntl_pretrain.eval)", default_factory=EvalConfig)
 
-
-class ConfigError(ValueError):
-    """A configuration a user wrote is invalid; the message names the key and the fix."""

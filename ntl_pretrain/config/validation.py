@@ -8,8 +8,11 @@ import os
 import signal
 from typing import Any
 
+from ..checkpoint.export import max_shard_bytes
+from ..checkpoint.format import CheckpointError, step_of_tag
 from ..eval.arithmetic import check_corpus_options
 from ..eval.config import check_corpus_digits
+from ..loss import NTLSettings
 from .parsing import get_key
 from .schema import Config, ConfigError, LossConfig, check_prompt_template
 
@@ -69,6 +72,12 @@ def validate(config: Config) -> None:
         raise ConfigError("validation is on (train.val_every_n_steps >= 0) but data.validation_documents=0; "
                           "hold out documents or set train.val_every_n_steps=-1")
     _check_ranges(config)
+    if config.train.max_steps > MAX_STEPS_LIMIT:
+        raise ConfigError(f"train.max_steps={config.train.max_steps} is more than {MAX_STEPS_LIMIT:.0e} steps (decades "
+                          f"at a step a second): give the number of optimizer steps to train, e.g. train.max_steps=1000")
+    if config.loss.ntl_weight >= NTL_WEIGHT_LIMIT:
+        raise ConfigError(f"loss.ntl_weight={config.loss.ntl_weight:g} must be < {NTL_WEIGHT_LIMIT:g} (the loss would "
+                          f"overflow in bf16/fp16 and cross-entropy vanish beside it); the paper uses 0.1-1, e.g. 0.3")
     if config.loss.chunk_tokens < 0:
         raise ConfigError(f"loss.chunk_tokens must be >= 0 (0 = full logits), got {config.loss.chunk_tokens}")
     if config.loss.ntl_on and config.loss.variant == "number_level" and not config.tokenizer.digit_level:
@@ -100,11 +109,17 @@ def validate(config: Config) -> None:
 def _check_run_folder(config: Config) -> None:
     """train.output_dir, train.resume and checkpoint.export_max_shard_size: what the checkpoint code would
     refuse only when it reads or exports a checkpoint (after the build, or after the whole run)."""
-    from ..checkpoint.export import max_shard_bytes
-    from ..checkpoint.format import CheckpointError, step_of_tag
-
-    if not config.train.output_dir.strip():
+    output_dir = config.train.output_dir
+    if not output_dir.strip():
         raise ConfigError("train.output_dir is empty; name the run folder, e.g. train.output_dir=runs/my_run")
+    if os.path.islink(output_dir) and not os.path.exists(output_dir):
+        raise ConfigError(f"train.output_dir={output_dir!r} is a symbolic link to {os.readlink(output_dir)!r}, which "
+                          f"does not exist: create that folder, or name a real folder for the run")
+    real = os.path.realpath(os.path.expanduser(output_dir))
+    if real in ("/", os.path.realpath(os.path.expanduser("~"))):
+        what = "the filesystem root" if real == "/" else "your home folder"
+        raise ConfigError(f"train.output_dir={output_dir!r} is {what}: the run writes and rotates checkpoint folders "
+                          f"in it; name a folder for this run, e.g. train.output_dir=runs/my_run")
     resume = config.train.resume
     if resume not in ("none", "auto") and step_of_tag(resume) is None:
         raise ConfigError(f"train.resume={resume!r} is not none, auto or a checkpoint tag inside train.output_dir "
@@ -124,6 +139,10 @@ def _check_run_folder(config: Config) -> None:
             raise ConfigError(f"checkpoint.export_dir={export_dir!r} {where} (train.output_dir="
                               f"{config.train.output_dir!r}), where the export would be refused after the run; "
                               f"leave it null (train.output_dir/hf_export) or name a folder beside the checkpoints")
+
+
+MAX_STEPS_LIMIT = 10**9  # a billion optimizer steps: more is a typo (and overflows schedules kept in floats)
+NTL_WEIGHT_LIMIT = 1e4  # lambda * NTL beside CE: above this the sum overflows fp16 and CE vanishes in bf16
 
 
 # (key, low, high or None, low allowed, high allowed, what it means): the range of every float key
@@ -158,8 +177,6 @@ def _check_ranges(config: Config) -> None:
 
 def ntl_settings(loss: LossConfig) -> Any:
     """The loss's `NTLSettings` from the loss section; its own checks as a ConfigError naming the keys."""
-    from ..loss import NTLSettings
-
     try:
         return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)

@@ -12,7 +12,8 @@ from typing import Any
 
 from ..config import DataConfig, DataSourceConfig
 from ..config.schema import PREPARED
-from .sources import PREPARED_MANIFEST, DataError, prepare_generated_corpus, resolve_files
+from ..core.fs import atomic_directory
+from .sources import PREPARED_MANIFEST, DataError, pack_in_memory, prepare_generated_corpus, resolve_files
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,6 @@ def prepare_corpus(cfg: DataConfig, tokenizer: Any, out_dir: str, num_proc: int)
     """Tokenize and pack every source of `cfg` (read whole, `num_proc` processes) into `out_dir/source-I`,
     each with its manifest; returns the folders. A folder is written under a temporary name and renamed
     when complete; an existing non-empty one is refused (FileExistsError)."""
-    from ..fs import atomic_directory
-    from .stream import pack_in_memory
-
     settings = run_settings(cfg, tokenizer)
     written = []
     for i, source in enumerate(cfg.sources):

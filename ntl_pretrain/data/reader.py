@@ -17,7 +17,7 @@ import os
 import zlib
 from typing import Any, Iterator
 
-from .sources import DataError
+from .errors import DataError
 
 Position = dict  # JSON-able: where a row starts
 Row = tuple[Any, Position, str]  # (the row: a dict, or a str saying why it is not one; its position; its place)
@@ -181,16 +181,12 @@ class LocalRows:
                     continue
                 if not text.strip():
                     continue
-                try:
-                    row, why = json.loads(text), None
-                except ValueError as error:
-                    row, why = None, f"not valid JSON ({error})"
+                row, why = json_row(text)
                 if number == 1 and text.lstrip().startswith("[") and (
-                        why or (isinstance(row, list) and any(isinstance(v, dict) for v in row))):
+                        (why and "not an object" not in why) or (isinstance(row, list) and any(isinstance(v, dict)
+                                                                                               for v in row))):
                     raise DataError(f"{path!r} is a JSON array, not JSON lines: a stream cannot seek in it; write it "
                                     f"one object a line (`jq -c '.[]' IN > OUT.jsonl`) or set streaming: false")
-                if why is None and not isinstance(row, dict):
-                    why = f"a JSON {type(row).__name__}, not an object"
                 yield (why or row), here, place
 
     def _parquet_rows(self, index: int, begin: Position) -> Iterator[Row]:
@@ -219,6 +215,44 @@ class LocalRows:
                 here = {"file": index, "path": os.path.basename(path), "group": group, "row": row_index}
                 yield rows[row_index], here, f"{path!r} row {before + row_index + 1}"
             before += len(rows)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:  # json.loads keeps the last value silently; datasets' reader fails on the whole file
+        raise ValueError(f"an object whose key {repeated[0]!r} appears twice")
+    return dict(pairs)
+
+
+def json_row(text: str) -> tuple[Any, str | None]:
+    """(the row, None) for a line of JSON lines holding one object with distinct keys, else (the parsed value or
+    None, why the line is not a row): not valid JSON, a key given twice, or JSON that is not an object."""
+    try:
+        row = json.loads(text, object_pairs_hook=_unique_keys)
+    except ValueError as error:
+        return None, f"not valid JSON ({error})" if "appears twice" not in str(error) else str(error)
+    if not isinstance(row, dict):
+        return row, f"a JSON {type(row).__name__}, not an object"
+    return row, None
+
+
+def first_bad_json_line(files: list[str]) -> tuple[str, int, str] | None:
+    """(file, line number, why) of the first non-blank line of the JSON-lines `files` that is not a row
+    (`json_row`), or None. Read only on an error path: it names the line a whole-file reader failed on."""
+    for path in files:
+        with open_data_file(path) as raw:
+            handle = _decompressed(raw, path)
+            for number, data in enumerate(handle, 1):
+                text = data.decode("utf-8-sig" if number == 1 else "utf-8", errors="replace")
+                if not text.strip():
+                    continue
+                if number == 1 and text.lstrip().startswith("["):
+                    break  # a .json file holding one array: datasets reads it whole
+                _, why = json_row(text)
+                if why is not None:
+                    return path, number, why
+    return None
 
 
 def _decode(data: bytes, path: str, line: int | str, first: bool) -> str:

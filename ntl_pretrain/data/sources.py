@@ -4,6 +4,7 @@ mask of prompt/completion sources)."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import logging
 import os
@@ -13,7 +14,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..config import DataSourceConfig
+from ..config import DataConfig, DataSourceConfig
+from .errors import DataError
+from .reader import first_bad_json_line
 from ..config.schema import CHAT_TEMPLATE, PREPARED, TOKENIZED
 
 logger = logging.getLogger(__name__)
@@ -26,10 +29,6 @@ INPUT_IDS, LOSS_MASK = "input_ids", "loss_mask"  # columns of a `format: tokeniz
 PREPARED_MANIFEST = "manifest.json"  # what tools/prepare_data.py writes beside a prepared corpus's samples
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
              ".jsonl.gz": "json", ".json.gz": "json"}
-
-
-class DataError(ValueError):
-    """A data source cannot be used; the message names the source key and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -113,6 +112,14 @@ def resolve_files(source: DataSourceConfig, key: str) -> tuple[str, list[str]] |
     elif _special_kind(path) is not None:
         raise DataError(f"{key}.path={source.path!r} is {_special_kind(path)}, not a file: the data must be read twice "
                         f"or more (checks, then training); write it to a file and point {key}.path there")
+    elif os.path.islink(path):
+        try:
+            os.stat(path)
+            why = "cannot be read"
+        except OSError as error:
+            why = ("is a symbolic link loop (it points back to itself through links)" if error.errno == errno.ELOOP
+                   else f"is a symbolic link to {os.readlink(path)!r}, which does not exist")
+        raise DataError(f"{key}.path={source.path!r} {why}; point {key}.path at the real file or folder")
     elif _looks_local(source.path):
         raise DataError(f"{key}.path={source.path!r}: no such file or folder (working directory {os.getcwd()}); "
                         f"fix the path, or use a hub dataset id")
@@ -331,6 +338,12 @@ def load_documents(source: DataSourceConfig, key: str, cache_dir: str | None) ->
         cause = _cause_of_type(error, UnicodeDecodeError)  # datasets wraps it in a DatasetGenerationError
         if cause is not None:
             raise _encoding_error(source, key, cause) from None
+        bad = first_bad_json_line(resolved[1]) if resolved and resolved[0] == "json" else None
+        if bad is not None:  # datasets names no line: find the first one that is not a JSON object
+            name, line, why = bad
+            raise DataError(f"{key}.path={source.path!r}: {name!r} line {line} is {why}; every line of a JSON-lines "
+                            f"file must be one object with distinct keys, e.g. {{\"text\": \"...\"}}: fix or remove "
+                            f"that line") from None
         raise DataError(f"cannot read {key}.path={source.path!r} ({type(error).__name__}: {error}); "
                         f"check that the files are valid {resolved[0] if resolved else 'dataset'} data") from None
     columns = documents.column_names
@@ -543,3 +556,28 @@ Sample = tuple[np.ndarray, "np.ndarray | None"]  # (seq_len + 1 tokens, their ta
 def _sample_of(row: dict) -> Sample:
     targets = row.get(TARGETS)
     return np.asarray(row[TOKENS]), None if targets is None else np.asarray(targets, dtype=bool)
+
+
+def pack_in_memory(cfg: DataConfig, source: Any, key: str, tokenizer: Any, num_proc: int) -> tuple[Any, Any]:
+    """(training samples, validation samples) of a source read whole: its usable rows, seeded-shuffled, the
+    first `validation_documents` held out, each part tokenized and packed (`num_proc` processes)."""
+    if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
+        check_chat_template(tokenizer, key)
+    documents = drop_unusable_rows(load_documents(source, key, cfg.cache_dir), source, key, cfg.max_document_chars)
+    n_val = cfg.validation_documents
+    if len(documents) <= n_val:
+        raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
+                        f"data.validation_documents={n_val}; lower data.validation_documents")
+    documents = documents.shuffle(seed=cfg.seed)
+    held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
+    try:
+        packed = pack_documents(training, tokenizer, source, cfg.seq_len, num_proc, f"packing {key}",
+                                cfg.max_document_chars)
+        held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, num_proc,
+                                     f"packing {key} (validation)", cfg.max_document_chars)
+    except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
+        raise _encoding_error(source, key, error) from None
+    if len(packed) == 0:
+        raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
+                        f"tokens after tokenization; add data or lower data.seq_len")
+    return packed, held_packed

@@ -11,11 +11,9 @@ import numpy as np
 import torch
 
 from ..config import DataConfig
-
-from ..config.schema import CHAT_TEMPLATE, PREPARED
+from ..config.schema import PREPARED
 from .prepared import load_prepared
-from .sources import (IGNORE_INDEX, DataError, Sample, _encoding_error, _sample_of, check_chat_template,
-                      completion_only, drop_unusable_rows, load_documents, pack_documents)
+from .sources import IGNORE_INDEX, DataError, Sample, _sample_of, pack_in_memory
 from .streamed import StreamedSource, open_stream
 
 logger = logging.getLogger(__name__)
@@ -100,31 +98,6 @@ class _MapSource:
             self._permutations = {epoch: np.random.default_rng([self.seed, self.index, epoch]).permutation(self.size)}
             permutation = self._permutations[epoch]
         return _sample_of(self.samples[int(permutation[position])])
-
-
-def pack_in_memory(cfg: DataConfig, source: Any, key: str, tokenizer: Any, num_proc: int) -> tuple[Any, Any]:
-    """(training samples, validation samples) of a source read whole: its usable rows, seeded-shuffled, the
-    first `validation_documents` held out, each part tokenized and packed (`num_proc` processes)."""
-    if source.prompt_template == CHAT_TEMPLATE and completion_only(source):
-        check_chat_template(tokenizer, key)
-    documents = drop_unusable_rows(load_documents(source, key, cfg.cache_dir), source, key, cfg.max_document_chars)
-    n_val = cfg.validation_documents
-    if len(documents) <= n_val:
-        raise DataError(f"{key}.path={source.path!r} has {len(documents)} documents, not more than "
-                        f"data.validation_documents={n_val}; lower data.validation_documents")
-    documents = documents.shuffle(seed=cfg.seed)
-    held_out, training = documents.select(range(n_val)), documents.select(range(n_val, len(documents)))
-    try:
-        packed = pack_documents(training, tokenizer, source, cfg.seq_len, num_proc, f"packing {key}",
-                                cfg.max_document_chars)
-        held_packed = pack_documents(held_out, tokenizer, source, cfg.seq_len, num_proc,
-                                     f"packing {key} (validation)", cfg.max_document_chars)
-    except UnicodeDecodeError as error:  # text the JSON reader passed through undecoded
-        raise _encoding_error(source, key, error) from None
-    if len(packed) == 0:
-        raise DataError(f"{key}.path={source.path!r} has fewer than data.seq_len + 1 = {cfg.seq_len + 1} "
-                        f"tokens after tokenization; add data or lower data.seq_len")
-    return packed, held_packed
 
 
 @dataclass

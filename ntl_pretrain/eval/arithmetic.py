@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ntl_pretrain.fs import atomic_write
+from ntl_pretrain.core.fs import atomic_write
 
 SPLITS = ("train", "interpolation", "extrapolation")
 BINARY_OPS = ("+", "-", "*")

@@ -11,11 +11,12 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from ntl_pretrain.core.fs import write_json_atomic
+from ntl_pretrain.core.typed_yaml import build_dataclass
 from ntl_pretrain.eval.benchmarks import BENCHMARKS, Benchmark, InputChecks
 from ntl_pretrain.eval.benchmarks.arithmetic import ARITHMETIC_PROMPT_FORMATS, ArithmeticPromptFormat  # noqa: F401
 from ntl_pretrain.eval.benchmarks.base import check_at_least, setting
 from ntl_pretrain.eval.benchmarks.gsm8k import GSM8K_VARIANTS  # noqa: F401  (both: the names this module had)
-from ntl_pretrain.fs import write_json_atomic
 
 # The run's evaluation settings, written into every checkpoint's hf/ folder (and so into its export), so that
 # tools/evaluate.py --model EXPORT evaluates as the run did.
@@ -125,15 +126,13 @@ EvalConfig = eval_config_class(BENCHMARKS)
 def eval_config_from_dict(values: dict[str, Any], where: str = "eval") -> EvalConfig:
     """An EvalConfig from a mapping; an unknown key is an error naming the nearest valid one, and every value is
     type-checked as the trainer's config checks `eval.*` (`arithmetic_n=1.5` or `true` is refused, not used)."""
-    from ntl_pretrain.config.parsing import _build  # the run config's typed build; imported here (config imports us)
-
     names = [f.name for f in dataclasses.fields(EvalConfig)]
     for key in values:
         if key not in names:
             nearest = difflib.get_close_matches(str(key), names, n=1, cutoff=0.0)
             raise ValueError(f"unknown evaluation setting {key!r} in {where}; did you mean {nearest[0]!r}? "
                              f"Valid keys: {', '.join(names)}")
-    return _build(EvalConfig, dict(values), "eval.")
+    return build_dataclass(EvalConfig, dict(values), "eval.")
 
 
 def save_eval_settings(folder: str, cfg: EvalConfig) -> str:

@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence, get_args
 
+from ..core.typed_yaml import load_yaml  # duplicate keys and alias bombs refused as in a run's config
+
 FILTERS = ("strict-match", "flexible-extract")
 _STRICT = {"gsm8k": re.compile(r"#### (\-?[0-9\.\,]+)"),
            "gsm8k_cot": re.compile(r"The answer is (\-?[0-9\.\,]+).")}
@@ -223,8 +225,6 @@ def load_cot_exemplars(source: str = "lm_eval") -> tuple[tuple[str, str], ...]:
     if not os.path.isfile(path):
         raise ValueError(f"eval.gsm8k_cot_exemplars={source!r} is neither 'lm_eval', 'project' nor an existing file")
     import yaml
-
-    from ..config.parsing import load_yaml  # duplicate keys and alias bombs refused as in a run's config
 
     try:
         with open(path, encoding="utf-8") as handle:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ntl_pretrain.eval.benchmarks import EvalContext
 from ntl_pretrain.eval.benchmarks.base import is_writer_rank
 from ntl_pretrain.eval.config import EvalConfig
-from ntl_pretrain.fs import atomic_write
+from ntl_pretrain.core.fs import atomic_write
 
 
 def predictions_path(output_dir: str, step: int) -> str:

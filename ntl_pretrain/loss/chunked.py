@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, NumberSpans
 from .objective import ObjectiveSums, check_loss_inputs, check_on_host, sums_from_stats
 from .parallel import NumberColumns, ShardStats, compute_dtype, reduce_shard_rows

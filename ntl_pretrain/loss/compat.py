@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, distance_table, max_distance
 from .objective import ntl_with_settings
 from .parallel import shard_reductions

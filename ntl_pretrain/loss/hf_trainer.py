@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 from .ntl import NTLSettings
 from .objective import ce_ntl_sums, safe_mean
 from .shard import VocabShard, vocab_shard_of

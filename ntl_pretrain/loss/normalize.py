@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, term_positions
 from .sequence_shard import SequenceShard, shard_term_positions
 from .objective import ObjectiveSums

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 
 VARIANTS = ("was", "mse", "mae", "huber", "number_level")
 TOKEN_LEVEL_VARIANTS = ("was", "mse", "mae", "huber")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, NumberSpans, ntl_terms
 from .parallel import ShardStats, shard_reductions
 from .shard import VocabShard

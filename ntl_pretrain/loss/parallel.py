@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 from .shard import VocabShard, group_size
 
 

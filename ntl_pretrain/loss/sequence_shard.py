@@ -1,4 +1,4 @@
-"""CE + NTL on one sequence shard (Ulysses sequence parallelism, `ntl_pretrain/sequence_parallel.py`).
+"""CE + NTL on one sequence shard (Ulysses sequence parallelism, `ntl_pretrain/parallel/ulysses.py`).
 
 Under sequence parallelism the `sp` ranks of a group hold the same packed rows `[B, S]` and each computes the
 logits of its own slice of the sequence, positions `[r * S / sp, (r + 1) * S / sp)`. CE and every token-level
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..numbers import NumberVocab
+from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, NumberSpans, number_spans, term_positions
 
 

@@ -24,7 +24,7 @@ from typing import Iterable
 from tokenizers import Encoding
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ntl_pretrain.numbers import DIGITS
+from ntl_pretrain.core.numbers import DIGITS
 
 ASCII_DIGITS = frozenset(DIGITS)
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ntl_pretrain.numbers import DIGITS, NumberVocab
+from ntl_pretrain.core.numbers import DIGITS, NumberVocab
 from ntl_pretrain.tokenizer.analysis import digit_split_problems, encode_plain, token_digits
 from ntl_pretrain.tokenizer.split_digits import describe_pipeline, tokenizer_family
 

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ..fs import atomic_directory
+from ..core.fs import atomic_directory
 from .tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe, load_tiktoken_file
 
 # Files whose presence makes a folder a tokenizer folder (transformers' own file names).

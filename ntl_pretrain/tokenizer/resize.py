@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ntl_pretrain.numbers import DIGITS, NumberVocab
+from ntl_pretrain.core.numbers import DIGITS, NumberVocab
 
 DIGIT_SPELLINGS = ("Ġ{}", "▁{}", " {}", "##{}", "{}</w>")
 INIT_METHODS = ("mean", "model")
@@ -103,7 +103,7 @@ def _digit_sources(tokenizer, token_ids: Iterable[int], usable) -> dict[int, int
 @dataclass
 class RowPlan:
     """Which rows a vocabulary resize adds and how "mean" initialises them (shared by the in-memory resize
-    and the partitioned ZeRO-3 load, `model_loading`)."""
+    and the partitioned ZeRO-3 load, `models.loading`)."""
 
     old_rows: int
     new_rows: int

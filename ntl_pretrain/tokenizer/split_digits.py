@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from tokenizers import Tokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ntl_pretrain.numbers import DIGITS, NumberVocab
+from ntl_pretrain.core.numbers import DIGITS, NumberVocab
 from ntl_pretrain.tokenizer.analysis import VerificationReport, digit_split_problems, verify_conversion
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS, read_corpus
 from ntl_pretrain.tokenizer.loading import (atomic_output_dir, check_output_dir, load_tokenizer, save_verbatim,

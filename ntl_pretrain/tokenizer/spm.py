@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import sentencepiece
 
-from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.core.numbers import NumberVocab
 from ntl_pretrain.tokenizer.analysis import CheckResult
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS, iter_corpus_lines, read_corpus
 from ntl_pretrain.tokenizer.loading import (SENTENCEPIECE_MODEL, atomic_output_dir, check_output_dir, load_tokenizer,

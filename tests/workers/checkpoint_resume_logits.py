@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import distributed
+from ntl_pretrain.parallel import distributed
 from ntl_pretrain.config import load_config
-from ntl_pretrain.train import Trainer
+from ntl_pretrain.trainer.trainer import Trainer
 
 TEXT = "12 + 345 = 357. The answer is 4096 and 17 - 9 = 8."
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.distributed import tp_groups_from_args  # noqa: E402
 from helpers.numeric import relative_error  # noqa: E402
-from ntl_pretrain import distributed  # noqa: E402
+from ntl_pretrain.parallel import distributed  # noqa: E402
 from ntl_pretrain.loss import NTLSettings, VocabShard, ce_ntl_sums  # noqa: E402
 from ntl_pretrain.loss.chunked import chunked_ce_ntl_sums  # noqa: E402
 from ntl_pretrain.numbers import NumberVocab  # noqa: E402

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from trainer_step import fixed_batch
 
-from ntl_pretrain import distributed, engine
+from ntl_pretrain.parallel import distributed
+from ntl_pretrain.trainer import engine
 from ntl_pretrain.checkpoint import export_hf
 from ntl_pretrain.config import load_config
-from ntl_pretrain.train import Trainer
+from ntl_pretrain.trainer.trainer import Trainer
 
 
 def split_parameters(model: torch.nn.Module) -> list[str]:

@@ -25,8 +25,8 @@ import torch
 from transformers import AutoTokenizer
 
 from ntl_pretrain.config import ModelConfig
-from ntl_pretrain import distributed
-from ntl_pretrain.model import build_model
+from ntl_pretrain.parallel import distributed
+from ntl_pretrain.models.build import build_model
 
 
 def _held(model: torch.nn.Module) -> dict[str, int]:

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ntl_pretrain.checkpoint import CheckpointError, CheckpointManager, fingerprint
 from ntl_pretrain.checkpoint import manager, universal
 from ntl_pretrain.config import CheckpointConfig
-from ntl_pretrain.parallel_layout import ParallelLayout
+from ntl_pretrain.parallel.layout import ParallelLayout
 from ntl_pretrain.numbers import NumberVocab
 
 FAILURE = "injected conversion failure"

@@ -27,14 +27,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.models import char_tokenizer, tiny_llama_config  # noqa: E402
 from helpers.numeric import relative_error  # noqa: E402
-from ntl_pretrain import distributed  # noqa: E402
+from ntl_pretrain.parallel import distributed  # noqa: E402
 from ntl_pretrain.loss import (NTLSettings, ce_ntl_sums, chunked_model_ce_ntl_sums,  # noqa: E402
                                scaled_micro_batch_loss)
 from ntl_pretrain.loss.normalize import StepCounts  # noqa: E402
 from ntl_pretrain.loss.sequence_shard import shard_number_spans, shard_term_positions  # noqa: E402
 from ntl_pretrain.numbers import NumberVocab  # noqa: E402
 from ntl_pretrain.eval.generate import greedy_generate  # noqa: E402
-from ntl_pretrain.sequence_parallel import register_ulysses_attention, shard_inputs  # noqa: E402
+from ntl_pretrain.parallel.ulysses import register_ulysses_attention, shard_inputs  # noqa: E402
 
 SEQ_LEN = 24
 # Rows of the global batch; with sp=2 the boundary falls between labels 11 and 12 (text characters 12 and 13),

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import distributed
+from ntl_pretrain.parallel import distributed
 from ntl_pretrain.config import load_config
-from ntl_pretrain.train import Trainer, TrainingDiverged
+from ntl_pretrain.trainer.trainer import Trainer, TrainingDiverged
 
 
 def weight_tensors(trainer: Trainer) -> list[torch.Tensor]:

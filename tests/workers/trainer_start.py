@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-import ntl_pretrain.engine as engine
-import ntl_pretrain.train as train
-from ntl_pretrain import distributed
+import ntl_pretrain.trainer.engine as engine
+import ntl_pretrain.trainer.trainer as train
+from ntl_pretrain.parallel import distributed
 from ntl_pretrain.config import load_config
 
 HELD: dict[str, int] = {}

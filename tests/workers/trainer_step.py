@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import distributed
+from ntl_pretrain.parallel import distributed
 from ntl_pretrain.config import load_config
 from ntl_pretrain.data import MicroBatch
-from ntl_pretrain.train import Trainer
+from ntl_pretrain.trainer.trainer import Trainer
 
 
 def fixed_batch(trainer: Trainer, batch: dict):

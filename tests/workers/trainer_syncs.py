@@ -24,9 +24,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.sync_counter import SyncCounter  # noqa: E402
 
-from ntl_pretrain import distributed  # noqa: E402
+from ntl_pretrain.parallel import distributed  # noqa: E402
 from ntl_pretrain.config import load_config  # noqa: E402
-from ntl_pretrain.train import Trainer  # noqa: E402
+from ntl_pretrain.trainer.trainer import Trainer  # noqa: E402
 
 
 def count_case(out_file: Path, steps: int, config: str, overrides: list[str]) -> None:

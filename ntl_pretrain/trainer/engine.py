@@ -8,12 +8,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpoint import CheckpointManager, fingerprint
-from .config import Config
+from ..checkpoint import CheckpointManager, fingerprint
+from ..config import Config
+from ..core.numbers import NumberVocab
+from ..models.build import ModelReport, build_model
+from ..parallel.ulysses import UlyssesAttention, register_ulysses_attention, release_ulysses_attention
 from .ds_config import resumed_deepspeed_config
-from .model import ModelReport, build_model
-from .numbers import NumberVocab
-from .sequence_parallel import UlyssesAttention, register_ulysses_attention, release_ulysses_attention
 
 logger = logging.getLogger("ntl_pretrain")
 

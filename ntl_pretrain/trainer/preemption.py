@@ -15,7 +15,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from .checkpoint.format import CheckpointError
+from ..checkpoint.format import CheckpointError
 
 logger = logging.getLogger("ntl_pretrain")
 

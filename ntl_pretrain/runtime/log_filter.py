@@ -8,7 +8,7 @@ library still shows. What is filtered (docs/training.md, "Launching", lists the 
 - DeepSpeed's "Attempting to get learning rate from scheduler before it has started" (its schedulers start at
   iteration -1; the trainer steps them to 1 before the first step);
 - DeepSpeed's "DeepSpeed ...deepspeed_shm_comm_op built successfully", printed on every start although the op is
-  compiled once (the trainer announces the compile itself: ntl_pretrain/lifecycle.py);
+  compiled once (the trainer announces the compile itself: ntl_pretrain/runtime/lifecycle.py);
 - huggingface_hub's "Model weights successfully saved to ...partial!" (the export's staging folder; the trainer
   says where the export landed);
 - the untitled progress bars of DeepSpeed's universal-checkpoint conversion (the trainer logs the conversion);

@@ -15,7 +15,7 @@ DeepSpeed's compiled CPU op and shared-memory buffers, and what a rank tells the
 - `remove_own_shm_buffer`: DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm and never
   unlinks it; once every rank has mapped all of them (after the first collective) each rank unlinks its
   own, so the memory is freed when the job ends, however it ends.
-- `report_to_supervisor`: when `bash launch/pretrain.sh` started the job (ntl_pretrain/supervisor.py),
+- `report_to_supervisor`: when `bash launch/pretrain.sh` started the job (ntl_pretrain/runtime/supervisor.py),
   each rank registers its pid (so a stop signal can be forwarded to it) and how it ended.
 """
 
@@ -38,12 +38,12 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from .fs import write_json_atomic
+from ..core.fs import write_json_atomic
 
 logger = logging.getLogger("ntl_pretrain")
 
 LOCK_NAME = ".run.lock"
-SUPERVISOR_DIR_ENV = "NTL_SUPERVISOR_DIR"  # set by ntl_pretrain/supervisor.py for the ranks it starts
+SUPERVISOR_DIR_ENV = "NTL_SUPERVISOR_DIR"  # set by ntl_pretrain/runtime/supervisor.py for the ranks it starts
 SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed csrc/cpu/comm/shm.cpp: <prefix>_<uid>_<addr>_<port>_<rank>
 
 
@@ -397,7 +397,7 @@ def remove_own_shm_buffer() -> None:
 
 # ---------------------------------------------------------------------------------------------- the wrapper
 def report_to_supervisor(event: str, **fields: object) -> None:
-    """Tell `ntl_pretrain.supervisor` (when it started this job) about this rank: `started` (its pid, so
+    """Tell `ntl_pretrain.runtime.supervisor` (when it started this job) about this rank: `started` (its pid, so
     stop signals reach it) or `done` (it ended cleanly, with why). No-op otherwise."""
     folder = os.environ.get(SUPERVISOR_DIR_ENV)
     if not folder or not os.path.isdir(folder):

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .loss.sequence_shard import SequenceShard
+from ..config import ConfigError
+from ..loss.sequence_shard import SequenceShard
 
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -35,8 +36,6 @@ def check_sequence_split(sp_size: int, seq_len: int | None = None, attention_hea
     """Raise (ConfigError) naming the keys when `sp_size` cannot split this sequence or these heads: Ulysses
     needs `seq_len % sp == 0`, `heads % sp == 0`, and kv heads a multiple or a divisor of sp (DeepSpeed
     replicates kv heads when sp exceeds them)."""
-    from .config import ConfigError
-
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
         raise ConfigError(f"parallel.sp_size must be a positive integer, got {sp_size!r}")
     if sp_size == 1:
@@ -63,8 +62,6 @@ def check_deepspeed_config(ds_config: dict, sp_size: int) -> None:
     ZeRO-3 without it and ZeRO 0-2 by dp = (dp x sp) / sp (`__avg_scatter_contiguous_grads`, `allreduce_bucket`).
     The trainer multiplies back by dp x sp (`ParallelLayout.grad_average_size`), measured against plain
     transformers in tests/test_sequence_parallel.py, so only the first path is accepted."""
-    from .config import ConfigError
-
     if sp_size == 1:
         return
     zero = ds_config.get("zero_optimization", {})

@@ -1,6 +1,7 @@
 """Files and folders the project writes: complete or absent (temporary name, fsync, rename), with the
 permissions the user's umask gives (`tempfile.mkstemp`/`mkdtemp` make 0600/0700, which teammates on a
-shared file system cannot read), and an early check that a folder can be written at all.
+shared file system cannot read), an early check that a folder can be written at all, and a user's path told
+apart from a Hugging Face Hub id (`local_or_hub`).
 """
 
 from __future__ import annotations
@@ -191,3 +192,20 @@ def is_short_write(error: BaseException) -> bool:
 def is_full_disk(error: BaseException, free_bytes: int) -> bool:
     """Whether a failed write is a full disk (or quota): ENOSPC/EDQUOT, or a short write with almost no space left."""
     return getattr(error, "errno", None) in DISK_FULL_ERRNOS or (is_short_write(error) and free_bytes < LOW_SPACE_BYTES)
+
+
+def local_or_hub(source: str, key: str) -> str:
+    """`source` with `~` expanded, or an error when it is clearly a missing local path.
+
+    A Hub id is "name" or "org/name"; an absolute or ./ path, one with several "/", or one whose first
+    component is a local folder ("runs/tok" with ./runs present) is a path the user meant.
+    """
+    expanded = os.path.expanduser(source)
+    if os.path.exists(expanded):
+        return expanded
+    first = expanded.split("/", 1)[0]
+    if (os.path.isabs(expanded) or source.startswith((".", "~")) or expanded.count("/") > 1
+            or ("/" in expanded and os.path.isdir(first))):
+        raise ValueError(f"{key}={source!r} does not exist (no such file or folder; working directory "
+                         f"{os.getcwd()}); fix the path, or give a Hugging Face Hub id")
+    return source

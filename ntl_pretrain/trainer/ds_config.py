@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import distributed
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
+from ..parallel import distributed
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def generated_deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
     if cfg.parallel.tp_size > 1:
         ds["tensor_parallel"] = {"autotp_size": cfg.parallel.tp_size, "vocab_parallel_lm_head": True}
     if cfg.parallel.sp_size > 1:
-        ds["sequence_parallel_size"] = cfg.parallel.sp_size  # Ulysses (sequence_parallel.py)
+        ds["sequence_parallel_size"] = cfg.parallel.sp_size  # Ulysses (parallel/ulysses.py)
     return ds
 
 

@@ -21,7 +21,7 @@ exiting 1. So:
 - A one-node job that names no port gets a free one when DeepSpeed's default (29500) is taken, so two runs
   can share a machine; a port it names that another process holds is refused before any rank starts.
 
-Usage: `python -m ntl_pretrain.supervisor [deepspeed launcher args] script [script args]`.
+Usage: `python -m ntl_pretrain.runtime.supervisor [deepspeed launcher args] script [script args]`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 from . import log_filter
-from .launcher import LauncherError, busy_port_message, free_port, port_is_free
+from .launcher import PORT_TAKEN_EVENT, LauncherError, busy_port_message, free_port, port_is_free
 from .lifecycle import SUPERVISOR_DIR_ENV
 
 __all__ = ["Supervisor", "free_port", "main", "with_free_master_port", "with_quiet_launcher"]
@@ -210,19 +210,30 @@ DEFAULT_MASTER_PORT = 29500  # DeepSpeed's runner's default (torch's TORCH_DISTR
 DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"  # the runner goes multi-node when this exists
 
 
+def launcher_args(args: list[str]) -> list[str]:
+    """The arguments of DeepSpeed's launcher: those before the training script (what follows are its own)."""
+    launcher: list[str] = []
+    for arg in args:
+        if arg.endswith((".sh", ".py")) and not (launcher and launcher[-1] in ("--hostfile", "-H")):
+            break
+        launcher.append(arg)
+    return launcher
+
+
+def is_multi_node(launcher: list[str]) -> bool:
+    """Whether DeepSpeed's runner goes multi-node: a hostfile or master address given, or its default hostfile."""
+    names = [a.split("=")[0] for a in launcher]
+    return any(n in ("--hostfile", "-H", "--master_addr") for n in names) or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE)
+
+
 def with_free_master_port(args: list[str], default_port: int = DEFAULT_MASTER_PORT) -> list[str]:
     """The launcher arguments, checked before any rank starts: on a one-node job, a port the user chose
     (`--master_port`) that another process holds is refused in one line (LauncherError), and when
     none is chosen and the default is taken, `--master_port` of a free port is prepended (a second run on the
     machine would otherwise die in the rendezvous with EADDRINUSE). Multi-node jobs are left as they are: the
     port is on the master node, which every node must agree on."""
-    launcher = []
-    for arg in args:
-        if arg.endswith((".sh", ".py")) and not (launcher and launcher[-1] in ("--hostfile", "-H")):
-            break  # the training script: what follows is its own arguments
-        launcher.append(arg)
-    names = [a.split("=")[0] for a in launcher]
-    if any(n in ("--hostfile", "-H", "--master_addr") for n in names) or os.path.exists(DEEPSPEED_DEFAULT_HOSTFILE):
+    launcher = launcher_args(args)
+    if is_multi_node(launcher):
         return args
     chosen = None
     for index, arg in enumerate(launcher):
@@ -251,17 +262,58 @@ def with_quiet_launcher(args: list[str]) -> list[str]:
     return ["--log_level", "warning", *args]
 
 
+PORT_ATTEMPTS = 3  # starts of a job whose rendezvous port another process took before global rank 0 bound it
+
+
+def may_choose_port(args: list[str]) -> bool:
+    """Whether the supervisor may move the rendezvous to another port: a one-node job whose port the user did not
+    choose (`--master_port` before the script, or MASTER_PORT)."""
+    launcher = launcher_args(args)
+    named = bool(os.environ.get("MASTER_PORT")) or any(a.split("=")[0] == "--master_port" for a in launcher)
+    return not named and not is_multi_node(launcher)
+
+
+def on_port(args: list[str], port: int) -> list[str]:
+    """`args` with the rendezvous on `port` (an earlier `--master_port` of ours, first in `args`, replaced)."""
+    if args[:1] == ["--master_port"]:
+        args = args[2:]
+    return ["--master_port", str(port), *args]
+
+
+def run_with_port_retries(args: list[str], start: Any, attempts: int = PORT_ATTEMPTS) -> int:
+    """`start(args) -> (exit code, whether global rank 0 reported its port taken)`, again on a new free port while
+    the port was taken on a one-node job whose port the user did not name: the port is chosen when the job starts,
+    and the first start can spend minutes compiling DeepSpeed's CPU op before global rank 0 binds it, so another
+    process may take it meanwhile. A port the user named is never changed."""
+    movable = may_choose_port(args)
+    for attempt in range(1, attempts + 1):
+        code, taken = start(args)
+        if not taken or not movable or attempt == attempts:
+            return code
+        port = free_port()
+        _say(f"the rendezvous port was taken by another process before global rank 0 bound it; nothing ran: "
+             f"starting again on port {port} (attempt {attempt + 1} of {attempts})")
+        args = on_port(args, port)
+    return code
+
+
+def _start_once(args: list[str]) -> tuple[int, bool]:
+    folder = tempfile.mkdtemp(prefix="ntl_supervisor_")
+    try:
+        supervisor = Supervisor([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *args], folder)
+        code = supervisor.run()
+        return code, bool(supervisor.records(PORT_TAKEN_EVENT)) and code != 0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = with_quiet_launcher(with_free_master_port(sys.argv[1:] if argv is None else argv))
+        args = with_free_master_port(sys.argv[1:] if argv is None else argv)
     except LauncherError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
-    folder = tempfile.mkdtemp(prefix="ntl_supervisor_")
-    try:
-        return Supervisor([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *args], folder).run()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    return run_with_port_retries(args, lambda chosen: _start_once(with_quiet_launcher(chosen)))
 
 
 if __name__ == "__main__":

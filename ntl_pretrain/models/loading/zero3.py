@@ -9,11 +9,45 @@ from typing import Any, Iterator
 
 import torch
 
-from .reading import (READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, full_numel, full_shape, heap_returned_to_os,
-                      load_buffers, safetensors_files)
+from .reading import (
+    READ_CHUNK_BYTES,
+    GrownRows,
+    TensorReader,
+    file_keys,
+    full_numel,
+    full_shape,
+    heap_returned_to_os,
+    load_buffers,
+    safetensors_files,
+)
 
 logger = logging.getLogger(__name__)
 
+
+def import_outside_zero_init(config: Any, *, attn_implementation: str, dtype: torch.dtype,
+                             trust_remote_code: bool) -> None:
+    """Import everything building `config`'s model imports, before any `deepspeed.zero.Init` is entered.
+
+    DeepSpeed's zero.Init hooks the `__init__` of every module class and, on exit, puts back the `__init__` it
+    saw when a class was created inside the context. transformers imports a family's modeling module lazily (in
+    `from_config`), and decorators such as `kernels`' `use_kernelized_func` wrap `__init__` after the class is
+    created: a class first created inside zero.Init loses that wrapper when the context ends, so the next model of
+    that class in the process fails in its first forward (transformers 5.25: `'LlamaAttention' object has no
+    attribute '_kernel_funcs'`). A first import of `torch._dynamo` inside the context fails the same way.
+
+    So the model is built once on the meta device (no storage, weights not initialised, the random state
+    untouched): the modeling module, its attention and mask helpers and a remote-code module are all imported
+    here. Cost: one module tree of meta tensors, milliseconds for the demo, about a second for 80 layers."""
+    import torch._dynamo  # noqa: F401  (imported inside zero.Init it fails on its patched signatures)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    with torch.random.fork_rng(devices=[]), torch.device("meta"), no_init_weights():
+        AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                         trust_remote_code=trust_remote_code)
 
 
 def partitioned_load_applies(ds_config: dict | None, tp_size: int) -> bool:
@@ -35,6 +69,7 @@ def init_without_broadcast(ds_config: dict, data_parallel_group: Any = None,
     instead of partitioned, since `tie_weights` replaces it with the embedding's; its partition would be a
     second copy of the embedding's share until then (0.14x of Qwen2.5-0.5B)."""
     import deepspeed
+    import torch._dynamo  # noqa: F401  (every entry into zero.Init: first imported inside it, it fails; see above)
 
     class InitWithoutBroadcast(deepspeed.zero.Init):
         def _post_init_method(self, module: torch.nn.Module) -> None:
@@ -125,6 +160,8 @@ def build_from_config_partitioned(config: Any, ds_config: dict, *, attn_implemen
     build does (a transformers model initialises its inner model inside its own construction)."""
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
+    import_outside_zero_init(config, attn_implementation=attn_implementation, dtype=dtype,
+                             trust_remote_code=trust_remote_code)
     original = PreTrainedModel.init_weights
 
     def init_weights(model: PreTrainedModel) -> None:  # what PreTrainedModel.init_weights does, gathered
@@ -188,6 +225,8 @@ def load_partitioned(folder: str, config: Any, ds_config: dict, *, attn_implemen
     from transformers import AutoModelForCausalLM
 
     files = safetensors_files(folder)
+    import_outside_zero_init(config, attn_implementation=attn_implementation, dtype=dtype,
+                             trust_remote_code=trust_remote_code)
     with heap_returned_to_os():
         with zero3_construction(ds_config, _tied_head_shape(config)):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,

@@ -1,8 +1,8 @@
-"""Start-up and tear-down of torch.distributed, the size checks of the parallel layout, and errors agreed
-over every rank.
+"""Start-up and tear-down of torch.distributed, the size checks of the parallel layout, and a rank's exit
+after a lost peer (errors agreed over every rank: `core.agreement`).
 
 The layout itself (which rank holds what, and which group each reduction uses) is
-`parallel_layout.ParallelLayout` / `ParallelGroups`; `layout` builds this process's from the environment.
+`parallel.layout.ParallelLayout` / `ParallelGroups`; `layout` builds this process's from the environment.
 """
 
 from __future__ import annotations
@@ -15,18 +15,14 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from . import model_families
-from .parallel_layout import ParallelLayout
-
-if TYPE_CHECKING:
-    from .config import ParallelConfig
-
-T = TypeVar("T")
+from ..config import ConfigError, ParallelConfig
+from ..models import families
+from .layout import ParallelLayout
 
 
 def _on_cpu() -> bool:
@@ -36,7 +32,6 @@ def _on_cpu() -> bool:
 def check_tp_divides(world_size: int, tp_size: int) -> None:
     """Raise (ConfigError, the same on every rank) with the fix when the tensor-parallel size does not
     divide the number of processes."""
-    from .config import ConfigError
 
     if tp_size >= 1 and world_size % tp_size == 0:
         return
@@ -76,7 +71,7 @@ def resolve_tp_size(cfg, world_size: int, local_world_size: int | None = None) -
         return None
     node = local_world_size or world_size
     heads = _attention_heads(cfg.model)
-    limit = model_families.tp_limit(cfg) or node  # a family that cannot run with tensor parallelism: 1
+    limit = families.tp_limit(cfg) or node  # a family that cannot run with tensor parallelism: 1
     limit = 1 if cfg.parallel.sp_size > 1 else limit  # sequence parallelism runs without tensor parallelism
     size = max(t for t in range(1, min(node, limit) + 1)
                if world_size % t == 0 and node % t == 0 and all(h % t == 0 for h in heads))
@@ -223,47 +218,6 @@ def run_process(main: Callable[[], int | None], lost_peer_hint: str = "") -> NoR
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
-
-
-class AgreedError(ValueError):
-    """An error that every rank raises together (`agree_on_error`), so global rank 0 alone reports it.
-
-    A component with its own error type subclasses both (`class AgreedCheckpointError(AgreedError,
-    CheckpointError)`): handlers of its type, and the exit code they give, still catch it.
-    """
-
-
-def agree_on_error(message: str | None, error_type: type[AgreedError] = AgreedError) -> None:
-    """Every rank calls this with its error (None: none); if any rank reports one, every rank raises
-    `error_type` with the first such message, so nobody waits in a later collective for a rank that stopped."""
-    if not issubclass(error_type, AgreedError):
-        raise TypeError(f"agree_on_error raises subclasses of AgreedError, not {error_type.__name__}")
-    first = message
-    if dist.is_initialized():
-        messages: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
-        first = next((m for m in messages if m), None)
-    if first:
-        raise error_type(first)
-
-
-def run_agreed(fn: Callable[[], T], run_here: bool, error_type: type[AgreedError] = AgreedError,
-               catch: tuple[type[BaseException], ...] = (ValueError, OSError),
-               plain: tuple[type[BaseException], ...] = ()) -> T | None:
-    """Run `fn` on the ranks where `run_here` is true, then agree on its error (every rank calls this).
-
-    An exception of a `catch` type on any rank is raised on every rank as `error_type`, with its message
-    as is for an `AgreedError` or a `plain` type and prefixed with its type name otherwise. Returns
-    `fn()` where it ran, None elsewhere.
-    """
-    result, message = None, None
-    if run_here:
-        try:
-            result = fn()
-        except catch as exc:
-            message = str(exc) if isinstance(exc, (AgreedError, *plain)) else f"{type(exc).__name__}: {exc}"
-    agree_on_error(message, error_type)
-    return result
 
 
 def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:

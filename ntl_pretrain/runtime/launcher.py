@@ -27,6 +27,11 @@ class LauncherError(ValueError):
     """The process was started in a way the trainer cannot run under (exit 2, one line)."""
 
 
+class PortTakenError(LauncherError):
+    """The rendezvous port is held by another process on the rank that must listen on it (exit 2, one line; under
+    `bash launch/pretrain.sh` with no port named, the supervisor starts the job again on another port)."""
+
+
 def port_is_free(port: int, host: str = "") -> bool:
     """Whether a listening socket could be bound to `port` now (SO_REUSEADDR as torch's store sets it, so a
     port left in TIME_WAIT by an earlier run counts as free)."""
@@ -84,6 +89,22 @@ def check_rendezvous_port() -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         return  # torchrun's agent listens on the port itself and hands its store to the ranks
     if not port_is_free(int(port)):
-        raise LauncherError(busy_port_message(int(port), "choose another with `--master_port N` (DeepSpeed's "
+        raise PortTakenError(busy_port_message(int(port), "choose another with `--master_port N` (DeepSpeed's "
                                               "launcher, torchrun), NTL_DEEPSPEED_ARGS=\"--master_port N\" "
                                               "(bash launch/pretrain.sh) or MASTER_PORT=N"))
+
+
+PORT_TAKEN_EVENT = "port_taken"  # reported to the supervisor, which then starts again on another port
+
+
+def port_taken_message(error: BaseException) -> str | None:
+    """One line for a rendezvous whose port another process took before this rank (the one that listens) bound it:
+    torch's store fails with EADDRINUSE. None for any other error."""
+    texts = [str(error), str(error.__cause__ or ""), str(error.__context__ or "")]
+    if not any("EADDRINUSE" in text or "address already in use" in text.lower() for text in texts):
+        return None
+    port = os.environ.get("MASTER_PORT", "?")
+    return (f"the rendezvous port {port} was taken by another process before this rank (global rank "
+            f"{os.environ.get('RANK', '0')}, which listens on it) could bind it; nothing ran and nothing was written: "
+            f"start again (bash launch/pretrain.sh picks another free port itself when you name none), or name a "
+            f"free one with `--master_port N` / NTL_DEEPSPEED_ARGS=\"--master_port N\" (e.g. {free_port()}, free now)")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..config import ConfigError
+
 
 @dataclass(frozen=True)
 class Family:
@@ -168,8 +170,6 @@ def family_problem(model_type: str, tp_size: int, partitioned_load: bool) -> str
 def check_family(config: Any, tp_size: int, partitioned_load: bool) -> None:
     """Raise ConfigError (one line: the reason and the fix) when the run's model family cannot run at `tp_size`
     with this load; run before the model is built, the same on every rank."""
-    from .config import ConfigError
-
     problem = family_problem(family_of(config)[0], tp_size, partitioned_load)
     if problem is not None:
         raise ConfigError(problem)

@@ -292,7 +292,7 @@ def file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
     if len(keys) < len(params):  # a family whose checkpoints use other names (GPT-NeoX: embed_out for lm_head)
-        from ..model_families import published_names
+        from ..families import published_names
 
         renamed = published_names(model, {name: full_shape(p) for name, p in params.items() if name not in keys})
         keys.update({name: key for name, published in renamed.items()

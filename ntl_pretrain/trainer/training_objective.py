@@ -14,11 +14,11 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .config import ConfigError, LossConfig, NTLScheduleName
-from .loss import NTLSettings, ObjectiveSums, StepCounts, count_step, scaled_micro_batch_loss
-from .numbers import NumberVocab
-from .loss.sequence_shard import SequenceShard
-from .parallel_layout import ParallelGroups, ParallelLayout
+from ..config import ConfigError, LossConfig, NTLScheduleName
+from ..core.numbers import NumberVocab
+from ..loss import NTLSettings, ObjectiveSums, StepCounts, count_step, scaled_micro_batch_loss
+from ..loss.sequence_shard import SequenceShard
+from ..parallel.layout import ParallelGroups, ParallelLayout
 
 
 class StepFigures(NamedTuple):

@@ -26,29 +26,38 @@ from typing import Any, Callable, TypeVar
 import psutil
 import torch
 
-from . import distributed, lifecycle
-from .checkpoint import (AgreedCheckpointError, CheckpointError, data_description, export_hf, lr_schedule_description,
-                         run_on_main, write_hf_assets)
-from .config import Config, to_yaml, write_resolved
-from .data import PretrainingData, document_texts, load_documents, prepare_generated_corpus
+from ..checkpoint import AgreedCheckpointError, CheckpointError, export_hf, lr_schedule_description, run_on_main, write_hf_assets
+from ..config import Config, to_yaml, write_resolved
+from ..core.agreement import agree_on_error, run_agreed
+from ..core.fs import write_json_atomic
+from ..data import PretrainingData, data_description, document_texts, load_documents, prepare_generated_corpus
+from ..eval.config import save_eval_settings
+from ..loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
+from ..loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
+from ..loss.sequence_shard import SequenceShard, shard_number_spans
+from ..models.build import load_run_tokenizer
+from ..observability.monitor import Monitor, memory_gib, purge_tensorboard_after
+from ..observability.throughput import ThroughputWindow, model_flops_per_token, peak_tflops_per_device
+from ..parallel import distributed
+from ..parallel.layout import ParallelGroups
+from ..parallel.ulysses import shard_inputs
+from ..runtime import lifecycle
+from ..runtime.supervisor import COMMAND_START_ENV
+from ..tokenizer.coverage import check_training_digits
+from ..tokenizer.run import needs_training, tokenizer_source, train_digit_bpe
 from .engine import build_engine
-from .eval.config import save_eval_settings
-from .fs import write_json_atomic
-from .loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
-from .loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
-from .loss.sequence_shard import SequenceShard, shard_number_spans
-from .model import load_tokenizer, needs_training, tokenizer_source, train_digit_bpe
-from .monitor import Monitor, memory_gib, purge_tensorboard_after
-from .parallel_layout import ParallelGroups
-from .nonfinite import (NonfiniteGuard, TrainingDiverged, check_weights_finite, describe_figures, finite_step,
-                        nan_gradient_if_nonfinite, unpartitioned_grad_norm, update_skipped)
 from .preemption import PreemptionHandler
-from .preflight import (check_data_files, check_eval_inputs, check_output_dir, number_vocab_for,
-                        output_problems, preflight)
-from .sequence_parallel import shard_inputs
-from .supervisor import COMMAND_START_ENV
-from .throughput import ThroughputWindow, model_flops_per_token, peak_tflops_per_device
-from .tokenizer.coverage import check_training_digits
+from .preflight import check_data_files, check_eval_inputs, check_output_dir, number_vocab_for, output_problems, preflight
+from .step_guard import (
+    NonfiniteGuard,
+    TrainingDiverged,
+    check_weights_finite,
+    describe_figures,
+    finite_step,
+    nan_gradient_if_nonfinite,
+    unpartitioned_grad_norm,
+    update_skipped,
+)
 from .training_objective import StepFigures
 
 logger = logging.getLogger("ntl_pretrain")
@@ -60,11 +69,11 @@ __all__ = ["Trainer", "TrainingDiverged", "collective_call"]
 def collective_call(fn: Callable[[], T], first: bool) -> T:
     """Run `fn` on the `first` processes, then on the others (which then find caches and files ready).
 
-    An error on any process is raised on every process (`distributed.run_agreed`), so none waits in a
+    An error on any process is raised on every process (`run_agreed`), so none waits in a
     collective for a dead one.
     """
-    result = distributed.run_agreed(fn, first)
-    later = distributed.run_agreed(fn, not first)
+    result = run_agreed(fn, first)
+    later = run_agreed(fn, not first)
     return result if first else later  # type: ignore[return-value]
 
 
@@ -129,6 +138,8 @@ class Trainer:
         _setup_logging(self.layout.is_main)
         if checked.run.tp_note:
             logger.info(checked.run.tp_note)
+        for line in checked.warnings:
+            logger.warning(line)
         logger.info(self.objective.describe())
         # installed first: a stop signal during start-up ends the process at once (no step to save), later it saves
         self.preemption = PreemptionHandler(cfg.checkpoint.preempt_signals, cfg.checkpoint.preempt_grace_s)
@@ -137,7 +148,7 @@ class Trainer:
         self.lock = lifecycle.RunLock(cfg.train.output_dir)
         try:
             with self.watchdog.waiting("every rank to reach the first collective (the run-folder lock)"):
-                distributed.agree_on_error(output_problem)  # every rank stops if any cannot write, none waits
+                agree_on_error(output_problem)  # every rank stops if any cannot write, none waits
                 collective_call(self.lock.acquire if self.layout.is_main else (lambda: None), first=True)
         finally:
             lifecycle.remove_own_shm_buffer()  # every rank reached a collective: every buffer is mapped
@@ -150,14 +161,14 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         """Data, tokenizer, model, engine, resume and the run folder's files (after the lock is held)."""
         # every rank reads the folder; a refusal (another run's checkpoints, a bad resume) is printed once
-        self.resume_tag = distributed.run_agreed(lambda: check_output_dir(cfg), True, AgreedCheckpointError,
+        self.resume_tag = run_agreed(lambda: check_output_dir(cfg), True, AgreedCheckpointError,
                                                  plain=(CheckpointError,))
         torch.manual_seed(cfg.train.seed)
         main_first = self.layout.is_main
         with self.watchdog.waiting("global rank 0 to prepare the generated corpus and the tokenizer"):
             collective_call(lambda: _prepare_assets(cfg), first=main_first)
         with self.watchdog.waiting("global rank 0 to load the tokenizer"):
-            self.tokenizer = collective_call(lambda: load_tokenizer(cfg.tokenizer, cfg.model), first=main_first)
+            self.tokenizer = collective_call(lambda: load_run_tokenizer(cfg.tokenizer, cfg.model), first=main_first)
         collective_call(lambda: check_eval_inputs(cfg, self.model_config, read_hub=True), first=main_first)
         number_vocab = number_vocab_for(cfg, self.objective, self.tokenizer)
         with self.watchdog.waiting("local rank 0 of each node to tokenize and pack the data (then the others)"):
@@ -236,7 +247,7 @@ class Trainer:
         inputs, spans = {"input_ids": input_ids}, None
         if self.sequence.size > 1:
             # sequence parallelism: this rank's slice with its global positions; the labels' slice, and the
-            # whole rows' number spans for number-level NTL (sequence_parallel.py, loss/sequence_shard.py)
+            # whole rows' number spans for number-level NTL (parallel/ulysses.py, loss/sequence_shard.py)
             inputs = shard_inputs(input_ids, self.sequence).as_kwargs()
             if with_ntl and self.objective.settings.variant == "number_level":
                 spans = shard_number_spans(labels, self.sequence, self.number_vocab, self.objective.settings)
@@ -384,7 +395,7 @@ class Trainer:
         """Run the evaluation hooks (ntl_pretrain.eval) when due; every rank calls this."""
         if not self.cfg.eval.is_due(self.step, final=final):
             return
-        from .eval.hooks import run_evaluation
+        from ..eval.hooks import run_evaluation
 
         # generation: whole prompts with the plain attention on every rank, prompts split over all dp x sp ranks
         # under sequence parallelism (UlyssesAttention.unsharded); the dp group otherwise

@@ -11,19 +11,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from . import distributed
-from .checkpoint import resolve_resume
-from .config import Config, ConfigError, to_yaml
-from .data import DataError, resolve_files
+from ..checkpoint import resolve_resume
+from ..config import Config, ConfigError, to_yaml
+from ..core.agreement import AgreedError
+from ..core.fs import writable_problem
+from ..core.numbers import NumberVocab, digit_hiding_added_tokens
+from ..data import DataError, resolve_files
+from ..eval.config import validate_eval_inputs
+from ..models.build import check_sequence_length, load_model_config, max_positions
+from ..models.families import check_family
+from ..models.loading import partitioned_load_applies
+from ..parallel import distributed
+from ..parallel.layout import ParallelLayout, check_sequence_parallel
+from ..parallel.ulysses import check_deepspeed_config, check_sequence_split
+from ..tokenizer.run import tokenizer_source
 from .ds_config import ResolvedRun, resolve_run
-from .eval.config import validate_eval_inputs
-from .fs import writable_problem
-from .model_families import check_family
-from .model_loading import partitioned_load_applies
-from .model import check_sequence_length, load_model_config, max_positions, tokenizer_source
-from .numbers import NumberVocab, digit_hiding_added_tokens
-from .parallel_layout import ParallelLayout, check_sequence_parallel
-from .sequence_parallel import check_deepspeed_config, check_sequence_split
 from .training_objective import Objective
 
 logger = logging.getLogger("ntl_pretrain")
@@ -36,6 +38,7 @@ class Preflight:
     run: ResolvedRun  # the resolved configuration and the DeepSpeed config
     objective: Objective  # the training objective (NTL on/off, weight schedule, head), decided here once
     model_config: Any | None  # the transformers config (None: a hub id not cached here; checked at load)
+    warnings: tuple[str, ...] = ()  # settings that run but likely not as meant (logged once by the main rank)
 
 
 def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int | None = None,
@@ -62,17 +65,61 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
     else:
         check_sequence_length(model_config, run.cfg.data.seq_len)
         check_model_family(run, model_config)
+        check_tensor_parallel_split(run.cfg.parallel.tp_size, model_config)
         if sp_size > 1:
             text = model_config.get_text_config()
             check_sequence_split(sp_size, run.cfg.data.seq_len, text.num_attention_heads,
                                  getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    return Preflight(run=run, objective=objective, model_config=model_config)
+    return Preflight(run=run, objective=objective, model_config=model_config,
+                     warnings=tuple(config_warnings(run.cfg)))
+
+
+# the model sizes AutoTP splits over the tensor-parallel ranks: heads must split evenly (DeepSpeed gives a rank with
+# no key-value head an empty (0, hidden) weight and fails inside deepspeed.initialize), the others must give every
+# rank a part (DeepSpeed splits them unevenly, in grains)
+TP_EVEN_SPLITS = ("num_attention_heads", "num_key_value_heads")
+TP_NONEMPTY_SPLITS = ("intermediate_size", "moe_intermediate_size", "vocab_size")
+
+
+def check_tensor_parallel_split(tp_size: int, model_config: Any) -> None:
+    """Refuse a tensor-parallel size that AutoTP cannot split the model's heads or sizes by, naming the size, the
+    model's value and the sizes that fit; before anything is built (the same on every rank, and at --dry-run)."""
+    if tp_size <= 1:
+        return
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    sizes = {key: getattr(text, key, None) for key in (*TP_EVEN_SPLITS, *TP_NONEMPTY_SPLITS)}
+    sizes = {key: value for key, value in sizes.items() if isinstance(value, int) and value > 0}
+    heads = [sizes[key] for key in TP_EVEN_SPLITS if key in sizes]
+    fits = [t for t in range(1, tp_size + 1) if all(h % t == 0 for h in heads)]
+    for key, value in sizes.items():
+        if (key in TP_EVEN_SPLITS and value % tp_size) or (key in TP_NONEMPTY_SPLITS and value < tp_size):
+            rule = "does not divide" if key in TP_EVEN_SPLITS else "is more ranks than"
+            raise ConfigError(f"parallel.tp_size={tp_size} {rule} the model's {key}={value} (AutoTP would give a "
+                              f"rank an empty or uneven part): set parallel.tp_size to one of {fits} or "
+                              f"parallel.tp_size=auto")
+
+
+NTL_WEIGHT_WARN = 10.0  # the paper uses 0.1-1; far above, NTL outweighs CE
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that run but likely not as meant, each a line naming the key and what to change."""
+    found = []
+    if cfg.optim.warmup_steps >= cfg.train.max_steps > 0:
+        found.append(f"optim.warmup_steps={cfg.optim.warmup_steps} >= train.max_steps={cfg.train.max_steps}: the "
+                     f"learning rate never reaches optim.lr={cfg.optim.lr:g} (it peaks at "
+                     f"{cfg.train.max_steps / max(cfg.optim.warmup_steps, 1):.1%} of it); set optim.warmup_steps "
+                     f"below train.max_steps")
+    if cfg.loss.ntl_on and cfg.loss.ntl_weight > NTL_WEIGHT_WARN:
+        found.append(f"loss.ntl_weight={cfg.loss.ntl_weight:g} is far above the paper's 0.1-1: the number-token "
+                     f"loss outweighs cross-entropy; set loss.ntl_weight to about 0.3")
+    return found
 
 
 def check_model_family(run: ResolvedRun, model_config: Any) -> None:
     """The model's family can run at the run's tensor-parallel size with the load the run will use (the partitioned
     load of model.name_or_path under ZeRO-3, `model.partitioned_load`); else a ConfigError naming the reason and
-    the fix (`model_families.FAMILIES`), before anything is built."""
+    the fix (`models.families.FAMILIES`), before anything is built."""
     model = run.cfg.model
     tp_size = run.cfg.parallel.tp_size
     partitioned = (model.name_or_path is not None and model.partitioned_load
@@ -122,7 +169,7 @@ def check_data_files(cfg: Config) -> None:
             try:
                 resolve_files(source, f"data.sources.{index}")
             except DataError as error:
-                raise distributed.AgreedError(str(error)) from None
+                raise AgreedError(str(error)) from None
 
 
 def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> NumberVocab:
@@ -175,6 +222,8 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
         print(f"# evaluation input OK: {line}")
     if checked.run.tp_note:
         print(f"# {checked.run.tp_note}")
+    for line in checked.warnings:
+        print(f"warning: {line}", file=sys.stderr)
     print(f"# {checked.objective.describe()}")
     print(f"# layout: {layout.describe()}")
     print(f"# dry run OK: global batch {global_batch} sequences = {global_batch * resolved.data.seq_len} tokens "

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
-from .config import ConfigError
+from ..config import ConfigError
 
 GroupName = Literal["tp", "sp", "dp", "loss"]
 
@@ -102,7 +102,7 @@ class ParallelLayout:
         ZeRO-3 with `reduce_scatter` (its default) divides by that group's size, dp x sp (zero/stage3.py
         `__avg_scatter_grads` -> `reduce_scatter_coalesced`; measured: tests/test_sequence_parallel.py). ZeRO 0-2
         and ZeRO-3 without reduce_scatter divide by (dp x sp) / sp = dp (`__avg_scatter_contiguous_grads`,
-        `allreduce_bucket`): the trainer refuses sp > 1 there (`sequence_parallel.check_deepspeed_config`), so
+        `allreduce_bucket`): the trainer refuses sp > 1 there (`parallel.ulysses.check_deepspeed_config`), so
         both agree whenever this is used.
         """
         return self.dp_size * self.sp_size

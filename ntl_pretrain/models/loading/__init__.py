@@ -60,7 +60,7 @@ def load_pretrained_partitioned(cfg: Any, config: Any, tokenizer: Any, ds_config
 
     Returns the model and the `ResizeReport` (None when nothing was resized).
     """
-    from ..tokenizer.resize import plan_new_rows
+    from ...tokenizer.resize import plan_new_rows
 
     folder = os.path.expanduser(cfg.name_or_path)
     if not os.path.isdir(folder):  # a hub id: the same files from_pretrained would fetch, into the HF cache

@@ -1,7 +1,8 @@
 """The tokenizer and the causal LM: load (continued pretraining) or build from a config (from scratch).
 
-- The tokenizer comes from `tokenizer.name_or_path` (or the model's); for the self-contained demo a
-  small digit-level byte-level BPE can be trained on the training corpus with `tokenizers`.
+- The tokenizer comes from `tokenizer.name_or_path` (or the model's) and is checked against the model; for
+  the self-contained demo a small digit-level byte-level BPE can be trained on the training corpus
+  (`tokenizer.run`).
 - The model comes from `from_pretrained` or `from_config`, in the training precision, with
   `flash_attention_2` when flash-attn imports and CUDA is present, else `sdpa` (the choice is logged).
 - When the tokenizer has more tokens than the model, the embeddings are resized (on request) and the
@@ -16,82 +17,33 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from .config import ModelConfig, TokenizerConfig
-from .fs import atomic_directory
+from ..config import ModelConfig, TokenizerConfig
+from ..core.fs import local_or_hub
+from ..tokenizer.loading import TokenizerLoadError, load_tokenizer
+from ..tokenizer.run import check_tokenizer_matches_model, tokenizer_key, tokenizer_source
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEMO_EOS = "<|endoftext|>"
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
-def tokenizer_source(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> str:
-    source = tokenizer_cfg.name_or_path or model_cfg.name_or_path
-    if source is None:
-        raise ValueError("no tokenizer: set tokenizer.name_or_path")
-    return source
-
-
-def needs_training(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> bool:
-    """True when the configured tokenizer folder is to be trained here (the demo) and is not there yet."""
-    return tokenizer_cfg.train_vocab_size > 0 and not os.path.exists(tokenizer_source(tokenizer_cfg, model_cfg))
-
-
-def train_digit_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> str:
-    """Train a byte-level BPE in which every digit is its own token and save it as a HF tokenizer folder.
-
-    Digits are split off before the byte-level step, so "2024" is always "2","0","2","4" and the ten bare
-    digit tokens exist (they are part of the byte alphabet). The folder appears complete or not at all.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if vocab_size < 300:
-        raise ValueError(f"tokenizer.train_vocab_size={vocab_size} is too small: the byte alphabet alone has "
-                         f"256 tokens; use at least 300")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[DEMO_EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=DEMO_EOS, pad_token=DEMO_EOS)
-    out_dir = os.path.abspath(out_dir)
-    try:
-        with atomic_directory(out_dir) as staging:
-            wrapped.save_pretrained(staging)
-    except FileExistsError:
-        pass  # another process (a rank on another node without a shared file system) finished first: same result
-    return out_dir
-
-
-def tokenizer_key(tokenizer_cfg: TokenizerConfig) -> str:
-    """The config key the run's tokenizer source comes from (for messages)."""
-    return "tokenizer.name_or_path" if tokenizer_cfg.name_or_path else "model.name_or_path"
-
-
-def load_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> Any:
-    """The run's tokenizer (a `transformers` fast tokenizer) with an EOS token for document packing.
+def load_run_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> Any:
+    """The run's tokenizer (a `transformers` fast tokenizer) with an EOS token for document packing, checked
+    against the model it trains (`tokenizer.loading.load_tokenizer` loads any tokenizer source, unchecked).
 
     Accepts what `tools/tokenizer.py` accepts (a folder, a tokenizer.json, a SentencePiece .model
     file, a Hub id; folders saved by our tools load verbatim). With a pretrained model, a tokenizer
     far smaller than the model's vocabulary is refused here, before any weights are loaded.
     """
-    from .tokenizer.loading import TokenizerLoadError
-    from .tokenizer.loading import load_tokenizer as load_any_tokenizer
-
     source = tokenizer_source(tokenizer_cfg, model_cfg)
     key = tokenizer_key(tokenizer_cfg)
     try:
-        tokenizer = load_any_tokenizer(_local_or_hub(source, key), trust_remote_code=model_cfg.trust_remote_code)
+        tokenizer = load_tokenizer(local_or_hub(source, key), trust_remote_code=model_cfg.trust_remote_code)
     except TokenizerLoadError as error:
         raise ValueError(f"cannot load the tokenizer ({key}={source!r}): {error}") from None
     if tokenizer.eos_token_id is None:
@@ -101,37 +53,6 @@ def load_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -> An
         check_tokenizer_matches_model(len(tokenizer), int(load_model_config(model_cfg).vocab_size), source, key,
                                       model_cfg.name_or_path)
     return tokenizer
-
-
-def _local_or_hub(source: str, key: str) -> str:
-    """`source` with `~` expanded, or an error when it is clearly a missing local path.
-
-    A Hub id is "name" or "org/name"; an absolute or ./ path, one with several "/", or one whose first
-    component is a local folder ("runs/tok" with ./runs present) is a path the user meant.
-    """
-    expanded = os.path.expanduser(source)
-    if os.path.exists(expanded):
-        return expanded
-    first = expanded.split("/", 1)[0]
-    if (os.path.isabs(expanded) or source.startswith((".", "~")) or expanded.count("/") > 1
-            or ("/" in expanded and os.path.isdir(first))):
-        raise ValueError(f"{key}={source!r} does not exist (no such file or folder; working directory "
-                         f"{os.getcwd()}); fix the path, or give a Hugging Face Hub id")
-    return source
-
-
-def check_tokenizer_matches_model(tokenizer_size: int, model_vocab_size: int, source: str, key: str,
-                                  model_source: str) -> None:
-    """Refuse a tokenizer with far fewer tokens than the model has embedding rows (not the model's tokenizer).
-
-    Models pad their vocabulary by at most a few hundred rows (Qwen2.5: 151 665 tokens, 151 936 rows), and
-    a tokenizer that gained tokens is larger, which resizing handles; under half the rows is another tokenizer.
-    """
-    if tokenizer_size * 2 < model_vocab_size:
-        raise ValueError(
-            f"{key}={source!r} has {tokenizer_size} tokens, far fewer than the {model_vocab_size} embedding rows of "
-            f"model.name_or_path={model_source!r}: it is not this model's tokenizer (or a broken file). Use the "
-            f"model's own tokenizer, or its conversion from: python tools/tokenizer.py split-digits MODEL_TOKENIZER OUT")
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -204,7 +125,7 @@ def load_model_config(cfg: ModelConfig, local_files_only: bool = False) -> Any:
 
     if cfg.name_or_path is not None:
         name = cfg.name_or_path
-        resolved = _local_or_hub(name, "model.name_or_path")  # a clearly local path that is missing: said so
+        resolved = local_or_hub(name, "model.name_or_path")  # a clearly local path that is missing: said so
         if os.path.exists(resolved) and not os.path.isfile(os.path.join(resolved, "config.json")):
             raise ValueError(f"model.name_or_path={name!r} has no config.json: give a folder saved with "
                              f"save_pretrained (or tools/export_hf.py), or a hub id")
@@ -280,7 +201,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
     """The causal LM on CPU, ready for `deepspeed.initialize`. Under ZeRO-3 (`model.partitioned_load`) a
     loaded model is built partitioned, each rank reading only its ZeRO share (T=1) or its AutoTP slices (T>1,
     read inside `deepspeed.initialize`) of the weights, and one built from scratch with T=1 is built
-    partitioned with the whole build's weights (`model_loading`); otherwise every rank holds the full
+    partitioned with the whole build's weights (`models.loading`); otherwise every rank holds the full
     weights until `deepspeed.initialize` partitions them.
 
     Args:
@@ -291,15 +212,16 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
     """
     from transformers import AutoModelForCausalLM
 
-    from . import model_families, model_loading
+    from . import families
+    from . import loading as model_loading
 
     if tp_size > 1:  # before deepspeed.initialize shards the embedding (Gemma2's scaled embedding)
-        model_families.accept_scaled_embeddings()
+        families.accept_scaled_embeddings()
     attn = choose_attention(cfg.attn_implementation)
     dtype = DTYPES[cfg.dtype]
     config = load_model_config(cfg)
     if tp_size > 1 and ds_config is not None:  # read by deepspeed.initialize's AutoTP
-        model_families.add_tp_partition_config(ds_config, model_families.family_of(config)[0])
+        families.add_tp_partition_config(ds_config, families.family_of(config)[0])
     tokenizer_size = len(tokenizer)
     # under ZeRO-3 a loaded model is built partitioned (T=1: ZeRO shares, T>1: AutoTP slices), one built from
     # scratch too at T=1 (same initial weights as the whole build)
@@ -343,7 +265,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
                 f"the model's vocabulary ({model_vocab}) is smaller than the tokenizer's ({tokenizer_size} tokens): "
                 f"token ids >= {model_vocab} have no embedding. Set model.resize_embeddings=true to resize it "
                 f"(new rows get the mean embedding), or use the model's own tokenizer")
-        from .tokenizer.resize import resize_model_embeddings
+        from ..tokenizer.resize import resize_model_embeddings
 
         resized_from = model_vocab
         resize = resize_model_embeddings(model, tokenizer, math.lcm(cfg.pad_vocab_to_multiple_of, tp_size), init="mean")

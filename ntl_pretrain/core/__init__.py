@@ -1,0 +1,2 @@
+"""The bottom layer, imported by every other: configuration errors, errors agreed over every rank, atomic file
+writes, the number vocabulary, strict typed YAML, short hashes, the supported library versions."""
