@@ -1,4 +1,5 @@
-"""Evaluate a model on the project's benchmarks (arithmetic, GSM8K): an exported HF folder or a training checkpoint.
+"""Evaluate a model on the project's benchmarks (the registry ntl_pretrain.eval.benchmarks.BENCHMARKS: arithmetic,
+GSM8K): an exported HF folder or a training checkpoint.
 
 One process (plain PyTorch), on the export a training run writes at its end (train.output_dir/hf_export):
     python tools/evaluate.py --model runs/demo/hf_export gsm8k_path=../shared/data/gsm8k
@@ -29,18 +30,32 @@ import dataclasses
 import os
 import re
 import sys
+import textwrap
 import time
 from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from ntl_pretrain.config.parsing import parse_override  # noqa: E402
-from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, eval_config_from_dict,  # noqa: E402
-                                      load_eval_settings, validate_eval_inputs)
+from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, SharedSettings,  # noqa: E402
+                                      eval_config_from_dict, load_eval_settings, validate_eval_inputs)
+
+
+def settings_help() -> str:
+    """The key=value settings by benchmark, from the registry (--help's epilog)."""
+    groups = [(benchmark.name, benchmark.Settings) for benchmark in EvalConfig.benchmarks]
+    groups.append(("every benchmark", SharedSettings))
+    lines = ["settings (key=value) by benchmark; docs/evaluation.md and `launch/pretrain.sh --help` (eval.*) "
+             "say what each means:"]
+    for label, settings in groups:
+        keys = ", ".join(f.name for f in dataclasses.fields(settings))
+        lines.append(textwrap.fill(f"{label}: {keys}", width=110, initial_indent="  ", subsequent_indent="    "))
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=settings_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="exported Hugging Face model folder (or hub id) for from_pretrained")
     source.add_argument("--run", help="training run folder (train.output_dir) holding config.yaml and checkpoints")

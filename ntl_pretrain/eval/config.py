@@ -1,4 +1,5 @@
-"""Evaluation settings. The trainer's config embeds this as `eval`, so users write `eval.every_n_steps=100`."""
+"""Evaluation settings, built from the benchmark registry. The trainer's config embeds them as `eval`, so users write
+`eval.every_n_steps=100`; each benchmark's keys are its `Settings` (`ntl_pretrain.eval.benchmarks`)."""
 
 from __future__ import annotations
 
@@ -7,133 +8,119 @@ import difflib
 import json
 import os
 import typing
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
-from ntl_pretrain.eval.arithmetic import ALL_OPS, SPLITS
-from ntl_pretrain.eval.gsm8k import FEWSHOT_SAMPLERS, FewshotSampler, GSM8KVariant
 from ntl_pretrain.core.fs import write_json_atomic
 from ntl_pretrain.core.typed_yaml import build_dataclass
+from ntl_pretrain.eval.benchmarks import BENCHMARKS, Benchmark, InputChecks
+from ntl_pretrain.eval.benchmarks.arithmetic import ARITHMETIC_PROMPT_FORMATS, ArithmeticPromptFormat  # noqa: F401
+from ntl_pretrain.eval.benchmarks.base import check_at_least, setting
+from ntl_pretrain.eval.benchmarks.gsm8k import GSM8K_VARIANTS  # noqa: F401  (both: the names this module had)
 
-GSM8K_VARIANTS: tuple[str, ...] = typing.get_args(GSM8KVariant)
-# How arithmetic prompts are encoded (EvalConfig.arithmetic_prompt_format).
-ArithmeticPromptFormat = typing.Literal["document", "plain"]
-ARITHMETIC_PROMPT_FORMATS: tuple[str, ...] = typing.get_args(ArithmeticPromptFormat)
 # The run's evaluation settings, written into every checkpoint's hf/ folder (and so into its export), so that
 # tools/evaluate.py --model EXPORT evaluates as the run did.
 EVAL_SETTINGS_FILE = "ntl_eval.json"
 
 
-def _doc(text: str, **kwargs: Any) -> Any:
-    """A dataclass field whose one-line doc is kept in its metadata (the run config's `--help` shows it)."""
-    return field(metadata={"doc": text}, **kwargs)
+@dataclass
+class ScheduleSettings:
+    """When the training loop evaluates (the first keys of eval)."""
+
+    every_n_steps: int = setting("evaluate every this many optimizer steps during training (0: never periodically)",
+                                 default=0)
+    at_end: bool = setting("evaluate once more after the last training step", default=True)
+
+    def __post_init__(self) -> None:
+        check_at_least(self, 0, "every_n_steps")
 
 
 @dataclass
-class EvalConfig:
-    """Which benchmarks run when, and how generation is done."""
+class SharedSettings:
+    """How every benchmark generates and logs (the last keys of eval)."""
 
-    every_n_steps: int = _doc("evaluate every this many optimizer steps during training (0: never periodically)", default=0)
-    at_end: bool = _doc("evaluate once more after the last training step", default=True)
-    arithmetic_n: int = _doc("arithmetic problems per split (0: skip the arithmetic benchmark)", default=200)
-    arithmetic_splits: list[str] = _doc(
-        "held-out arithmetic splits: interpolation (training operand lengths) and/or extrapolation (longer)",
-        default_factory=lambda: ["interpolation", "extrapolation"])
-    arithmetic_ops: list[str] = _doc(
-        "operations: +, -, * and the mixed expressions +* (a+b*c) and -* (a-b*c)",
-        default_factory=lambda: ["+", "-", "*"])
-    arithmetic_train_digits: list[int] = _doc(
-        "[min, max] operand digits of the training corpus and the interpolation split",
-        default_factory=lambda: [1, 4])
-    arithmetic_extrapolation_digits: list[int] = _doc(
-        "[min, max] operand digits of the extrapolation split (longer than any in training)",
-        default_factory=lambda: [5, 6])
-    arithmetic_seed: int = _doc("seed of the arithmetic problems (same seed, same benchmark)", default=1234)
-    arithmetic_max_new_tokens: int = _doc("tokens generated at most per arithmetic answer", default=16)
-    arithmetic_prompt_format: ArithmeticPromptFormat = _doc(
-        "document: each prompt as the training stream presents a document, after the EOS that ends the one "
-        "before it and without the tokenizer's special tokens; plain: the prompt alone, encoded as "
-        "add_special_tokens says", default="document")
-    gsm8k_path: str = _doc(
-        "GSM8K source: a local folder with test.jsonl/train.jsonl, a test .jsonl file, or a datasets id such "
-        "as openai/gsm8k; empty skips GSM8K", default="")
-    gsm8k_dataset_config: str = _doc("configuration name when gsm8k_path is a datasets hub id", default="main")
-    gsm8k_variant: GSM8KVariant = _doc(
-        "gsm8k: lm-evaluation-harness's gsm8k task ('Question: ...\\nAnswer: ...', train-split exemplars); "
-        "gsm8k_cot: its gsm8k_cot task ('Q: ... A: ... The answer is N.', 8 fixed exemplars)", default="gsm8k")
-    gsm8k_limit: int = _doc("at most this many GSM8K test problems in periodic evaluations (0: all)", default=100)
-    gsm8k_final_limit: int = _doc("at most this many GSM8K test problems in the final evaluation (0: all 1,319)",
-                                  default=0)
-    num_fewshot: int | None = _doc(
-        "worked examples before each GSM8K question (null: the harness's default, gsm8k 5, gsm8k_cot 8)",
-        default=None)
-    fewshot_seed: int = _doc("seed that picks the few-shot examples from the train split (gsm8k variant; the "
-                             "harness's fewshot_random_seed is 1234)", default=1234)
-    fewshot_sampler: FewshotSampler = _doc(
-        "lm_eval: one generator draws every question's exemplars in test order, as lm-evaluation-harness does "
-        "in one process (prompts equal its prompts); per_question: a generator per question index", default="lm_eval")
-    gsm8k_cot_exemplars: str = _doc(
-        "gsm8k_cot exemplars: lm_eval (read from the installed lm-eval, extra [lmeval]), project (this project's "
-        "own 8, not comparable to published numbers), or a YAML/JSON file of {question, target}", default="lm_eval")
-    gsm8k_max_new_tokens: int = _doc("tokens generated at most per GSM8K answer", default=256)
-    batch_size: int = _doc("prompts decoded together on each data-parallel rank", default=16)
-    max_length: int = _doc(
+    batch_size: int = setting("prompts decoded together on each data-parallel rank", default=16)
+    max_length: int = setting(
         "prompt plus answer limit in tokens; longer prompts keep their end (0: the model's max_position_embeddings)",
         default=0)
-    add_special_tokens: bool | None = _doc(
+    add_special_tokens: bool | None = setting(
         "add the tokenizer's special tokens (e.g. BOS) to prompts; null: the tokenizer's default, as "
         "lm-evaluation-harness does (BOS for Llama-style tokenizers)", default=None)
-    samples_to_log: int = _doc("sample generations per benchmark logged as text to TensorBoard", default=4)
+    samples_to_log: int = setting("sample generations per benchmark logged as text to TensorBoard", default=4)
 
     def __post_init__(self) -> None:
-        self.arithmetic_splits = list(self.arithmetic_splits)
-        self.arithmetic_ops = list(self.arithmetic_ops)
-        self.arithmetic_train_digits = [int(d) for d in self.arithmetic_train_digits]
-        self.arithmetic_extrapolation_digits = [int(d) for d in self.arithmetic_extrapolation_digits]
-        self.validate()
+        check_at_least(self, 0, "max_length", "samples_to_log")
+        check_at_least(self, 1, "batch_size")
+
+
+class EvalConfigBase:
+    """The methods of an `eval_config_class`: validation by parts, the schedule, each benchmark's settings."""
+
+    # Set by eval_config_class (not annotated: the run config's type hints stay those of the keys).
+    parts = ()  # ScheduleSettings, each benchmark's Settings, SharedSettings
+    benchmarks = ()  # the Benchmark objects, in the order they run
+
+    def __post_init__(self) -> None:
+        # each part validates its keys and normalises them (a tuple of ops becomes a list); keep the normalised values
+        for part in self.parts:
+            checked = self._part(part)
+            for f in dataclasses.fields(part):
+                setattr(self, f.name, getattr(checked, f.name))
+
+    def _part(self, part: type) -> Any:
+        return part(**{f.name: getattr(self, f.name) for f in dataclasses.fields(part)})
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and how to fix it."""
-        for name in ("every_n_steps", "arithmetic_n", "gsm8k_limit", "gsm8k_final_limit", "num_fewshot",
-                     "max_length", "samples_to_log"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 0")
-        for name in ("arithmetic_max_new_tokens", "gsm8k_max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
-        bad_splits = [s for s in self.arithmetic_splits if s not in SPLITS or s == "train"]
-        if bad_splits:
-            raise ValueError(f"eval.arithmetic_splits has {bad_splits}; use 'interpolation' and/or 'extrapolation'")
-        if self.arithmetic_n > 0 and not self.arithmetic_splits:  # else "arithmetic on" evaluates nothing, silently
-            raise ValueError(f"eval.arithmetic_splits is empty but eval.arithmetic_n={self.arithmetic_n}; name "
-                             f"interpolation and/or extrapolation, or set eval.arithmetic_n=0 to skip arithmetic")
-        bad_ops = [op for op in self.arithmetic_ops if op not in ALL_OPS]
-        if bad_ops or not self.arithmetic_ops:
-            raise ValueError(f"eval.arithmetic_ops={list(self.arithmetic_ops)} must be a non-empty list of {list(ALL_OPS)}")
-        for name in ("arithmetic_train_digits", "arithmetic_extrapolation_digits"):
-            digits = getattr(self, name)
-            if len(digits) != 2 or not 1 <= digits[0] <= digits[1]:
-                raise ValueError(f"eval.{name}={list(digits)} must be [min, max] with 1 <= min <= max")
-        if self.arithmetic_extrapolation_digits[0] <= self.arithmetic_train_digits[1]:
-            raise ValueError(
-                f"eval.arithmetic_extrapolation_digits={list(self.arithmetic_extrapolation_digits)} must start above "
-                f"eval.arithmetic_train_digits={list(self.arithmetic_train_digits)}: set its min to at least "
-                f"{self.arithmetic_train_digits[1] + 1}")
-        if self.gsm8k_variant not in GSM8K_VARIANTS:
-            raise ValueError(f"eval.gsm8k_variant={self.gsm8k_variant!r} must be one of {GSM8K_VARIANTS}")
-        if self.arithmetic_prompt_format not in ARITHMETIC_PROMPT_FORMATS:
-            raise ValueError(f"eval.arithmetic_prompt_format={self.arithmetic_prompt_format!r} must be one of "
-                             f"{ARITHMETIC_PROMPT_FORMATS}")
-        if self.fewshot_sampler not in FEWSHOT_SAMPLERS:
-            raise ValueError(f"eval.fewshot_sampler={self.fewshot_sampler!r} must be one of {FEWSHOT_SAMPLERS}")
-        if not self.gsm8k_cot_exemplars:
-            raise ValueError("eval.gsm8k_cot_exemplars is empty; use lm_eval, project or a YAML/JSON file")
+        """Raise ValueError naming the first bad field and how to fix it (each part checks its own keys, in the
+        order of the keys)."""
+        for part in self.parts:
+            self._part(part)
+
+    def settings_of(self, benchmark: Benchmark) -> Any:
+        """`benchmark`'s settings (its `Settings` dataclass) from these flat keys."""
+        return self._part(benchmark.Settings)
+
+    def enabled_benchmarks(self) -> list[tuple[Benchmark, Any]]:
+        """(benchmark, its settings) of every benchmark these settings run, in registry order."""
+        chosen = [(benchmark, self.settings_of(benchmark)) for benchmark in self.benchmarks]
+        return [(benchmark, settings) for benchmark, settings in chosen if benchmark.enabled(settings)]
 
     def is_due(self, step: int, *, final: bool = False) -> bool:
         """Whether the training loop should evaluate after `step` (`final`: after the last step)."""
         if final:
-            return self.at_end
-        return self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0
+            return self.at_end  # type: ignore[attr-defined]
+        return self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0  # type: ignore[attr-defined]
+
+
+def eval_config_class(benchmarks: Sequence[Benchmark]) -> type:
+    """The `eval` section for `benchmarks`: one flat dataclass of the schedule keys, each benchmark's settings in
+    order, then the shared keys (so the run config and ntl_eval.json keep flat keys such as `eval.arithmetic_n`)."""
+    names = [benchmark.name for benchmark in benchmarks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"benchmark names {names} repeat; each benchmark needs its own name (its TensorBoard tags)")
+    parts = (ScheduleSettings, *(benchmark.Settings for benchmark in benchmarks), SharedSettings)
+    owner: dict[str, str] = {}
+    fields = []
+    for part in parts:
+        hints = typing.get_type_hints(part)  # resolved types: the config's reader coerces against them
+        for f in dataclasses.fields(part):
+            if f.name in owner:
+                raise ValueError(f"eval setting {f.name!r} is both {owner[f.name]}'s and {part.__name__}'s; "
+                                 f"name a benchmark's settings after it (e.g. arithmetic_n)")
+            owner[f.name] = part.__name__
+            default = ({"default": f.default} if f.default is not dataclasses.MISSING
+                       else {"default_factory": f.default_factory})
+            fields.append((f.name, hints[f.name], dataclasses.field(metadata=f.metadata, **default)))
+    cls = dataclasses.make_dataclass(
+        "EvalConfig", fields, bases=(EvalConfigBase,),
+        namespace={"__doc__": "Which benchmarks run when, and how generation is done.", "parts": parts,
+                   "benchmarks": tuple(benchmarks)})
+    cls.__module__ = __name__  # where pickle and repr find it
+    return cls
+
+
+# The run config's `eval` section, from the registry.
+EvalConfig = eval_config_class(BENCHMARKS)
 
 
 def eval_config_from_dict(values: dict[str, Any], where: str = "eval") -> EvalConfig:
@@ -193,58 +180,23 @@ def check_corpus_digits(cfg: EvalConfig, corpora: Iterable[tuple[str, dict[str, 
 
 def validate_eval_inputs(cfg: EvalConfig, *, max_position_embeddings: int | None = None, read_hub: bool = False,
                          generated_corpora: Iterable[tuple[str, str]] = ()) -> list[str]:
-    """Check, before any training, what the evaluation will read: GSM8K files (every line), the
-    chain-of-thought exemplars, that prompts have room under the length limit, and that existing
-    generated corpora hold no interpolation problem.
+    """Check, before any training, what the evaluation will read: that every benchmark's answers leave room for
+    a prompt under the length limit, then each benchmark's inputs (`Benchmark.check_inputs`: GSM8K files, every
+    line, the chain-of-thought exemplars; existing generated corpora hold no interpolation problem).
 
     `max_position_embeddings`: the model's, when known (used when eval.max_length is 0). `read_hub`:
-    also load a GSM8K given as a datasets hub id (else only local files are read). `generated_corpora`:
+    also load data given as a datasets hub id (else only local files are read). `generated_corpora`:
     (config key, path) of corpora the config generates, when they exist. Raises ValueError naming the
     file/line or key and the fix; returns one line per input checked.
     """
-    from ntl_pretrain.eval import gsm8k
-    from ntl_pretrain.eval.arithmetic import held_out_problems_in
-
-    checked: list[str] = []
-    if cfg.arithmetic_n > 0 and "interpolation" in cfg.arithmetic_splits:
-        for where, path in generated_corpora:
-            count, example = held_out_problems_in(path)
-            if count:
-                raise ValueError(
-                    f"{path} ({where}) holds {count} problems of the interpolation split (e.g. {example!r}), so they "
-                    f"would be trained on: it was generated before the split used canonical forms (or by hand); "
-                    f"delete it and it is generated again")
-            checked.append(f"generated corpus {path}: no interpolation problem")
+    enabled = cfg.enabled_benchmarks()
     limit = cfg.max_length or max_position_embeddings or 0
-    budgets = []
-    if cfg.arithmetic_n > 0 and cfg.arithmetic_splits:
-        budgets.append(("arithmetic_max_new_tokens", cfg.arithmetic_max_new_tokens))
-    if cfg.gsm8k_path:
-        budgets.append(("gsm8k_max_new_tokens", cfg.gsm8k_max_new_tokens))
-    for key, max_new in budgets:
+    for benchmark, settings in enabled:
+        key = benchmark.max_new_tokens_key
+        max_new = getattr(settings, key)
         if limit and max_new >= limit:
             source = "eval.max_length" if cfg.max_length else "the model's max_position_embeddings"
             raise ValueError(f"eval.{key}={max_new} leaves no room for the prompt within {limit} tokens ({source}); "
                              f"lower eval.{key} or raise eval.max_length (lm-evaluation-harness refuses the same)")
-    if not cfg.gsm8k_path:
-        return checked
-    shots = gsm8k.default_num_fewshot(cfg.gsm8k_variant, cfg.num_fewshot)
-    splits = ["test"] + (["train"] if cfg.gsm8k_variant == "gsm8k" and shots > 0 else [])
-    rows = {}
-    for split in splits:
-        local = gsm8k.local_split_file(cfg.gsm8k_path, split)
-        if local is None and not read_hub:
-            continue
-        rows[split] = gsm8k.load_gsm8k(cfg.gsm8k_path, split, cfg.gsm8k_dataset_config)
-        checked.append(f"GSM8K {split}: {local or cfg.gsm8k_path} ({len(rows[split])} rows)")
-    if "test" in rows:
-        gsm8k.build_prompts(rows["test"][:1], rows.get("train", []), variant=cfg.gsm8k_variant, num_fewshot=shots,
-                            fewshot_seed=cfg.fewshot_seed, fewshot_sampler=cfg.fewshot_sampler,
-                            cot_exemplars=cfg.gsm8k_cot_exemplars)
-    if cfg.gsm8k_variant == "gsm8k_cot" and shots > 0:
-        exemplars = gsm8k.load_cot_exemplars(cfg.gsm8k_cot_exemplars)
-        if shots > len(exemplars):
-            raise ValueError(f"eval.num_fewshot={shots} but the gsm8k_cot exemplars ({cfg.gsm8k_cot_exemplars}) "
-                             f"number {len(exemplars)}; set eval.num_fewshot to at most {len(exemplars)}")
-        checked.append(f"gsm8k_cot exemplars: {cfg.gsm8k_cot_exemplars} ({len(exemplars)})")
-    return checked
+    inputs = InputChecks(read_hub=read_hub, generated_corpora=tuple(generated_corpora))
+    return [line for benchmark, settings in enabled for line in benchmark.check_inputs(settings, inputs)]
