@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         if trainer is not None:
+            trainer.close_after_failure()  # after a clean end (or a stop signal) the monitor is closed already
             trainer.lock.release()
         distributed.shutdown_distributed()
 

@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from ..checkpoint import AgreedCheckpointError, CheckpointError, export_hf, lr_schedule_description, run_on_main, write_hf_assets
-from ..config import Config, to_yaml, write_resolved
+from ..config import Config, to_dict, to_yaml, write_resolved
 from ..core.agreement import agree_on_error, run_agreed
 from ..core.fs import write_json_atomic
 from ..data import PretrainingData, data_description, document_texts, load_documents, prepare_generated_corpus
@@ -229,12 +229,13 @@ class Trainer:
             purge_tensorboard_after(self.tensorboard_dir, self.step)  # points a killed run wrote after its checkpoint
         self.monitor = Monitor(self.layout.is_main, self.tensorboard_dir,
                                total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
-                               start_step=self.step)
+                               start_step=self.step, settings=cfg.monitor, output_dir=output_dir)
         flops_per_token = model_flops_per_token(self.engine.module.config, self.model_report.parameters,
                                                 self.model_report.vocab_size, cfg.data.seq_len)
         self.window = ThroughputWindow(self.layout.world_size, flops_per_token, peak_tflops_per_device(self.device))
         self.monitor.text("config", "```\n" + to_yaml(cfg) + "\n```", self.step)
         self.monitor.text("deepspeed_config", "```\n" + json.dumps(self.ds_config, indent=1) + "\n```", self.step)
+        self.monitor.config(to_dict(cfg))
 
     # ------------------------------------------------------------------ one step
     def _forward_sums(self, batch: Any, with_ntl: bool) -> Any:
@@ -471,8 +472,16 @@ class Trainer:
     def _finish(self) -> None:
         """Print the run's summary (as the HF Trainer does), close the monitor, drop the signal handlers."""
         self.monitor.message(self.summary())
-        self.monitor.close()
+        self.monitor.close("stopped" if self.stopped_by else "finished")
         self.preemption.uninstall()
+
+    def close_after_failure(self) -> None:
+        """Close the monitor of a run that ended by an error (the trackers mark it failed); nothing if it is
+        closed already. Another failure while closing is logged: the run's own error is the one reported."""
+        try:
+            self.monitor.close("failed")
+        except Exception as error:  # the run's own error is reported; this one only logged
+            logger.warning("closing the monitor after the run's error failed too: %s", error)
 
     def summary(self) -> str:
         """Steps, wall time, tokens, final losses and where the run's outputs are."""
