@@ -13,9 +13,10 @@ import pytest
 
 from helpers.launch import demo_args, deepspeed_command, launch_env, run_ok
 from helpers.tensorboard import scalars as tensorboard_scalars, tensor_tags
-from helpers.trackers import mlflow_run, mlflow_scalars, mlflow_text_files, wandb_config, wandb_scalars
+from helpers.trackers import mlflow_run, mlflow_scalars, mlflow_text_files, wandb_config, wandb_records, wandb_scalars
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.observability import trackers
+from ntl_pretrain.observability.monitor import Monitor
 
 TIMEOUT = 420
 EXPERIMENT = "ntl-test"
@@ -98,3 +99,31 @@ def test_a_missing_tracker_library_is_one_line_naming_the_install(monkeypatch):
         trackers.check_tracker_libraries(config.monitor)
     assert "\n" not in str(error.value) and "pip install mlflow-skinny" in str(error.value)
     assert "monitor.mlflow.enabled=false" in str(error.value)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("outcome, mlflow_status, wandb_exit_code",
+                         [("stopped", "KILLED", 0), ("failed", "FAILED", 1)])
+def test_the_trackers_record_how_the_run_ended(tmp_path, monkeypatch, outcome, mlflow_status, wandb_exit_code):
+    """A run stopped by a signal or ended by an error closes both trackers (the trainer's `_finish` and cli's
+    `close_after_failure`); each records the end, and a second close does nothing."""
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wcfg"),
+                        "WANDB_CACHE_DIR": str(tmp_path / "wcache"), "WANDB_DATA_DIR": str(tmp_path / "wdata")}.items():
+        monkeypatch.setenv(name, value)
+    store, out = f"file://{tmp_path / 'mlruns'}", tmp_path / "run"
+    config = load_config("configs/demo.yaml", [
+        f"train.output_dir={out}", "monitor.wandb.enabled=true", "monitor.wandb.mode=offline",
+        "monitor.mlflow.enabled=true", f"monitor.mlflow.tracking_uri={store}", f"monitor.mlflow.experiment={EXPERIMENT}"])
+    monitor = Monitor(True, str(out / "tensorboard"), total_steps=2, progress_bar="never", settings=config.monitor,
+                      output_dir=str(out))
+    monitor.log_step(1, {"train/loss": 2.5})
+    monitor.close(outcome)
+    monitor.close("failed")  # closed already: nothing changes
+    _, run = mlflow_run(store, EXPERIMENT)
+    assert run.info.status == mlflow_status
+    assert mlflow_scalars(store, EXPERIMENT) == {"train/loss": [(1, 2.5)]}
+    [wandb_run] = (out / "wandb").glob("offline-run-*")
+    assert wandb_scalars(wandb_run) == {"train/loss": [(1, 2.5)]}
+    [path] = wandb_run.glob("run-*.wandb")
+    exits = [record.exit.exit_code for record in wandb_records(path) if record.WhichOneof("record_type") == "exit"]
+    assert exits == [wandb_exit_code]
