@@ -16,7 +16,7 @@ from helpers.tensorboard import scalars as tensorboard_scalars, tensor_tags
 from helpers.trackers import mlflow_run, mlflow_scalars, mlflow_text_files, wandb_config, wandb_records, wandb_scalars
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.observability import trackers
-from ntl_pretrain.observability.monitor import Monitor
+from ntl_pretrain.observability.monitor import Monitor, MonitorError
 
 TIMEOUT = 420
 EXPERIMENT = "ntl-test"
@@ -127,3 +127,15 @@ def test_the_trackers_record_how_the_run_ended(tmp_path, monkeypatch, outcome, m
     [path] = wandb_run.glob("run-*.wandb")
     exits = [record.exit.exit_code for record in wandb_records(path) if record.WhichOneof("record_type") == "exit"]
     assert exits == [wandb_exit_code]
+
+
+@pytest.mark.timeout(120)
+def test_a_tracker_that_cannot_start_is_one_line_naming_its_keys(tmp_path):
+    config = load_config("configs/demo.yaml", [f"train.output_dir={tmp_path / 'run'}", "monitor.mlflow.enabled=true",
+                                               "monitor.mlflow.tracking_uri=nosuchscheme://host/x"])
+    with pytest.raises(MonitorError) as error:
+        Monitor(True, str(tmp_path / "run" / "tensorboard"), total_steps=2, progress_bar="never",
+                settings=config.monitor, output_dir=str(tmp_path / "run"))
+    message = str(error.value)
+    assert "\n" not in message and "MLflow (monitor.mlflow) could not start" in message, message
+    assert "nosuchscheme" in message and "monitor.mlflow.enabled=false" in message, message

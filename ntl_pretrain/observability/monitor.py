@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from ..config import MonitorConfig
-from .trackers import TensorBoardWriter, open_writers
+from .trackers import TensorBoardWriter, TrackerStartError, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +98,13 @@ class Monitor:
             return
         _silence_writer_thread_errors()
         self.tensorboard_dir = tensorboard_dir
-        if settings is None:
-            self.writers = [TensorBoardWriter(tensorboard_dir)]
-        else:
+        self.writers = [TensorBoardWriter(tensorboard_dir)]
+        if settings is not None:
             try:
-                self.writers = open_writers(settings, tensorboard_dir, output_dir or os.path.dirname(tensorboard_dir))
-            except Exception as error:
-                raise MonitorError(f"a tracker of monitor.* could not start: {_reason(error)}; fix its settings "
-                                   f"(monitor.wandb.*, monitor.mlflow.*), or switch it off with "
-                                   f"monitor.<tracker>.enabled=false") from error
+                self.writers += open_trackers(settings, output_dir or os.path.dirname(tensorboard_dir))
+            except TrackerStartError as error:
+                self.writers.pop().close("failed")
+                raise MonitorError(str(error)) from error.__cause__
         self.writer = _AllWriters(self)
         use_bar = progress_bar == "always" or (progress_bar == "auto" and sys.stdout.isatty())
         if use_bar:

@@ -201,15 +201,22 @@ def check_tracker_libraries(monitor: MonitorConfig) -> None:
                               f"monitor.{name}.enabled=false")
 
 
-def open_writers(monitor: MonitorConfig, tensorboard_dir: str, output_dir: str) -> list[Any]:
-    """TensorBoard's writer and one for each switched-on tracker (the run named after its folder)."""
+def open_trackers(monitor: MonitorConfig, output_dir: str) -> list[Any]:
+    """A writer for each switched-on tracker (the run named after its folder); one that cannot start closes those
+    started before it and raises `TrackerStartError` naming its keys."""
     run_name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
-    writers = [TensorBoardWriter(tensorboard_dir)]
-    try:
-        for name, tracker in enabled_trackers(monitor):
+    writers: list[Any] = []
+    for name, tracker in enabled_trackers(monitor):
+        try:
             writers.append(tracker.writer(getattr(monitor, name), output_dir, run_name))
-    except BaseException:
-        for writer in writers:
-            writer.close("failed")
-        raise
+        except Exception as error:
+            for writer in writers:
+                writer.close("failed")
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise TrackerStartError(f"{tracker.writer.name} (monitor.{name}) could not start: {reason}; fix "
+                                    f"monitor.{name}.*, or set monitor.{name}.enabled=false") from error
     return writers
+
+
+class TrackerStartError(RuntimeError):
+    """A switched-on tracker could not start (the monitor reports it as one line)."""
