@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from helpers.launch import demo_args, deepspeed_command, launch_env, run_ok
+from helpers.launch import demo_args, deepspeed_command, launch_env, run, run_ok
 from helpers.tensorboard import scalars as tensorboard_scalars, tensor_tags
 from helpers.trackers import mlflow_run, mlflow_scalars, mlflow_text_files, wandb_config, wandb_records, wandb_scalars
 from ntl_pretrain.config import ConfigError, load_config
@@ -139,3 +139,16 @@ def test_a_tracker_that_cannot_start_is_one_line_naming_its_keys(tmp_path):
     message = str(error.value)
     assert "\n" not in message and "MLflow (monitor.mlflow) could not start" in message, message
     assert "nosuchscheme" in message and "monitor.mlflow.enabled=false" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_tracker_that_cannot_start_stops_every_rank_with_one_line(assets, tmp_path):
+    result = run(deepspeed_command(2, *demo_args(
+        assets, tmp_path / "run", "train.max_steps=2", "monitor.mlflow.enabled=true",
+        "monitor.mlflow.tracking_uri=nosuchscheme://host/x")), timeout=TIMEOUT)
+    assert result.returncode != 0, result.stdout[-3000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "could not start" in line]
+    assert len(lines) == 1 and "monitor.mlflow.enabled=false" in lines[0], result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

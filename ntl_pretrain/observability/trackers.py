@@ -19,10 +19,6 @@ from typing import Any, Callable, Mapping
 
 from ..config import ConfigError, MonitorConfig
 
-# how a run ended, as each tracker records it
-OUTCOMES = ("finished", "stopped", "failed")
-
-
 class TensorBoardWriter:
     """TensorBoard's `SummaryWriter` with the writers' common calls (its config is the `config` text already)."""
 
@@ -105,6 +101,7 @@ class WandbWriter:
         self.run.finish(exit_code=1 if outcome == "failed" else 0)
 
 
+# how a run ended (`Monitor.close`'s outcome) -> MLflow's run status
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 MLFLOW_PARAM_CHARS = 6000  # MLflow refuses longer parameter values
 

@@ -36,7 +36,7 @@ from ..loss import ce_ntl_sums, chunked_model_ce_ntl_sums, vocab_shard_of
 from ..loss.objective import SUMS_WIDTH, check_vocabulary_covers_numbers
 from ..loss.sequence_shard import SequenceShard, shard_number_spans
 from ..models.build import load_run_tokenizer
-from ..observability.monitor import Monitor, memory_gib, purge_tensorboard_after
+from ..observability.monitor import Monitor, MonitorError, memory_gib, purge_tensorboard_after
 from ..observability.throughput import ThroughputWindow, model_flops_per_token, peak_tflops_per_device
 from ..parallel import distributed
 from ..parallel.layout import ParallelGroups
@@ -227,9 +227,11 @@ class Trainer:
         self.start_step = self.step
         if self.layout.is_main and self.resume_tag is not None:
             purge_tensorboard_after(self.tensorboard_dir, self.step)  # points a killed run wrote after its checkpoint
-        self.monitor = Monitor(self.layout.is_main, self.tensorboard_dir,
-                               total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
-                               start_step=self.step, settings=cfg.monitor, output_dir=output_dir)
+        # a tracker that cannot start (W&B not logged in, an MLflow server away) stops every rank, none waits
+        self.monitor = run_agreed(lambda: Monitor(self.layout.is_main, self.tensorboard_dir,
+                                                  total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
+                                                  start_step=self.step, settings=cfg.monitor, output_dir=output_dir),
+                                  True, plain=(MonitorError,))
         flops_per_token = model_flops_per_token(self.engine.module.config, self.model_report.parameters,
                                                 self.model_report.vocab_size, cfg.data.seq_len)
         self.window = ThroughputWindow(self.layout.world_size, flops_per_token, peak_tflops_per_device(self.device))
