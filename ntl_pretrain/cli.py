@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         if trainer is not None:
+            trainer.close_after_failure()  # after a clean end (or a stop signal) the monitor is closed already
             trainer.lock.release()
         if sys.exc_info()[1] is None:  # an exception on its way out: `distributed.run_process` first asks the
             distributed.shutdown_distributed()  # process group which rank stalled, then shuts it down

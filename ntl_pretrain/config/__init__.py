@@ -29,6 +29,7 @@ from .schema import (  # noqa: F401 (the package's API)
     DeepSpeedSection,
     LRScheduleName,
     LossConfig,
+    MlflowConfig,
     ModelConfig,
     MonitorConfig,
     NTLScheduleName,
@@ -40,6 +41,8 @@ from .schema import (  # noqa: F401 (the package's API)
     ResumeLRSchedule,
     TokenizerConfig,
     TrainConfig,
+    WandbConfig,
+    WandbMode,
     ZeroStage,
 )
 from .parsing import (  # noqa: F401 (the package's API)

@@ -21,6 +21,7 @@ ZeroStage = Literal[0, 1, 2, 3]
 LRScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 DecayShapeName = Literal["linear", "cosine", "1-sqrt"]
 ProgressBar = Literal["auto", "always", "never"]
+WandbMode = Literal["online", "offline", "disabled"]
 ResumeLRSchedule = Literal["error", "keep", "replan"]
 SourceFormat = Literal["text", "prepared", "tokenized"]  # ntl_pretrain.data: how a source's rows are read
 
@@ -291,11 +292,40 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases: the TensorBoard figures also logged to a W&B run (global rank 0; `pip install wandb`)."""
+
+    enabled: bool = _doc("log to Weights & Biases too", default=False)
+    project: str = _doc("W&B project", default="ntl-pretrain")
+    entity: str | None = _doc("W&B team or user; null uses your default entity", default=None)
+    name: str | None = _doc("run name; null uses the run folder's name (train.output_dir)", default=None)
+    mode: WandbMode = _doc("online | offline (written to dir only; upload later with `wandb sync`) | disabled",
+                           default="online")
+    dir: str | None = _doc("folder W&B writes its files under (a wandb/ folder in it); null uses train.output_dir",
+                           default=None)
+    tags: list[str] = _doc("tags of the W&B run", default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow: the TensorBoard figures also logged to an MLflow run (global rank 0; `pip install mlflow-skinny`)."""
+
+    enabled: bool = _doc("log to MLflow too", default=False)
+    tracking_uri: str | None = _doc(
+        "tracking server (http://host:5000), database (sqlite:///mlflow.db) or local folder (file:///path/mlruns); "
+        "null uses MLFLOW_TRACKING_URI or ./mlruns", default=None)
+    experiment: str = _doc("MLflow experiment name (created when missing)", default="ntl-pretrain")
+    run_name: str | None = _doc("run name; null uses the run folder's name (train.output_dir)", default=None)
+
+
+@dataclass
 class MonitorConfig:
-    """TensorBoard and console output."""
+    """TensorBoard, console output and the optional trackers (W&B, MLflow)."""
 
     tensorboard_dir: str | None = _doc("TensorBoard folder; null uses output_dir/tensorboard", default=None)
     progress_bar: ProgressBar = _doc("auto (tqdm on a terminal, log lines otherwise) | always | never", default="auto")
+    wandb: WandbConfig = _doc("Weights & Biases (off by default)", default_factory=WandbConfig)
+    mlflow: MlflowConfig = _doc("MLflow (off by default)", default_factory=MlflowConfig)
 
 
 @dataclass

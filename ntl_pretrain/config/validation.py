@@ -102,6 +102,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"checkpoint.preempt_signals: {name!r} is not a catchable signal name "
                               f"(e.g. SIGTERM, SIGUSR1, SIGUSR2)")
     _check_run_folder(config)
+    _check_trackers(config)
     if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
         raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
     ntl_settings(config.loss)  # the loss's own checks (squash_factor, smoothing with number_level, ...) now, not after the build
@@ -140,6 +141,20 @@ def _check_run_folder(config: Config) -> None:
             raise ConfigError(f"checkpoint.export_dir={export_dir!r} {where} (train.output_dir="
                               f"{config.train.output_dir!r}), where the export would be refused after the run; "
                               f"leave it null (train.output_dir/hf_export) or name a folder beside the checkpoints")
+
+
+def _check_trackers(config: Config) -> None:
+    """The names a switched-on tracker needs (W&B's project, MLflow's experiment) are not empty."""
+    needed = [("monitor.wandb.project", config.monitor.wandb.enabled, config.monitor.wandb.project),
+              ("monitor.mlflow.experiment", config.monitor.mlflow.enabled, config.monitor.mlflow.experiment)]
+    for key, enabled, value in needed:
+        if enabled and not value.strip():
+            raise ConfigError(f"{key} is empty; name it (e.g. {key}=ntl-pretrain) or switch the tracker off "
+                              f"({key.rsplit('.', 1)[0]}.enabled=false)")
+    uri = config.monitor.mlflow.tracking_uri
+    if config.monitor.mlflow.enabled and uri is not None and not uri.strip():
+        raise ConfigError("monitor.mlflow.tracking_uri is empty; give a URI (http://host:5000, sqlite:///mlflow.db, "
+                          "file:///path/mlruns) or null for MLFLOW_TRACKING_URI / ./mlruns")
 
 
 MAX_STEPS_LIMIT = 10**9  # a billion optimizer steps: more is a typo (and overflows schedules kept in floats)

@@ -7,12 +7,15 @@ state it reads and sets."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
 from ..runtime import lifecycle
 from .evaluation import log_validation
+
+logger = logging.getLogger("ntl_pretrain")
 
 
 def fit(trainer: Any) -> None:
@@ -73,8 +76,17 @@ def stop_for_preemption(trainer: Any, signal_name: str) -> None:
 def finish(trainer: Any) -> None:
     """Print the run's summary (as the HF Trainer does), close the monitor, drop the signal handlers."""
     trainer.monitor.message(trainer.summary())
-    trainer.monitor.close()
+    trainer.monitor.close("stopped" if trainer.stopped_by else "finished")
     trainer.preemption.uninstall()
+
+
+def close_after_failure(trainer: Any) -> None:
+    """Close the monitor of a run that ended by an error (the trackers mark it failed); nothing if it is closed
+    already. Another failure while closing is logged: the run's own error is the one reported."""
+    try:
+        trainer.monitor.close("failed")
+    except Exception as error:  # the run's own error is reported; this one only logged
+        logger.warning("closing the monitor after the run's error failed too: %s", error)
 
 
 def summary(trainer: Any) -> str:

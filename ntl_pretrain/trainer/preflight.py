@@ -21,6 +21,7 @@ from ..eval.config import validate_eval_inputs
 from ..models.build import check_sequence_length, load_model_config, max_positions
 from ..models.families import check_family
 from ..models.loading import partitioned_load_applies
+from ..observability.trackers import check_tracker_libraries
 from ..parallel import distributed
 from ..parallel.layout import ParallelLayout, check_sequence_parallel
 from ..parallel.ulysses import check_deepspeed_config, check_sequence_split
@@ -46,6 +47,7 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
     """Every check that needs neither data, weights nor communication: the DeepSpeed config and its batch
     sizes, the tensor- and sequence-parallel sizes, the objective's settings, the model config (architecture keys, model
     path, data.seq_len within its positions). Raises ConfigError/ValueError naming the key and the fix."""
+    check_tracker_libraries(cfg.monitor)
     run = resolve_run(cfg, on_cpu, world_size, local_world_size)
     distributed.check_tp_divides(world_size, run.cfg.parallel.tp_size)
     sp_size = run.cfg.parallel.sp_size

@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from ..checkpoint import AgreedCheckpointError, CheckpointError, lr_schedule_description
-from ..config import Config, to_yaml, write_resolved
+from ..config import Config, to_dict, to_yaml, write_resolved
 from ..core.agreement import agree_on_error, run_agreed
 from ..core.fs import write_json_atomic
 from ..data import PretrainingData, data_description, document_texts, load_documents, prepare_generated_corpus
@@ -25,7 +25,7 @@ from ..loss import vocab_shard_of
 from ..loss.objective import check_vocabulary_covers_numbers
 from ..loss.sequence_shard import SequenceShard
 from ..models.build import load_run_tokenizer
-from ..observability.monitor import Monitor, purge_tensorboard_after
+from ..observability.monitor import Monitor, MonitorError, purge_tensorboard_after
 from ..observability.throughput import ThroughputWindow, model_flops_per_token, peak_tflops_per_device
 from ..parallel import distributed
 from ..parallel.layout import ParallelGroups
@@ -194,14 +194,17 @@ def open_run_folder(trainer: Any) -> None:
     trainer.start_step = trainer.step
     if trainer.layout.is_main and trainer.resume_tag is not None:
         purge_tensorboard_after(trainer.tensorboard_dir, trainer.step)  # points a killed run wrote after its checkpoint
-    trainer.monitor = Monitor(trainer.layout.is_main, trainer.tensorboard_dir,
-                              total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
-                              start_step=trainer.step)
+    # a tracker that cannot start (W&B not logged in, an MLflow server away) stops every rank, none waits
+    trainer.monitor = run_agreed(lambda: Monitor(trainer.layout.is_main, trainer.tensorboard_dir,
+                                                 total_steps=cfg.train.max_steps, progress_bar=cfg.monitor.progress_bar,
+                                                 start_step=trainer.step, settings=cfg.monitor, output_dir=output_dir),
+                                 True, plain=(MonitorError,))
     flops_per_token = model_flops_per_token(trainer.engine.module.config, trainer.model_report.parameters,
                                             trainer.model_report.vocab_size, cfg.data.seq_len)
     trainer.window = ThroughputWindow(trainer.layout.world_size, flops_per_token, peak_tflops_per_device(trainer.device))
     trainer.monitor.text("config", "```\n" + to_yaml(cfg) + "\n```", trainer.step)
     trainer.monitor.text("deepspeed_config", "```\n" + json.dumps(trainer.ds_config, indent=1) + "\n```", trainer.step)
+    trainer.monitor.config(to_dict(cfg))
 
 
 def _write_json(path: str, data: Any) -> None:

@@ -82,6 +82,10 @@ class Trainer:
         """Train until train.max_steps (`fit_loop.fit`)."""
         fit_loop.fit(self)
 
+    def close_after_failure(self) -> None:
+        """Close the monitor of a run that ended by an error (`fit_loop.close_after_failure`)."""
+        fit_loop.close_after_failure(self)
+
     def summary(self) -> str:
         """Steps, wall time, tokens, final losses and where the run's outputs are (`fit_loop.summary`)."""
         return fit_loop.summary(self)
