@@ -559,6 +559,20 @@ cli.distributed.run_process(lambda: cli.main([]), lost_peer_hint=cli.LOST_PEER_H
 """
 
 
+def _without_torch_cpp_warnings(err: str) -> str:
+    """`err` less torch's C++ log blocks: a `[rankN]:[W...` line and the indented / frame lines that follow it."""
+    kept, in_block = [], False
+    for line in err.splitlines():
+        if re.match(r"\[rank\d+\]:\[[WE]\d{4} ", line):
+            in_block = True
+            continue
+        if in_block and (line.startswith(("  ", "frame #", "Exception raised from", "<omitting")) or not line.strip()):
+            continue
+        in_block = False
+        kept.append(line)
+    return "\n".join(kept)
+
+
 @pytest.mark.multiprocess
 def test_the_trainers_command_line_names_the_rank_that_stalled():
     """Issue 40 item 14: cli.main's `finally` shut the process group down before `run_process` asked which rank
@@ -570,8 +584,11 @@ def test_the_trainers_command_line_names_the_rank_that_stalled():
     procs[1].kill()
     procs[1].communicate(timeout=30)
     for proc, (_, err) in zip(others, outputs):
-        lines = err.strip().splitlines()
+        # torch's c10d may log its own C++ warning (with C++ frames) when rank 0's store goes away while another rank
+        # still asks it: not ours to print or silence per call; no Python traceback, and ours is one line
+        lines = [line for line in _without_torch_cpp_warnings(err).splitlines() if line.strip()]
         assert proc.returncode == 1 and len(lines) == 1, err
+        assert "Traceback" not in err, err
         assert re.search(r"a collective timed out \(.*\): global rank 1 stalled \(", lines[0]), err
         assert lines[0].endswith("rerun the same command with train.resume=auto (it continues from the last complete "
                                  "checkpoint)"), err

@@ -124,7 +124,7 @@ def teardown_module():
         dist.destroy_process_group()
 
 
-def test_the_runner_and_autotp_notes_of_every_run_are_dropped_and_datasets_bars_off_in_a_log(filtered, caplog):
+def test_the_runner_and_autotp_notes_of_every_run_are_dropped_and_datasets_bars_off_in_a_log(filtered):
     """Issue 36 item 6: DeepSpeed's runner warns of a missing hostfile on every one-node `bash launch/pretrain.sh`,
     AutoTP of the vocabulary-sharded head the trainer always asks for; datasets' bars glue into one line in a log
     file. The same logger's other warnings still show."""
@@ -132,13 +132,22 @@ def test_the_runner_and_autotp_notes_of_every_run_are_dropped_and_datasets_bars_
 
     filtered()
     deepspeed_logger = logging.getLogger("DeepSpeed")
-    with caplog.at_level(logging.WARNING, logger="DeepSpeed"):
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # on the logger itself: whatever propagates
+    deepspeed_logger.addHandler(handler)
+    level, deepspeed_logger.level = deepspeed_logger.level, logging.WARNING
+    disabled, deepspeed_logger.disabled = deepspeed_logger.disabled, False  # another test's logging config may
+    try:
         deepspeed_logger.warning("Unable to find hostfile, will proceed with training with local resources only.")
         deepspeed_logger.warning("[Rank 0] AutoTP: vocab_parallel_lm_head supersedes the configured 'column' "
                                  "partitioning for 'lm_head'; the head stays vocabulary-sharded and its output is "
                                  "not gathered.")
         deepspeed_logger.warning("AutoTP: a real AutoTP warning")
-    assert [r.getMessage() for r in caplog.records] == ["AutoTP: a real AutoTP warning"]
+    finally:
+        deepspeed_logger.removeHandler(handler)
+        deepspeed_logger.level, deepspeed_logger.disabled = level, disabled
+    assert seen == ["AutoTP: a real AutoTP warning"]
     assert os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS") == "1"  # pytest's stderr is not a terminal
     assert "log_filter.install" in log_filter.RUNNER_WITH_FILTER and "deepspeed.launcher.runner" in \
         log_filter.RUNNER_WITH_FILTER

@@ -5,6 +5,7 @@ config's checks."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -32,10 +33,25 @@ def reference_lr(step: int, peak: float, warmup: int, total: int, decay: int, st
     return final + (peak - final) * factor
 
 
-@pytest.fixture(autouse=True)
-def _world_of_one(monkeypatch):
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
+@pytest.fixture(autouse=True, scope="module")
+def _world_of_one():
+    """A world of one for DeepSpeed's engines of this module, taken down after it: a process group left up made
+    later tests in the same process read world size 1 (test_train_errors' layout checks). One group for the whole
+    module: DeepSpeed keeps the groups it saw, so the group is not rebuilt between tests."""
+    names = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(names)
+    started_here = not dist.is_initialized()
+    if started_here:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if started_here and dist.is_initialized():
+        dist.destroy_process_group()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _engine_lrs(overrides: list[str], steps: int, resume_at: int | None = None) -> list[float]:
@@ -46,8 +62,6 @@ def _engine_lrs(overrides: list[str], steps: int, resume_at: int | None = None) 
 
     from ntl_pretrain.core.lr_schedules import register_with_deepspeed
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     register_with_deepspeed()
     cfg = load_config(DEMO, overrides)
 
