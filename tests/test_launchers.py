@@ -231,7 +231,8 @@ def test_the_supervisor_starts_again_on_another_port_only_when_it_chose_the_port
     assert len(starts) == 2 and starts[1][0] == "--master_port" and starts[1][1].isdigit(), starts
     assert starts[1][2:] == starts[0], starts
     assert "starting again on port" in capsys.readouterr().err
-    for named in (["--master_port", "23456"], ["--master_port=23456"], ["--hostfile", "hosts"]):
+    port = str(free_port())  # a start that is never launched, but no fixed port all the same
+    for named in (["--master_port", port], [f"--master_port={port}"], ["--hostfile", "hosts"]):
         starts.clear()
         assert supervisor.run_with_port_retries([*named, "launch/pretrain.sh"], start) == 2
         assert len(starts) == 1, named

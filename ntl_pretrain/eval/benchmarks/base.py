@@ -7,6 +7,8 @@ tools/evaluate.py only iterate the registry (`ntl_pretrain.eval.benchmarks.BENCH
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -86,7 +88,7 @@ class InputChecks:
     generated_corpora: tuple[tuple[str, str], ...] = ()  # (config key, path) of existing corpora the config generates
 
 
-class Benchmark:
+class Benchmark(abc.ABC):
     """One benchmark. To add one: subclass this in its own module under ntl_pretrain/eval/benchmarks/, and add
     its instance to `BENCHMARKS` there (docs/evaluation.md, "Adding a benchmark").
 
@@ -102,18 +104,19 @@ class Benchmark:
     Settings: type
     max_new_tokens_key: str
 
+    @abc.abstractmethod
     def enabled(self, settings: Any) -> bool:
         """Whether these settings run the benchmark (e.g. arithmetic_n > 0)."""
-        raise NotImplementedError
 
     def check_tokenizer(self, settings: Any, tokenizer: Any) -> None:
         """Refuse settings the tokenizer cannot serve (before the weights load in tools/evaluate.py)."""
+        return None  # default: every tokenizer serves it
 
     def check_inputs(self, settings: Any, inputs: InputChecks) -> list[str]:
         """Read what the run will read (files, exemplars) before training; ValueError naming the file/line or key and
         the fix; returns one line per input checked."""
         return []
 
+    @abc.abstractmethod
     def run(self, model: Any, tokenizer: Any, settings: Any, context: EvalContext) -> BenchmarkResult:
         """Evaluate `model` (a module or a DeepSpeed engine); every rank calls this with the same arguments."""
-        raise NotImplementedError

@@ -10,6 +10,8 @@ calls `register` (the package imports every module in it) and its test.
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,7 +54,7 @@ def label_spans(slot: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVo
                                      settings.max_number_digits), slot.numel())
 
 
-class NTLVariant:
+class NTLVariant(abc.ABC):
     """One NTL variant; subclass it, set the class attributes, override what differs, and `register` an instance."""
 
     name: str = ""
@@ -68,6 +70,7 @@ class NTLVariant:
 
     def check(self, settings: NTLSettings) -> None:
         """Checks of its options that depend on each other (each option's type and range: `NTLSettings`)."""
+        return None  # default: its options do not depend on each other
 
     def check_vocab(self, number_vocab: NumberVocab, settings: NTLSettings) -> None:
         """What it needs of the number vocabulary (host-side, on the vocabulary's Python tuples)."""
@@ -88,10 +91,10 @@ class NTLVariant:
         """`[n]` bool: where its terms sit (default: at every number-token label)."""
         return slot >= 0
 
+    @abc.abstractmethod
     def terms(self, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """`(loss [n], positions [n] bool)`: the per-term loss (any finite value where no term sits; it is masked)
         and where the terms sit. Rows without a term must get exactly zero gradient (mask their logits first)."""
-        raise NotImplementedError
 
 
 REGISTRY: dict[str, NTLVariant] = {}  # name -> variant, in registration order
