@@ -144,14 +144,6 @@ def trainer_worker(args: dict) -> dict:
     return {"imports_read": imports, "startup_read": started - before, "step_read": _rchar() - started}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(args: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_DATASETS_DISABLE_PROGRESS_BARS="1")
@@ -179,7 +171,9 @@ def bench_size(work: str, shard_mb: float, steps: int, seq_len: int, micro_batch
         one = result["per_rank"][1]
         result["tokens_per_s_per_rank"] = one["tokens"][0] / one["steps_s"][0]
     if "d" in parts:  # (d) the trainer's start-up
-        result["trainer"] = _run({**base, "trainer": True, "port": _free_port(), "out": os.path.join(work, f"run-{shard_mb}")})
+        from ntl_pretrain.runtime.launcher import free_port
+
+        result["trainer"] = _run({**base, "trainer": True, "port": free_port(), "out": os.path.join(work, f"run-{shard_mb}")})
     if "b" not in parts:
         return result
     state = os.path.join(work, f"state-{shard_mb}.json")  # (b)

@@ -58,6 +58,10 @@ class HFTrainerLoss:
         """This rank's vocabulary columns of the model's head now (the whole vocabulary without a model)."""
         return VocabShard() if self.model is None else vocab_shard_of(self.model)
 
+    def _shifted(self, labels: torch.Tensor) -> torch.Tensor:
+        """Labels aligned with the logits, as transformers' causal-LM loss shifts them (the last position ignored)."""
+        return F.pad(labels, (0, 1), value=self.settings.ignore_index)[..., 1:]
+
     def attach(self, trainer: Any) -> "HFTrainerLoss":
         """Normalise NTL by the NTL terms of the whole accumulated step (see the module): wraps the Trainer's
         `get_batch_samples` (transformers 5: it collects a step's micro-batches and counts their label tokens) to
@@ -78,12 +82,11 @@ class HFTrainerLoss:
 
     def _count_step_terms(self, trainer: Any, batch_samples: list, device: Any) -> torch.Tensor:
         """The step's NTL terms, counted and reduced as transformers counts `num_items_in_batch`."""
-        ignore_index = self.settings.ignore_index
         count = torch.zeros((), dtype=torch.float32, device=device)
         for batch in batch_samples:
             labels = batch.get("shift_labels")
             if labels is None:
-                labels = F.pad(batch["labels"], (0, 1), value=ignore_index)[..., 1:]
+                labels = self._shifted(batch["labels"])
             count = count + term_positions(labels.to(device), self.number_vocab, self.settings).sum()
         args = trainer.args
         if args.average_tokens_across_devices and args.world_size > 1:
@@ -105,8 +108,7 @@ class HFTrainerLoss:
             raise ValueError(f"labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
                              f"HFTrainerLoss takes the Trainer's unshifted labels, one per logit row (shape "
                              f"{tuple(logits.shape[:-1])}), and shifts them itself")
-        ignore_index = self.settings.ignore_index
-        shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(logits.device)
+        shifted = self._shifted(labels).to(logits.device)
         sums = ce_ntl_sums(logits, shifted, self.number_vocab, self.settings, shard=self.shard(),
                            with_ntl=self.ntl_weight != 0, check_inputs=not self._checked)
         self._checked = True
