@@ -15,12 +15,18 @@ from helpers.distributed import REPO
 pytestmark = pytest.mark.fast
 
 SCRIPT = textwrap.dedent("""
-    import shutil, sys, threading, time
+    import os, shutil, sys, threading, time
     from ntl_pretrain.observability.monitor import Monitor, MonitorError
     run = sys.argv[1]
     monitor = Monitor(True, run + "/tensorboard", total_steps=10, progress_bar="never")
     monitor.log_step(1, {"train/loss": 1.0})
-    shutil.rmtree(run)
+    # TensorBoard's writer thread reopens its file for append at each flush, so it can recreate an event file
+    # while rmtree walks the folder ("Directory not empty"): remove until the folder stays gone
+    for _ in range(100):
+        shutil.rmtree(run, ignore_errors=True)
+        if not os.path.lexists(run):
+            break
+        time.sleep(0.01)
     try:
         for step in range(2, 50):  # the writer thread fails at its next write; the training thread hears after
             monitor.log_step(step, {"train/loss": 1.0})
