@@ -51,4 +51,4 @@ from .sources import (  # noqa: F401 (the package's API)
     text_columns,
 )
 from .description import data_description  # noqa: F401
-from .stream import Mixture, MicroBatch, PretrainingData  # noqa: F401
+from .stream import Mixture, MicroBatch, PretrainingData, StagedMixture  # noqa: F401
