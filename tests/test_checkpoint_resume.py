@@ -339,7 +339,8 @@ def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted
     A staged mixture switches at step 3 (the resumed run's first step): the streamed source alone, then mixed with
     the same file read in memory (data.stages; TensorBoard's data/stage and data/source_share/* agree too)."""
     streamed = ["parallel.tp_size=1", "data.sources.0.streaming=true", "data.micro_batch_size=4",
-                f"data.sources.1.path={assets / 'arithmetic.jsonl'}",
+                f"data.sources.1.path={assets / 'arithmetic.jsonl'}", "data.sources.1.generate_arithmetic=3000",
+                "data.sources.1.generate_options={train_digits: [1, 2], ops: ['+', '-']}",  # the demo's: one corpus
                 "data.stages=[{start_step: 1, weights: [1, 0]}, {start_step: 3, weights: [1, 1]}]",
                 "optim.lr_schedule=constant", "optim.warmup_steps=2", "checkpoint.every_n_steps=1",
                 "checkpoint.keep_last=0", "checkpoint.resume_lr_schedule=keep"]
