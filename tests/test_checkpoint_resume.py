@@ -356,15 +356,17 @@ def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted
                           timeout=TIMEOUT)
     assert "each rank reads its own contiguous bytes" in outputs[0]  # one file, two ranks: split by byte range
     assert f"resumed from {split / 'global_step2'} at step 2" in outputs[0]
+    assert "stage 1: steps 3-4: sources.0 0.500, sources.1 0.500" in outputs[0]  # the stage table at start-up
+    assert outputs[0].count("step 3: data stage 1 begins (sources.0 0.500, sources.1 0.500)") == 2  # straight, resumed
     # rank 0 (the one that logs) sought its stream to its saved row, not re-reading the file up to it
     assert re.search(r"data.sources.0: this rank's stream resumes at its sample \d+, sought to 'arithmetic.jsonl' "
                      r"byte [1-9]\d*", outputs[0])
     got, want = _scalars(split / "tensorboard"), _scalars(straight / "tensorboard")
     assert [v for _, v in got["data/stage"]] == [0, 0, 1, 1]
-    replayed = [v for _, v in got["data/source_share/1"]]  # the in-memory source: not in stage 0, drawn in stage 1
+    replayed = [v for _, v in got["data/source_share/sources.1"]]  # in memory: not in stage 0, drawn in stage 1
     assert replayed[:2] == [0, 0] and sum(replayed[2:]) > 0
-    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/lr", "data/source_share/0",
-                "data/source_share/1"):
+    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/lr", "data/source_share/sources.0",
+                "data/source_share/sources.1"):
         assert [s for s, _ in got[tag]] == [1, 2, 3, 4], tag
         assert [v for _, v in got[tag]] == [v for _, v in want[tag]], tag
     assert torch.equal(torch.load(tmp_path / "resumed.pt")["logits"], torch.load(tmp_path / "straight.pt")["logits"])

@@ -190,6 +190,10 @@ class DataConfig:
         "a staged mixture (e.g. a share of the original pretraining data replayed): stages in order, the first from "
         "step 1, each with its own source weights; empty: one mixture by data.sources.N.weight", default_factory=list)
 
+    def source_names(self) -> list[str]:
+        """What logs and TensorBoard call each source: its label, or sources.N."""
+        return [source.label or f"sources.{i}" for i, source in enumerate(self.sources)]
+
     def stage_table(self) -> list[Stage]:
         """The mixture's stages with their weights in data.sources' order: data.stages resolved (labels looked up,
         a source a mapping leaves out at 0), or one stage from step 1 by the sources' `weight` (checked by

@@ -242,11 +242,7 @@ class PretrainingData:
         if self.dp_rank == 0:
             total = sum(weights)
             logger.info("step %d: data stage %d begins (%s)", step, k, ", ".join(
-                f"{name} {w / total:.3f}" for name, w in zip(self.source_names(), weights)))
-
-    def source_names(self) -> list[str]:
-        """Each source's label, or its index."""
-        return [source.label or str(i) for i, source in enumerate(self.cfg.sources)]
+                f"{name} {w / total:.3f}" for name, w in zip(self.cfg.source_names(), weights)))
 
     def stage_figures(self) -> dict[str, float]:
         """TensorBoard's data/* scalars: the stage of the last step drawn and each source's share of the global
@@ -255,7 +251,7 @@ class PretrainingData:
         self._shares_from = self.position
         total = max(int(counts.sum()), 1)
         return {"data/stage": float(self.segments[-1]["stage"]),
-                **{f"data/source_share/{name}": float(count) / total for name, count in zip(self.source_names(), counts)}}
+                **{f"data/source_share/{name}": float(count) / total for name, count in zip(self.cfg.source_names(), counts)}}
 
     @classmethod
     def build(cls, cfg: DataConfig, tokenizer: Any, *, dp_rank: int, dp_size: int) -> "PretrainingData":

@@ -141,7 +141,7 @@ def stage_warnings(cfg: Config) -> list[str]:
 def stage_table_text(cfg: Config) -> list[str]:
     """The staged mixture as lines (the dry run prints them): each stage's steps and its sources' shares."""
     table, last = cfg.data.stage_table(), cfg.train.max_steps
-    names = [source.label or f"sources.{i}" for i, source in enumerate(cfg.data.sources)]
+    names = cfg.data.source_names()
     lines = ["data stages (share of the samples from each source):"]
     for k, stage in enumerate(table):
         end = table[k + 1].start_step - 1 if k + 1 < len(table) else last
