@@ -122,6 +122,30 @@ def test_resume_mid_stage_and_at_a_boundary_is_bitwise(tokenizer, sources, tmp_p
         assert before + _steps(resumed, 10 - cut) == straight, f"resumed after step {cut}"
 
 
+def test_a_checkpoint_without_stages_resumes_and_a_changed_current_stage_opens_a_segment(tokenizer, sources, tmp_path):
+    plain = _cfg(sources, tmp_path, stages=[])
+    straight = _steps(_build(plain, tokenizer), 6)
+    first = _build(plain, tokenizer)
+    before = _steps(first, 3)
+    state = combine_rank_states(first[0], [d.rank_state() for d in first])
+    old = json.loads(json.dumps({k: v for k, v in state.items() if k not in ("segments", "steps")}))  # older version
+    resumed = _build(plain, tokenizer)
+    for data in resumed:
+        data.load_state_dict(old, steps_done=3)
+    assert before + _steps(resumed, 3) == straight
+    # checkpoint.allow_data_change with the current stage's weights edited: this run's weights from the next step,
+    # each source read on where it stopped (web's samples continue its order, none repeated)
+    changed = _build(_cfg(sources, tmp_path, stages=[DataStageConfig(1, [1.0, 3.0])]), tokenizer)
+    for data in changed:
+        data.load_state_dict(json.loads(json.dumps(state)), steps_done=3)
+    after = _steps(changed, 4)
+    assert [s["first"] for s in changed[0].segments] == [0, 3 * ACCUM * DP * MBS]
+    web = changed[0].sources[0]
+    order = {tuple(web.get(j)[0][:-1].tolist()): j for j in range(web.size)}
+    trained = [order[s] for step in straight[:3] + after for s in step if s in order]
+    assert trained == list(range(len(trained))) and len(trained) < sum(len(step) for step in straight[:3] + after)
+
+
 # ------------------------------------------------------------------------------------------- configuration
 MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", "data.sources.0.path=a.jsonl",
            "data.sources.1.path=b.jsonl"]
