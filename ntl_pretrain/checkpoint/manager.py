@@ -179,7 +179,7 @@ class CheckpointManager:
         check_fingerprint(manifest.get("fingerprint", {}), self.fingerprint, path)
         if self.data is not None:
             check_data(manifest.get("data"), self.data, path, allow_change=self.cfg.allow_data_change,
-                       step=int(manifest.get("step", 0)))
+                       step=int(manifest["step"]))
         if not needs_reshard(manifest, self.current):
             return tag
         saved = saved_layout(manifest)

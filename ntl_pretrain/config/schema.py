@@ -106,7 +106,7 @@ class DataSourceConfig:
                          "weights are used instead", default=1.0)
     label: str | None = _doc(
         "a short name of the source (letters, digits, _ - .; unique): data.stages.N.weights may give weights by it, "
-        "and TensorBoard's data/source_share/LABEL uses it (null: the source's index)", default=None)
+        "and logs and TensorBoard's data/source_share/LABEL name it (null: sources.N)", default=None)
     streaming: bool = _doc("stream instead of downloading/tokenizing everything first (large corpora)",
                            default=False)
     generate_arithmetic: int = _doc(

@@ -137,7 +137,7 @@ class StagedMixture:
 
     def counts(self, g: int) -> np.ndarray:
         """How many of the first g global samples each source gives."""
-        k = self._segment(g) if g > 0 else 0
+        k = self._segment(g)
         return self._offsets[k] + self.segments[k].counts(g - self.firsts[k])
 
     def locate_on_rank(self, g: int, rank: int, dp: int, micro_batch: int) -> tuple[int, int]:
