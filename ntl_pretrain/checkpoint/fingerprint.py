@@ -119,7 +119,8 @@ def check_data(saved: dict | None, current: dict, where: str, allow_change: bool
     if saved == current:
         return
     trained, kept = ([stage for stage in stages_of(d) if stage[0] <= step] for d in (saved, current))
-    same_rest = _without_weights(saved) == _without_weights(current)
+    staged = "stages" in saved or "stages" in current  # else the sources' weights are compared as any key
+    same_rest = staged and _without_weights(saved) == _without_weights(current)
     if same_rest and trained == kept:
         logger.warning("checkpoint %s (step %d) was saved with other data stages after step %d (%s): the steps "
                        "already trained had the same stages; the edited ones apply from their start steps", where,
