@@ -335,8 +335,13 @@ def test_resume_on_another_layout_waits_for_a_conversion_longer_than_the_collect
 def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted_run(assets, tmp_path):
     """One 2-process launch of the real Trainer, three runs in it: 4 uninterrupted steps; 2 steps; the same
     folder resumed to step 4. The stream state of each rank (its position in its byte range of the demo's one
-    file) is saved at step 2 and sought to, and steps 3 and 4 train bitwise what the uninterrupted run did."""
+    file) is saved at step 2 and sought to, and steps 3 and 4 train bitwise what the uninterrupted run did.
+    A staged mixture switches at step 3 (the resumed run's first step): the streamed source alone, then mixed with
+    the same file read in memory (data.stages; TensorBoard's data/stage and data/source_share/* agree too)."""
     streamed = ["parallel.tp_size=1", "data.sources.0.streaming=true", "data.micro_batch_size=4",
+                f"data.sources.1.path={assets / 'arithmetic.jsonl'}", "data.sources.1.generate_arithmetic=3000",
+                "data.sources.1.generate_options={train_digits: [1, 2], ops: ['+', '-']}",  # the demo's: one corpus
+                "data.stages=[{start_step: 1, weights: [1, 0]}, {start_step: 3, weights: [1, 1]}]",
                 "optim.lr_schedule=constant", "optim.warmup_steps=2", "checkpoint.every_n_steps=1",
                 "checkpoint.keep_last=0", "checkpoint.resume_lr_schedule=keep"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -351,11 +356,17 @@ def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted
                           timeout=TIMEOUT)
     assert "each rank reads its own contiguous bytes" in outputs[0]  # one file, two ranks: split by byte range
     assert f"resumed from {split / 'global_step2'} at step 2" in outputs[0]
+    assert "stage 1: steps 3-4: sources.0 0.500, sources.1 0.500" in outputs[0]  # the stage table at start-up
+    assert outputs[0].count("step 3: data stage 1 begins (sources.0 0.500, sources.1 0.500)") == 2  # straight, resumed
     # rank 0 (the one that logs) sought its stream to its saved row, not re-reading the file up to it
     assert re.search(r"data.sources.0: this rank's stream resumes at its sample \d+, sought to 'arithmetic.jsonl' "
                      r"byte [1-9]\d*", outputs[0])
     got, want = _scalars(split / "tensorboard"), _scalars(straight / "tensorboard")
-    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/lr"):
+    assert [v for _, v in got["data/stage"]] == [0, 0, 1, 1]
+    replayed = [v for _, v in got["data/source_share/sources.1"]]  # in memory: not in stage 0, drawn in stage 1
+    assert replayed[:2] == [0, 0] and sum(replayed[2:]) > 0
+    for tag in ("train/loss", "train/ce", "train/ntl", "train/grad_norm", "train/lr", "data/source_share/sources.0",
+                "data/source_share/sources.1"):
         assert [s for s, _ in got[tag]] == [1, 2, 3, 4], tag
         assert [v for _, v in got[tag]] == [v for _, v in want[tag]], tag
     assert torch.equal(torch.load(tmp_path / "resumed.pt")["logits"], torch.load(tmp_path / "straight.pt")["logits"])

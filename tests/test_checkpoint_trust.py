@@ -9,7 +9,7 @@
 - item 7: the start-up cleanup removes our own interrupted saves and nothing else of the run folder;
 - item 8: a resume with another train.max_steps stops unless checkpoint.resume_lr_schedule says keep
   or replan (checked against DeepSpeed's own scheduler), and another data configuration is refused
-  unless checkpoint.allow_data_change=true.
+  unless checkpoint.allow_data_change=true (data.stages: only a change of the steps already trained).
 """
 
 from __future__ import annotations
@@ -226,6 +226,13 @@ def test_another_max_steps_stops_unless_the_schedule_choice_is_given(run, assets
         manager("data.sources.0.weight=2.0").plan_resume("global_step3")
     assert manager("data.validation_documents=90", "checkpoint.allow_data_change=true").plan_resume(
         "global_step3") == "global_step3"
+    # data.stages added by the resume: from step 4 on, a planned edit; from step 3, a change of what was trained
+    assert manager("data.stages=[{start_step: 1, weights: [1.0]}, {start_step: 4, weights: [2.0]}]").plan_resume(
+        "global_step3") == "global_step3"
+    with pytest.raises(CheckpointError, match=r"trained steps 1-3 with data stages that this run changes \(data.stages.1: "
+                                              r"none -> from step 3, weights \[2.0\]\)"):
+        manager("data.stages=[{start_step: 1, weights: [1.0]}, {start_step: 3, weights: [2.0]}]").plan_resume(
+            "global_step3")
 
 
 @pytest.mark.parametrize("choice", ["keep", "replan"])

@@ -56,9 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     print(f"prepared {len(folders)} source(s) in {time.perf_counter() - started:.1f} s; train from them with:")
-    weights = [source.weight for source in cfg.data.sources]
-    print("data.sources=[" + ", ".join(f"{{path: {folder}, format: prepared, weight: {weight}}}"
-                                       for folder, weight in zip(folders, weights)) + "]")
+    print("data.sources=[" + ", ".join(  # the label too: data.stages may name the sources by it (keep data.stages)
+        f"{{path: {folder}, format: prepared, weight: {source.weight}"
+        f"{f', label: {source.label}' if source.label else ''}}}" for folder, source in zip(folders, cfg.data.sources))
+        + "]")
     return 0
 
 

@@ -92,15 +92,46 @@ def describe_changes(saved: Any, current: Any, prefix: str) -> str:
     return "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
 
 
-def check_data(saved: dict | None, current: dict, where: str, allow_change: bool) -> None:
+def stages_of(description: dict) -> list[list]:
+    """A data description's stages as [start step, weights]: its recorded data.stages, or one stage from step 1
+    by the sources' weights (a run without stages, and checkpoints written before them)."""
+    return description.get("stages") or [[1, [source.get("weight") for source in description.get("sources", [])]]]
+
+
+def _without_weights(description: dict) -> dict:
+    """A data description less what decides the mixture (compared by stage, `check_data`)."""
+    rest = {key: value for key, value in description.items() if key != "stages"}
+    rest["sources"] = [{k: v for k, v in source.items() if k != "weight"} for source in description.get("sources", [])]
+    return rest
+
+
+def check_data(saved: dict | None, current: dict, where: str, allow_change: bool, step: int = 0) -> None:
     """Refuse a resume whose data configuration differs from the checkpoint's (samples would repeat or be
-    skipped, validation documents could leak into training), unless the user allows it (logged)."""
+    skipped, validation documents could leak into training), unless the user allows it (logged).
+
+    The mixture is compared by stage (`stages_of`): the stages that began by the checkpoint's `step` decided what
+    was trained and must be unchanged (start step and weights); a later stage may be edited, added or removed, as
+    continued pretraining is planned on (logged)."""
     if saved is None:
         logger.warning("checkpoint %s records no data configuration (saved before format 2): the data sources are "
                        "not compared, only data.seed and data.seq_len", where)
         return
     if saved == current:
         return
+    trained, kept = ([stage for stage in stages_of(d) if stage[0] <= step] for d in (saved, current))
+    staged = "stages" in saved or "stages" in current  # else the sources' weights are compared as any key
+    same_rest = staged and _without_weights(saved) == _without_weights(current)
+    if same_rest and trained == kept:
+        logger.warning("checkpoint %s (step %d) was saved with other data stages after step %d (%s): the steps "
+                       "already trained had the same stages; the edited ones apply from their start steps", where,
+                       step, step, _stage_changes(stages_of(saved), stages_of(current)))
+        return
+    if not allow_change and same_rest:
+        raise CheckpointError(
+            f"checkpoint {where} trained steps 1-{step} with data stages that this run changes "
+            f"({_stage_changes(trained, kept)}): the steps already trained would not be the ones this configuration "
+            f"describes. Keep the stages that start at or before step {step} as they were (start_step and weights) "
+            f"and edit only later ones, or set checkpoint.allow_data_change=true if you mean it")
     changes = describe_changes(saved, current, "data")
     if not allow_change:
         raise CheckpointError(
@@ -110,6 +141,15 @@ def check_data(saved: dict | None, current: dict, where: str, allow_change: bool
             f"if you mean it")
     logger.warning("checkpoint %s was saved with another data configuration (%s); continuing because "
                    "checkpoint.allow_data_change=true: the stream position is reused on the new data", where, changes)
+
+
+def _stage_changes(saved: list[list], current: list[list]) -> str:
+    """`data.stages.K: from step S, weights [...] -> ...` for each stage that differs."""
+    def text(stage: list | None) -> str:
+        return "none" if stage is None else f"from step {stage[0]}, weights {stage[1]}"
+
+    return "; ".join(f"data.stages.{k}: {text(a)} -> {text(b)}" for k, (a, b) in
+                     enumerate(zip(saved + [None] * len(current), current + [None] * len(saved))) if a != b)
 
 
 def lr_schedule_description(ds_config: dict) -> dict:

@@ -178,7 +178,8 @@ class CheckpointManager:
         manifest = verify_checkpoint(path, content=False)  # contents: checked by resolve_resume
         check_fingerprint(manifest.get("fingerprint", {}), self.fingerprint, path)
         if self.data is not None:
-            check_data(manifest.get("data"), self.data, path, allow_change=self.cfg.allow_data_change)
+            check_data(manifest.get("data"), self.data, path, allow_change=self.cfg.allow_data_change,
+                       step=int(manifest["step"]))
         if not needs_reshard(manifest, self.current):
             return tag
         saved = saved_layout(manifest)

@@ -26,6 +26,7 @@ from .schema import (  # noqa: F401 (the package's API)
     DType,
     DataConfig,
     DataSourceConfig,
+    DataStageConfig,
     DeepSpeedSection,
     LRScheduleName,
     LossConfig,

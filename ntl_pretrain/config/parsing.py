@@ -203,8 +203,8 @@ def _validate_override_key(key: str) -> None:
             walked.append(part)
             continue
         if not dataclasses.is_dataclass(cls):
-            if walked and cls is not None and typing.get_origin(cls) is dict:
-                return  # free-form mapping (model.architecture.hidden_size)
+            if walked and cls is not None and dict in (typing.get_origin(cls), *map(typing.get_origin, typing.get_args(cls))):
+                return  # free-form mapping (model.architecture.hidden_size, data.stages.1.weights.web)
             raise _unknown_key_error(key, [], f"{'.'.join(walked)} has no sub-keys")
         hints = _type_hints(cls)
         if part not in hints:

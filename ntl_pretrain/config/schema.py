@@ -102,7 +102,11 @@ class DataSourceConfig:
         "columns where {prompt} is prompt_field's value (\"Question: {question}\\nAnswer: \"; \"{prompt}\" joins "
         "prompt and completion as they are), or 'chat': the tokenizer's chat template (a user turn, then the "
         "assistant's completion, as TRL does)", default=None)
-    weight: float = _doc("sampling weight in the mixture (normalised over sources)", default=1.0)
+    weight: float = _doc("sampling weight in the mixture (normalised over sources); with data.stages, the stages' "
+                         "weights are used instead", default=1.0)
+    label: str | None = _doc(
+        "a short name of the source (letters, digits, _ - .; unique): data.stages.N.weights may give weights by it, "
+        "and logs and TensorBoard's data/source_share/LABEL name it (null: sources.N)", default=None)
     streaming: bool = _doc("stream instead of downloading/tokenizing everything first (large corpora)",
                            default=False)
     generate_arithmetic: int = _doc(
@@ -147,6 +151,25 @@ def check_prompt_template(source: DataSourceConfig, key: str) -> None:
 
 
 @dataclass
+class DataStageConfig:
+    """One stage of a staged data mixture: from its first step on (until the next stage's), its source weights."""
+
+    start_step: int = _doc("the first optimizer step of the stage (the first stage's is 1); it lasts until the step "
+                           "before the next stage's start_step, the last one to the end of the run", default=1)
+    weights: list[float] | dict[str, float] = _doc(
+        "the sources' sampling weights in this stage (>= 0, one > 0; normalised): a list, one per data.sources entry "
+        "in order, or a mapping {label: weight} by data.sources.N.label (sources left out: 0)", default_factory=list)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage as the stream uses it: its first step and one weight per source, in data.sources' order."""
+
+    start_step: int
+    weights: tuple[float, ...]
+
+
+@dataclass
 class DataConfig:
     """Datasets, tokenization and packing."""
 
@@ -163,6 +186,25 @@ class DataConfig:
         "longest text field trained on, in characters; a longer document is skipped (counted and named in the log): "
         "one 50 MB line made the Rust tokenizer abort the process", default=4_000_000)
     cache_dir: str | None = _doc("datasets cache folder; null uses the Hugging Face default", default=None)
+    stages: list[DataStageConfig] = _doc(
+        "a staged mixture (e.g. a share of the original pretraining data replayed): stages in order, the first from "
+        "step 1, each with its own source weights; empty: one mixture by data.sources.N.weight", default_factory=list)
+
+    def source_names(self) -> list[str]:
+        """What logs and TensorBoard call each source: its label, or sources.N."""
+        return [source.label or f"sources.{i}" for i, source in enumerate(self.sources)]
+
+    def stage_table(self) -> list[Stage]:
+        """The mixture's stages with their weights in data.sources' order: data.stages resolved (labels looked up,
+        a source a mapping leaves out at 0), or one stage from step 1 by the sources' `weight` (checked by
+        `config.validate`)."""
+        if not self.stages:
+            return [Stage(1, tuple(float(source.weight) for source in self.sources))]
+        labels = [source.label for source in self.sources]
+        return [Stage(stage.start_step, tuple(float(w) for w in stage.weights) if isinstance(stage.weights, list)
+                      else tuple(float(stage.weights.get(label, 0.0)) if label is not None else 0.0
+                                 for label in labels))
+                for stage in self.stages]
 
 
 @dataclass

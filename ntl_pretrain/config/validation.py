@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 
 from ..checkpoint.export import max_shard_bytes
@@ -14,7 +15,7 @@ from ..eval.config import check_corpus_digits
 from ..loss.settings import NTLSettings, check_ntl_weight
 from ..loss.variants import any_vocabulary_variants, variant_of
 from .parsing import get_key
-from .schema import Config, ConfigError, LossConfig, check_prompt_template
+from .schema import Config, ConfigError, DataConfig, LossConfig, check_prompt_template
 
 
 def validate(config: Config) -> None:
@@ -58,6 +59,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"data.sources.{i}.prompt_field and completion_field are both {source.prompt_field!r}; "
                               f"name two different columns")
         check_prompt_template(source, f"data.sources.{i}")
+    check_stages(config.data)
     try:  # the generated corpus's options, and the arithmetic benchmark's digits against them
         corpora = [(f"data.sources.{i}.generate_options", source.generate_options)
                    for i, source in enumerate(config.data.sources) if source.generate_arithmetic > 0]
@@ -106,6 +108,55 @@ def validate(config: Config) -> None:
     if config.tokenizer.name_or_path is None and config.model.name_or_path is None:
         raise ConfigError("set tokenizer.name_or_path (a model built from scratch has no tokenizer of its own)")
     ntl_settings(config.loss)  # the loss's own checks (squash_factor, smoothing with number_level, ...) now, not after the build
+
+
+LABEL_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")  # a source label: a TensorBoard tag part and a YAML key as written
+
+
+def check_stages(data: DataConfig) -> None:
+    """data.sources.N.label and data.stages: labels unique names; stages from step 1, in order, one weight >= 0 per
+    source (a list aligned with data.sources or a mapping by label), one > 0 a stage. One line naming the key."""
+    labels: dict[str, int] = {}
+    for i, source in enumerate(data.sources):
+        if source.label is None:
+            continue
+        if not LABEL_PATTERN.fullmatch(source.label):
+            raise ConfigError(f"data.sources.{i}.label={source.label!r} is not a name: use letters, digits, _ - . "
+                              f"only (e.g. label: web), or null")
+        if source.label in labels:
+            raise ConfigError(f"data.sources.{i}.label={source.label!r} is also data.sources.{labels[source.label]}"
+                              f".label: a label names one source; rename one")
+        labels[source.label] = i
+    for k, stage in enumerate(data.stages):
+        key = f"data.stages.{k}"
+        if k == 0 and stage.start_step != 1:
+            raise ConfigError(f"{key}.start_step={stage.start_step}: the first stage must start at step 1 (the "
+                              f"stages cover the run from its first step); set {key}.start_step=1")
+        if k > 0 and stage.start_step <= data.stages[k - 1].start_step:
+            raise ConfigError(f"{key}.start_step={stage.start_step} is not after data.stages.{k - 1}.start_step="
+                              f"{data.stages[k - 1].start_step}: list the stages in order, each starting after the "
+                              f"one before (a stage lasts until the next one's start_step)")
+        weights = stage.weights
+        if isinstance(weights, list):
+            if len(weights) != len(data.sources):
+                raise ConfigError(f"{key}.weights has {len(weights)} weight(s) for {len(data.sources)} data.sources: "
+                                  f"give one per source in data.sources' order, or a mapping by data.sources.N.label "
+                                  f"({{label: weight}})")
+            named = [(f"{key}.weights.{i}", w) for i, w in enumerate(weights)]
+        else:
+            unknown = [name for name in weights if name not in labels]
+            if unknown:
+                known = ", ".join(labels) if labels else "none: set data.sources.N.label"
+                raise ConfigError(f"{key}.weights names {unknown[0]!r}, which is no data.sources.N.label (labels: "
+                                  f"{known}); name a labelled source or give a list, one weight per source")
+            named = [(f"{key}.weights.{name}", w) for name, w in weights.items()]
+        for where, weight in named:
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                    or weight < 0:
+                raise ConfigError(f"{where}={weight!r} must be a finite number >= 0 (0: the source is not sampled "
+                                  f"in this stage)")
+        if not any(weight > 0 for _, weight in named):
+            raise ConfigError(f"{key}.weights are all 0: give at least one source a weight > 0 in every stage")
 
 
 def _check_run_folder(config: Config) -> None:

@@ -17,16 +17,17 @@ position is ignored when the token it predicts is not a target. The mask is cut 
 the tokens, so it is exact across sample boundaries (a completion split over two samples keeps every
 target token). CE and NTL are normalised over the labels that are not ignored, as everywhere.
 
-The global sample stream is a pure function of the seed: global sample g comes from the source a
-seeded draw (by weight) assigns to it, and is that source's next sample in a per-epoch seeded
-permutation (streamed sources are read in order). A step takes the next `micro_batch * dp * grad_accum`
-global samples; data-parallel rank r takes its micro-batches from them, and every tensor-parallel rank
-of a group takes the same ones. A streamed source is read per rank instead: rank r reads shards r, r + dp,
-... (with fewer files than ranks, its contiguous byte range or row groups of them) and trains its own
-stream's next sample wherever the mixture puts a sample of that source in its slices. A stream is packed continuously
-as it is read; the stream position (samples consumed) and, per rank, where each streamed source's next
-sample starts (its row's position in the files, and the tokens of that row already trained) are what a
-checkpoint needs to resume without repeating, skipping or re-reading a sample.
+The global sample stream is a pure function of the seed: global sample g comes from the source a seeded draw (by
+weight) assigns to it, and is that source's next sample in a per-epoch seeded permutation (streamed sources are
+read in order); with `data.stages`, each stage's steps are drawn with its own weights (a segment of the stream a
+stage, the sources read on across them: `stream.StagedMixture`). A step takes the next `micro_batch * dp *
+grad_accum` global samples; data-parallel rank r takes its micro-batches from them, and every tensor-parallel
+rank of a group takes the same ones. A streamed source is read per rank instead: rank r reads shards r, r + dp,
+... (with fewer files than ranks, its contiguous byte range or row groups of them) and trains its own stream's
+next sample wherever the mixture puts a sample of that source in its slices. A stream is packed continuously as
+it is read; the stream position (samples consumed) and, per rank, where each streamed source's next sample
+starts (its row's position in the files, and the tokens of that row already trained) are what a checkpoint needs
+to resume without repeating, skipping or re-reading a sample.
 
 Modules: `sources` (files, documents, bad rows, templates, packing), `stream` (mixture, order,
 micro-batches, state), `streamed` (a streamed source: packing as it reads, its position, per-rank shares),
@@ -51,4 +52,4 @@ from .sources import (  # noqa: F401 (the package's API)
     text_columns,
 )
 from .description import data_description  # noqa: F401
-from .stream import Mixture, MicroBatch, PretrainingData  # noqa: F401
+from .stream import Mixture, MicroBatch, PretrainingData, StagedMixture  # noqa: F401

@@ -12,6 +12,7 @@ from .sources import DataError, resolve_files
 
 # data source keys newer than the first checkpoints: in a description only when not at their default
 SOURCE_KEYS_RECORDED_WHEN_SET = ("format", "prompt_template")
+SOURCE_KEYS_NOT_RECORDED = ("label",)  # a name only: the stages are recorded by source index
 
 
 def data_description(data_cfg: Any) -> dict:
@@ -24,7 +25,7 @@ def data_description(data_cfg: Any) -> dict:
         # keys added after checkpoints existed are recorded only when set, so a checkpoint written before
         # them (which lacks them) still matches a source that leaves them at their defaults
         entry = {k: v for k, v in dataclasses.asdict(source).items()
-                 if not (k in SOURCE_KEYS_RECORDED_WHEN_SET and v == defaults[k])}
+                 if not (k in SOURCE_KEYS_RECORDED_WHEN_SET and v == defaults[k]) and k not in SOURCE_KEYS_NOT_RECORDED}
         try:
             resolved = resolve_files(source, f"data.sources.{index}")
         except DataError:
@@ -39,4 +40,6 @@ def data_description(data_cfg: Any) -> dict:
     limit = next(f.default for f in dataclasses.fields(data_cfg) if f.name == "max_document_chars")
     if data_cfg.max_document_chars != limit:
         described["max_document_chars"] = data_cfg.max_document_chars
+    if data_cfg.stages:  # [start step, weights in data.sources' order] (without stages: the sources' weights)
+        described["stages"] = [[stage.start_step, list(stage.weights)] for stage in data_cfg.stage_table()]
     return described

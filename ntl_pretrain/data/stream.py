@@ -3,6 +3,7 @@ order), micro-batches for one data-parallel rank, and the resumable stream posit
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +23,16 @@ _MIX_BLOCK = 4096  # global samples whose sources are drawn together
 
 
 class Mixture:
-    """Which source each global sample comes from, and its index within that source (seeded, by weight)."""
+    """Which source each sample of a mixture comes from, and its index within that source (seeded, by weight).
 
-    def __init__(self, weights: list[float], seed: int) -> None:
+    `key` tells mixtures of one seed apart (a staged mixture's segments; the run's first segment has none, so a run
+    without stages draws what it always drew); `first` is the global index of the mixture's first sample (which
+    data-parallel rank trains a sample depends on it)."""
+
+    def __init__(self, weights: list[float], seed: int, key: tuple[int, ...] = (), first: int = 0) -> None:
         total = float(sum(weights))
         self.probabilities = np.asarray(weights, dtype=np.float64) / total
-        self.seed = seed
+        self.seed, self.key, self.first = seed, tuple(key), first
         self._block_offsets: list[np.ndarray] = [np.zeros(len(weights), dtype=np.int64)]
         self._block_cache: dict[int, np.ndarray] = {}
         self._rank_offsets: dict[tuple[int, int], list[np.ndarray]] = {}  # (dp, micro_batch) -> [source, rank]
@@ -38,7 +43,7 @@ class Mixture:
             if len(self.probabilities) == 1:
                 choice = np.zeros(_MIX_BLOCK, dtype=np.int64)
             else:
-                rng = np.random.default_rng([self.seed, block])
+                rng = np.random.default_rng([self.seed, *self.key, block])
                 choice = rng.choice(len(self.probabilities), size=_MIX_BLOCK, p=self.probabilities)
             if len(self._block_cache) > 8:
                 self._block_cache.clear()
@@ -53,33 +58,98 @@ class Mixture:
         return self._block_offsets[block]
 
     def locate(self, g: int) -> tuple[int, int]:
-        """(source, index within the source) of global sample g."""
+        """(source, index within the source) of the mixture's sample g."""
         block, within = divmod(g, _MIX_BLOCK)
         choice = self._block(block)
         source = int(choice[within])
         before = int(np.count_nonzero(choice[:within] == source))
         return source, int(self._offsets(block)[source]) + before
 
-    def _owners(self, block: int, dp: int, micro_batch: int) -> np.ndarray:
-        """The data-parallel rank that trains each global sample of a block: sample g is in micro-batch slice
-        g // micro_batch, and slices go to ranks 0..dp-1 in turn (whatever the accumulation steps)."""
-        return (np.arange(block * _MIX_BLOCK, (block + 1) * _MIX_BLOCK) // micro_batch) % dp
+    def counts(self, n: int) -> np.ndarray:
+        """How many of the mixture's first n samples each source gives."""
+        block, within = divmod(n, _MIX_BLOCK)
+        return self._offsets(block) + np.bincount(self._block(block)[:within], minlength=len(self.probabilities))
 
-    def locate_on_rank(self, g: int, rank: int, dp: int, micro_batch: int) -> tuple[int, int]:
-        """(source, index within what `rank` reads of the source) of global sample g that `rank` trains: the
-        number of earlier global samples of that source that `rank` trained (a source read per rank)."""
-        block, within = divmod(g, _MIX_BLOCK)
-        choice = self._block(block)
-        source = int(choice[within])
-        owners = self._owners(block, dp, micro_batch)
-        before = int(np.count_nonzero((choice[:within] == source) & (owners[:within] == rank)))
+    def _owners(self, block: int, dp: int, micro_batch: int) -> np.ndarray:
+        """The data-parallel rank that trains each sample of a block: global sample g is in micro-batch slice
+        g // micro_batch, and slices go to ranks 0..dp-1 in turn (whatever the accumulation steps)."""
+        first = self.first + block * _MIX_BLOCK
+        return (np.arange(first, first + _MIX_BLOCK) // micro_batch) % dp
+
+    def _rank_block_offsets(self, block: int, dp: int, micro_batch: int) -> np.ndarray:
         offsets = self._rank_offsets.setdefault((dp, micro_batch), [np.zeros((len(self.probabilities), dp), np.int64)])
         while len(offsets) <= block:
             b = len(offsets) - 1
             counts = np.bincount(self._block(b) * dp + self._owners(b, dp, micro_batch),
                                  minlength=len(self.probabilities) * dp).reshape(-1, dp)
             offsets.append(offsets[-1] + counts)
-        return source, int(offsets[block][source, rank]) + before
+        return offsets[block]
+
+    def locate_on_rank(self, g: int, rank: int, dp: int, micro_batch: int) -> tuple[int, int]:
+        """(source, index within what `rank` reads of the source) of the mixture's sample g that `rank` trains: the
+        number of earlier samples of that source that `rank` trained (a source read per rank)."""
+        block, within = divmod(g, _MIX_BLOCK)
+        choice = self._block(block)
+        source = int(choice[within])
+        owners = self._owners(block, dp, micro_batch)
+        before = int(np.count_nonzero((choice[:within] == source) & (owners[:within] == rank)))
+        return source, int(self._rank_block_offsets(block, dp, micro_batch)[source, rank]) + before
+
+    def rank_counts(self, n: int, dp: int, micro_batch: int) -> np.ndarray:
+        """[source, rank]: how many of the mixture's first n samples of each source each rank trains."""
+        block, within = divmod(n, _MIX_BLOCK)
+        counts = np.bincount(self._block(block)[:within] * dp + self._owners(block, dp, micro_batch)[:within],
+                             minlength=len(self.probabilities) * dp).reshape(-1, dp)
+        return self._rank_block_offsets(block, dp, micro_batch) + counts
+
+
+class StagedMixture:
+    """The run's mixture: segments of the global stream, each a `Mixture` of one stage's weights from its first
+    global sample on (the last one open-ended). A source's index carries on across segments: it is read on from
+    where the segments before left it."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.firsts: list[int] = []
+        self.segments: list[Mixture] = []
+        self._offsets: list[np.ndarray] = []  # per segment: each source's samples in the segments before it
+        self._rank_offsets: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    def add(self, first: int, weights: list[float], key: tuple[int, ...]) -> None:
+        """A segment from global sample `first` on (after every segment so far) with these weights."""
+        if self.segments:
+            length = first - self.firsts[-1]
+            self._offsets.append(self._offsets[-1] + self.segments[-1].counts(length))
+        else:
+            self._offsets.append(np.zeros(len(weights), dtype=np.int64))
+        self.firsts.append(first)
+        self.segments.append(Mixture(weights, self.seed, key, first))
+        self._rank_offsets.clear()
+
+    def _segment(self, g: int) -> int:
+        return bisect.bisect_right(self.firsts, g) - 1
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(source, index within the source) of global sample g."""
+        k = self._segment(g)
+        source, j = self.segments[k].locate(g - self.firsts[k])
+        return source, int(self._offsets[k][source]) + j
+
+    def counts(self, g: int) -> np.ndarray:
+        """How many of the first g global samples each source gives."""
+        k = self._segment(g)
+        return self._offsets[k] + self.segments[k].counts(g - self.firsts[k])
+
+    def locate_on_rank(self, g: int, rank: int, dp: int, micro_batch: int) -> tuple[int, int]:
+        """(source, index within what `rank` reads of the source) of global sample g that `rank` trains."""
+        k = self._segment(g)
+        source, j = self.segments[k].locate_on_rank(g - self.firsts[k], rank, dp, micro_batch)
+        offsets = self._rank_offsets.setdefault((dp, micro_batch), [])
+        while len(offsets) <= k:
+            i = len(offsets)
+            offsets.append(np.zeros((len(self._offsets[0]), dp), np.int64) if i == 0 else offsets[-1] +
+                           self.segments[i - 1].rank_counts(self.firsts[i] - self.firsts[i - 1], dp, micro_batch))
+        return source, int(offsets[k][source, rank]) + j
 
 
 class _MapSource:
@@ -137,8 +207,51 @@ class PretrainingData:
         self.sources = sources
         self.validation = validation
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.mixture = Mixture([s.weight for s in cfg.sources], cfg.seed)
+        self.stages = cfg.stage_table()
         self.position = 0  # global samples consumed
+        self.steps_done = 0  # optimizer steps drawn (the stage of the next one is that of steps_done + 1)
+        self._shares_from = 0  # the position `stage_figures` last counted the sources from
+        self._use_segments([{"stage": 0, "first": 0, "weights": list(self.stages[0].weights)}])
+
+    # ------------------------------------------------------------------ stages
+    def _use_segments(self, segments: list[dict]) -> None:
+        """The mixture of these segments (each: the stage it belongs to, its first global sample, its weights)."""
+        self.segments = [dict(segment) for segment in segments]
+        self.mixture = StagedMixture(self.cfg.seed)
+        for segment in self.segments:
+            first, stage = int(segment["first"]), int(segment["stage"])
+            # the run's first segment draws what a run without stages draws; a later one has its own draws
+            key = () if (stage, first) == (0, 0) else (stage, first)
+            self.mixture.add(first, [float(w) for w in segment["weights"]], key)
+
+    def stage_of(self, step: int) -> int:
+        """The index in data.stages of the stage optimizer step `step` (from 1) trains in."""
+        return bisect.bisect_right([stage.start_step for stage in self.stages], step) - 1
+
+    def _enter(self, step: int) -> None:
+        """Open a segment with step's stage's weights when the stream is not in it yet (its first step, or a
+        resume whose current stage's weights were changed), at the current position: a step's samples are all
+        drawn with its own stage's weights."""
+        k = self.stage_of(step)
+        weights = list(self.stages[k].weights)
+        last = self.segments[-1]
+        if (int(last["stage"]), [float(w) for w in last["weights"]]) == (k, weights):
+            return
+        self.segments.append({"stage": k, "first": self.position, "weights": weights})
+        self.mixture.add(self.position, weights, (k, self.position))
+        if self.dp_rank == 0:
+            total = sum(weights)
+            logger.info("step %d: data stage %d begins (%s)", step, k, ", ".join(
+                f"{name} {w / total:.3f}" for name, w in zip(self.cfg.source_names(), weights)))
+
+    def stage_figures(self) -> dict[str, float]:
+        """TensorBoard's data/* scalars: the stage of the last step drawn and each source's share of the global
+        samples drawn since the last call (host arithmetic on the seeded mixture: no device read)."""
+        counts = self.mixture.counts(self.position) - self.mixture.counts(self._shares_from)
+        self._shares_from = self.position
+        total = max(int(counts.sum()), 1)
+        return {"data/stage": float(self.segments[-1]["stage"]),
+                **{f"data/source_share/{name}": float(count) / total for name, count in zip(self.cfg.source_names(), counts)}}
 
     @classmethod
     def build(cls, cfg: DataConfig, tokenizer: Any, *, dp_rank: int, dp_size: int) -> "PretrainingData":
@@ -187,8 +300,10 @@ class PretrainingData:
         return self.sources[source].get(j)
 
     def next_step(self, grad_accum_steps: int) -> list[MicroBatch]:
-        """This rank's micro-batches of the next optimizer step; advances the stream position."""
+        """This rank's micro-batches of the next optimizer step, drawn with its stage's weights; advances the
+        stream position."""
         mbs, dp = self.cfg.micro_batch_size, self.dp_size
+        self._enter(self.steps_done + 1)
         base = self.position
         batches = []
         for m in range(grad_accum_steps):
@@ -196,6 +311,7 @@ class PretrainingData:
             batches.append(_to_micro_batch([self._trained_sample(first + i) for i in range(mbs)],
                                            self.boundary_id))
         self.position = base + grad_accum_steps * dp * mbs
+        self.steps_done += 1
         return batches
 
     def rank_state(self) -> dict:
@@ -209,7 +325,9 @@ class PretrainingData:
         streamed = any(isinstance(source, StreamedSource) for source in self.sources)  # the same on every rank
         return combine_rank_states(self, _gather_objects(self.rank_state()) if streamed else [self.rank_state()])
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, steps_done: int | None = None) -> None:
+        """Resume at a checkpoint's data state; `steps_done`: the optimizer steps it had trained (the trainer's
+        step; default: the state's own count)."""
         if state.get("seed") != self.cfg.seed or state.get("seq_len") != self.cfg.seq_len:
             raise DataError(f"the checkpoint's data stream (seed {state.get('seed')}, seq_len {state.get('seq_len')}) "
                             f"differs from data.seed={self.cfg.seed}, data.seq_len={self.cfg.seq_len}; a resume "
@@ -224,7 +342,16 @@ class PretrainingData:
                                 f"{_reading(source.per_rank, self.dp_size)}: a rank's place in its part of the files "
                                 f"cannot be carried over; resume with the same data-parallel size, or train from a "
                                 f"corpus made by tools/prepare_data.py (it resumes at any size)")
-        self.position = int(state["position"])
+        self.position = self._shares_from = int(state["position"])
+        self.steps_done = int(state.get("steps", 0) if steps_done is None else steps_done)
+        segments = state.get("segments")  # absent before staged mixtures: one mixture by the sources' weights
+        if not segments or any(len(segment["weights"]) != len(self.sources) for segment in segments):
+            if segments:
+                logger.warning("the checkpoint's data stream mixed %d source(s), this run has %d: its mixture "
+                               "restarts from this run's stages at the resumed position (checkpoint.allow_data_change)",
+                               len(segments[-1]["weights"]), len(self.sources))
+            segments = [{"stage": 0, "first": 0, "weights": list(self.stages[0].weights)}]
+        self._use_segments(segments)
         for source in self.sources:
             saved = streams.get(source.key) if isinstance(source, StreamedSource) else None
             if saved is not None:
@@ -274,4 +401,4 @@ def combine_rank_states(data: PretrainingData, rank_states: list[dict]) -> dict:
             ranks = range(data.dp_size) if source.per_rank else range(1)
             streams[source.key] = {"per_rank": source.per_rank, "ranks": [by_rank[r][source.key] for r in ranks]}
     return {"position": data.position, "seed": data.cfg.seed, "seq_len": data.cfg.seq_len, "dp_size": data.dp_size,
-            "streams": streams}
+            "streams": streams, "steps": data.steps_done, "segments": [dict(segment) for segment in data.segments]}

@@ -39,7 +39,7 @@ def resume(trainer: Any, load_tag: str) -> None:
     client_state = trainer.checkpoints.load(trainer.engine, load_tag)
     trainer.step = int(client_state["step"])
     trainer.tokens_seen = int(client_state.get("tokens_seen", 0))
-    trainer.data.load_state_dict(client_state["data"])
+    trainer.data.load_state_dict(client_state["data"], steps_done=trainer.step)
     logger.info("resumed from %s at step %d (%.1f s)", os.path.join(trainer.cfg.train.output_dir, load_tag),
                 trainer.step, trainer.checkpoints.last_save.get("load_s", 0.0))
 

@@ -129,4 +129,5 @@ def logged_figures(trainer: Any, figures: StepFigures, step: int, lr: float) -> 
         "train/number_mae": figures.abs_error_sum / figures.number_tokens if figures.number_tokens > 0 else 0.0,
         "train/memory_gib": memory_gib(trainer.device),
         "train/nonfinite_steps": float(trainer.nonfinite.total),
+        **(trainer.data.stage_figures() if trainer.cfg.data.stages else {}),  # data/stage, data/source_share/*
     }

@@ -115,7 +115,42 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.loss.ntl_on and cfg.loss.ntl_weight > NTL_WEIGHT_WARN:
         found.append(f"loss.ntl_weight={cfg.loss.ntl_weight:g} is far above the paper's 0.1-1: the number-token "
                      f"loss outweighs cross-entropy; set loss.ntl_weight to about 0.3")
+    found.extend(stage_warnings(cfg))
     return found
+
+
+def stage_warnings(cfg: Config) -> list[str]:
+    """data.stages that run but likely not as meant: a stage that starts after the last step, a source no stage
+    samples, a source weight the stages replace."""
+    if not cfg.data.stages:
+        return []
+    found = [f"data.stages.{k}.start_step={stage.start_step} is after train.max_steps={cfg.train.max_steps}: the stage "
+             f"never trains; lower its start_step or raise train.max_steps"
+             for k, stage in enumerate(cfg.data.stages) if stage.start_step > cfg.train.max_steps]
+    table = cfg.data.stage_table()
+    for i, source in enumerate(cfg.data.sources):
+        if all(stage.weights[i] == 0 for stage in table):
+            found.append(f"data.sources.{i} ({source.label or source.path}) has weight 0 in every data.stages entry: "
+                         f"it is loaded but never sampled; give it a weight in a stage or remove it")
+        if source.weight != 1.0:
+            found.append(f"data.sources.{i}.weight={source.weight:g} is not used: data.stages gives every source's "
+                         f"weight; remove it or move it into the stages")
+    return found
+
+
+def stage_table_text(cfg: Config) -> list[str]:
+    """The staged mixture as lines (the dry run prints them): each stage's steps and its sources' shares."""
+    table, last = cfg.data.stage_table(), cfg.train.max_steps
+    names = cfg.data.source_names()
+    lines = ["data stages (share of the samples from each source):"]
+    for k, stage in enumerate(table):
+        end = table[k + 1].start_step - 1 if k + 1 < len(table) else last
+        steps = f"steps {stage.start_step}-{min(end, last)}" if stage.start_step <= last else \
+            f"from step {stage.start_step} (after train.max_steps={last}: never trained)"
+        total = sum(stage.weights)
+        shares = ", ".join(f"{name} {weight / total:.3f}" for name, weight in zip(names, stage.weights))
+        lines.append(f"  stage {k}: {steps}: {shares}")
+    return lines
 
 
 def check_model_family(run: ResolvedRun, model_config: Any) -> None:
@@ -230,6 +265,9 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
         print(f"warning: {line}", file=sys.stderr)
     print(f"# {checked.objective.describe()}")
     print(f"# layout: {layout.describe()}")
+    if resolved.data.stages:
+        for line in stage_table_text(resolved):
+            print(f"# {line}")
     print(f"# dry run OK: global batch {global_batch} sequences = {global_batch * resolved.data.seq_len} tokens "
           f"per step")
     if problem is not None:

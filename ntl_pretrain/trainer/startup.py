@@ -35,7 +35,8 @@ from ..tokenizer.run import needs_training, tokenizer_source, train_digit_bpe
 from . import checkpointing
 from .engine import build_engine
 from .preemption import PreemptionHandler
-from .preflight import check_data_files, check_eval_inputs, check_output_dir, number_vocab_for, output_problems, preflight
+from .preflight import (check_data_files, check_eval_inputs, check_output_dir, number_vocab_for, output_problems, preflight,
+                        stage_table_text)
 from .step_guard import NonfiniteGuard
 
 logger = logging.getLogger("ntl_pretrain")
@@ -105,6 +106,8 @@ def start(trainer: Any, cfg: Config) -> None:
     for line in checked.warnings:
         logger.warning(line)
     logger.info(trainer.objective.describe())
+    if cfg.data.stages:
+        logger.info("\n".join(stage_table_text(cfg)))
     # installed first: a stop signal during start-up ends the process at once (no step to save), later it saves
     trainer.preemption = PreemptionHandler(cfg.checkpoint.preempt_signals, cfg.checkpoint.preempt_grace_s)
     trainer.preemption.install()
