@@ -55,37 +55,52 @@ def test_reader_serves_fused_experts_as_from_pretrained_assembles_them(tmp_path,
 
 
 @pytest.fixture(scope="module")
-def loads(tmp_path_factory) -> dict:
-    """{(model_type, "partitioned"|"full", rank): the worker's record}, one 2-rank run for every family."""
+def loaded(tmp_path_factory):
+    """The folder of the worker's records (`_partitioned_rankR.pt`, `_full_rankR.pt`): one 2-rank run for every
+    family."""
     root, _, _ = write_setup(tmp_path_factory.mktemp("tp_load"), MODEL_TYPES)
     run_workers("tp_load_families.py", 2, [str(root), str(root / "tokenizer"), *MODEL_TYPES], timeout=420)
-    return {"root": root, **{(model_type, kind, rank): torch.load(root / f"{model_type}_{kind}_rank{rank}.pt")
-                             for model_type in MODEL_TYPES for kind in ("partitioned", "full") for rank in (0, 1)}}
+    return root
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_partitioned_load_at_t2_is_the_full_load_sliced_by_autotp(loads, model_type: str):
-    from transformers import AutoModelForCausalLM
-
-    for rank in (0, 1):
-        partitioned, full = loads[(model_type, "partitioned", rank)], loads[(model_type, "full", rank)]
+def _assert_ranks_hold_the_full_loads_parameters(root, model_type: str, world: int) -> None:
+    for rank in range(world):
+        partitioned = torch.load(root / f"{model_type}_partitioned_rank{rank}.pt")
+        full = torch.load(root / f"{model_type}_full_rank{rank}.pt")
         assert partitioned["local"].keys() == full["local"].keys()
         for name, tensor in full["local"].items():
             assert partitioned["local"][name].shape == tensor.shape, (rank, name)
             assert torch.equal(partitioned["local"][name], tensor), (rank, name)
         assert torch.equal(partitioned["logits"], full["logits"])
-        # no rank held the projections, the embeddings or the fused experts before AutoTP (all read after it)
-        held = [name for name, elements in partitioned["held_before"].items() if elements]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_moe_partitioned_load_with_data_parallel_ranks_inside_the_tp_group(tmp_path):
+    """4 ranks, T=2 (2 data-parallel ranks in each TP group): the fused experts, read whole after AutoTP, are
+    ZeRO-partitioned as each is read; every rank's TP slices are still the full load's."""
+    root, _, _ = write_setup(tmp_path, ("qwen3_moe",))
+    run_workers("tp_load_families.py", 4, [str(root), str(root / "tokenizer"), "qwen3_moe"], timeout=420)
+    _assert_ranks_hold_the_full_loads_parameters(root, "qwen3_moe", 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_partitioned_load_at_t2_is_the_full_load_sliced_by_autotp(loaded, model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    _assert_ranks_hold_the_full_loads_parameters(loaded, model_type, 2)
+    records = [torch.load(loaded / f"{model_type}_partitioned_rank{rank}.pt") for rank in (0, 1)]
+    for record in records:  # no rank held the projections, the embeddings or the fused experts before AutoTP
+        held = [name for name, elements in record["held_before"].items() if elements]
         assert not [name for name in held if re.search(r"experts|proj|query_key_value|dense|embed|lm_head", name)], held
     # really sliced: the fused qkv / attention projections hold half of the rows on each rank
-    reference = AutoModelForCausalLM.from_pretrained(loads["root"] / model_type, dtype=torch.float32,
+    reference = AutoModelForCausalLM.from_pretrained(loaded / model_type, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
     shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
-    local = loads[(model_type, "partitioned", 0)]["local"]
+    local = records[0]["local"]
     assert any(tuple(local[name].shape) != shapes[name] for name in local if "attn" in name or "attention" in name)
     with torch.no_grad():
         expected = reference(input_ids=torch.arange(24).remainder(len(WORDS)).reshape(2, 12)).logits
-    torch.testing.assert_close(loads[(model_type, "partitioned", 0)]["logits"], expected, rtol=1e-5, atol=1e-5)
-
+    torch.testing.assert_close(records[0]["logits"], expected, rtol=1e-5, atol=1e-5)
