@@ -348,3 +348,17 @@ def test_a_config_json_transformers_refuses_is_one_line_naming_the_folder(tmp_pa
         load_model_config(ModelConfig(architecture={"model_type": "llama", "hidden_size": 16, "num_attention_heads": 3}))
     assert str(info.value).startswith("model.architecture (llama) is refused by transformers") and "\n" not in str(
         info.value)
+
+
+@pytest.mark.fast
+def test_a_family_whose_files_the_partitioned_load_cannot_read_is_refused_in_one_line(monkeypatch):
+    """No listed family needs it now; the registry's refusal still names the family, the size and the fix."""
+    from ntl_pretrain.models import families
+
+    monkeypatch.setitem(families.FAMILIES, "toy", families.Family("Toy", no_tp_partitioned_load="its qkv is interleaved"))
+    assert family_problem("toy", 1, partitioned_load=True) is None
+    assert family_problem("toy", 2, partitioned_load=False) is None
+    problem = family_problem("toy", 2, partitioned_load=True)
+    assert "Toy (toy) at parallel.tp_size=2" in problem and "its qkv is interleaved" in problem
+    assert "set model.partitioned_load=false" in problem and "\n" not in problem
+    assert "| Toy (`toy`) | trains | trains with `model.partitioned_load=false` | T=1 |" in families.families_table()
