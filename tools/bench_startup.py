@@ -50,11 +50,21 @@ ARCHITECTURES = {
         model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rope_theta=10000.0,
         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    # an MoE: Qwen/Qwen3-30B-A3B's layer (hidden 2048, 32 query and 4 key-value heads of 128, experts of width 768,
+    # top-8) with 4 of its 48 layers and 16 of its 128 experts, and SmolLM2's vocabulary (so the experts are about
+    # half of the model, as in the real one, not the embeddings)
+    "qwen3-moe-4l16e": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=16,
+        num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, vocab_size=49152,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0),
 }
 # a real tokenizer for each (GPT-2's 50257 tokens exceed SmolLM2's 49152 rows: that run resizes while loading);
 # for Qwen2.5, GPT-2's grown with added tokens to Qwen2.5's 151665 tokens (the trainer refuses a tokenizer far
 # smaller than the model's vocabulary)
-TOKENIZER_OF = {"qwen2.5-0.5b": ("gpt2", 151665), "smollm2-135m": ("gpt2", 0), "tinyllama-1.1b": ("llama2", 0)}
+TOKENIZER_OF = {"qwen2.5-0.5b": ("gpt2", 151665), "smollm2-135m": ("gpt2", 0), "tinyllama-1.1b": ("llama2", 0),
+                "qwen3-moe-4l16e": ("gpt2", 0)}
 CASES = (("T=1 ZeRO-3 partitioned", 1, True), ("T=1 ZeRO-3 full load", 1, False), ("T=2 ZeRO-3 TP slices", 2, True),
          ("T=2 ZeRO-3 full load", 2, False))
 

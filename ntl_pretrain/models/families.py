@@ -35,9 +35,6 @@ class Family:
     # of the model's transformers tp_plan, for a family whose plan DeepSpeed 0.19 does not take; () uses the tp_plan
 
 
-_MOE_FILES = "its checkpoints hold one tensor per expert, which transformers fuses on load (gate_up_proj)"
-
-
 def _specs(partition_type: str, *patterns: str) -> dict:
     """One DeepSpeed partition_config layer spec: `patterns` (parameter-name regexes) split as `partition_type`."""
     return {"patterns": list(patterns), "partition_type": partition_type}
@@ -55,7 +52,6 @@ _SPLIT_MLP = (_specs("column", r".*\.mlp\.(gate|up)_proj\.weight$"), _specs("row
 _SPLIT_ATTENTION = (_specs("column", r".*\.self_attn\.[qkv]_proj\.weight$"),
                     _specs("row", r".*\.self_attn\.o_proj\.weight$"),
                     {**_specs("skip", r".*\.self_attn\.[qk]_norm\.weight$"), "grad_allreduce": True})
-_FUSED_QKV_SLICES = "AutoTP splits its fused query_key_value by heads, which the sliced read does not read"
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama 3.x", special="untied head, GQA"),
@@ -74,14 +70,11 @@ FAMILIES: dict[str, Family] = {
                                    _specs("row", r".*\.mlp\.down_proj\.weight$"))),
     "olmo2": Family("OLMo2", special="q/k norms over the whole projection, post-norms",
                     tp_layer_specs=(_REPLICATED_ATTENTION, *_SPLIT_MLP)),
-    "qwen3_moe": Family("Qwen3-MoE", special="MoE (fused experts), q/k norms", tp_layer_specs=(*_SPLIT_ATTENTION, *_SPLIT_MLP),
-                        no_partitioned_load=_MOE_FILES),
-    "mixtral": Family("Mixtral", special="MoE (fused experts), sliding window", tp_layer_specs=(*_SPLIT_ATTENTION, *_SPLIT_MLP),
-                      no_partitioned_load=_MOE_FILES),
+    "qwen3_moe": Family("Qwen3-MoE", special="MoE (fused experts), q/k norms", tp_layer_specs=(*_SPLIT_ATTENTION, *_SPLIT_MLP)),
+    "mixtral": Family("Mixtral", special="MoE (fused experts), sliding window", tp_layer_specs=(*_SPLIT_ATTENTION, *_SPLIT_MLP)),
     "gpt_neox": Family("GPT-NeoX / Pythia", special="fused query_key_value, parallel residual, partial RoPE, "
-                                                    "untied embed_out", no_tp_partitioned_load=_FUSED_QKV_SLICES),
-    "falcon": Family("Falcon", special="fused query_key_value, parallel attention/MLP",
-                     no_tp_partitioned_load=_FUSED_QKV_SLICES),
+                                                    "untied embed_out"),
+    "falcon": Family("Falcon", special="fused query_key_value, parallel attention/MLP"),
 }
 
 
@@ -199,17 +192,49 @@ def published_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> dic
     return revert_weight_conversion(model, dict(state_dict))
 
 
-def published_names(model: Any, shapes: dict[str, torch.Size]) -> dict[str, str]:
-    """{in-memory name: the name the family's checkpoints give it} for the parameters (of the given full shapes)
-    that transformers' conversion only renames (GPT-NeoX's `lm_head` is `embed_out`); parameters it assembles from
-    several tensors (fused MoE experts) are left out. Only shapes are used (meta tensors)."""
+def published_layouts(model: Any, shapes: dict[str, torch.Size]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """{in-memory name: {the name the family's checkpoints give each of its published tensors: shape}} for the
+    parameters (of the given full shapes) whose published layout is not the in-memory one: transformers' reverse
+    conversion renames them (GPT-NeoX's `lm_head` is `embed_out`) or splits them into several tensors (Qwen3-MoE's
+    fused `experts.gate_up_proj` is one `gate_proj` and one `up_proj` per expert). Only shapes are used (meta
+    tensors)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    renamed = {}
+    layouts = {}
     for name, shape in shapes.items():
         published = revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
-        if len(published) == 1:
-            (key, tensor), = published.items()
-            if key != name and tuple(tensor.shape) == tuple(shape):
-                renamed[name] = key
-    return renamed
+        if list(published) != [name]:
+            layouts[name] = {key: tuple(tensor.shape) for key, tensor in published.items()}
+    return layouts
+
+
+def assemble_published(model: Any, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The in-memory parameter `name` from its published tensors `tensors` ({checkpoint name: tensor}, as
+    `published_layouts` names them), by transformers' own load conversion (what `from_pretrained` does: e.g.
+    Qwen3-MoE's per-expert tensors stacked and concatenated into `experts.gate_up_proj`)."""
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)  # as from_pretrained gets it
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    converter = None
+    for key in sorted(tensors, key=dot_natural_key):  # from_pretrained's order (expert 10 after expert 9)
+        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, {name: True})
+        if renamed != name or (pattern is None and len(tensors) > 1):
+            raise ValueError(f"transformers' conversion of the checkpoint tensor {key!r} gives {renamed!r}, not the "
+                             f"parameter {name!r}; set model.partitioned_load=false")
+        if pattern is None:
+            return tensors[key]
+        if converter is None:
+            converter = deepcopy(next(entry for entry in converters if pattern in entry.source_patterns))
+        converter.add_tensor(renamed, key, pattern, tensors[key])
+    realized = converter.convert(name, model=model, config=model.config)
+    value = realized.get(name)
+    value = value[0] if isinstance(value, list) else value
+    if value is None or len(realized) != 1:
+        raise ValueError(f"transformers' conversion of {sorted(tensors)[:2]} ... gives {sorted(realized)}, not the "
+                         f"parameter {name!r}; set model.partitioned_load=false")
+    return value

@@ -31,7 +31,8 @@ whole), DeepSpeed's own AutoTP decides every slice, and right after it (a wrappe
 group) each rank reads from the files exactly the rows/columns of its slices. No rank holds more than
 its TP slice of any weight (1/T of the model); the vocabulary resize and padding happen while reading.
 
-Modules: `reading` (safetensors byte-range reads, resize rows), `zero3` (T=1: the partitioned build and
+Modules: `reading` (safetensors byte-range reads, resize rows, parameters the files hold as several tensors
+joined by transformers' own conversion: an MoE's fused experts), `zero3` (T=1: the partitioned build and
 load), `autotp` (T>1: the slice reads after AutoTP); `load_pretrained_partitioned` picks one.
 """
 

@@ -11,7 +11,16 @@ from typing import Any, Iterator
 
 import torch
 
-from .reading import READ_CHUNK_BYTES, GrownRows, TensorReader, file_keys, heap_returned_to_os, load_buffers, safetensors_files
+from .reading import (
+    READ_CHUNK_BYTES,
+    Assembled,
+    GrownRows,
+    TensorReader,
+    file_keys,
+    heap_returned_to_os,
+    load_buffers,
+    safetensors_files,
+)
 from .zero3 import init_without_broadcast
 
 logger = logging.getLogger(__name__)
@@ -23,13 +32,16 @@ PENDING_TP_LOAD = "_ntl_pending_tp_load"  # the model attribute the fill after A
 
 @contextlib.contextmanager
 def sliced_parameters_on_meta() -> Iterator[None]:
-    """The weights (and biases) of every `nn.Linear` and `nn.Embedding` built inside are meta tensors (no
-    storage); every other parameter and every buffer is built on CPU as usual (RoPE tables are computed in
-    `__init__`, norms are small). The meta ones are the parameters AutoTP may slice."""
+    """The weights (and biases) of every `nn.Linear` and `nn.Embedding` built inside, and every parameter of three
+    or more dimensions (the fused experts of an MoE, which AutoTP leaves whole), are meta tensors (no storage);
+    every other parameter and every buffer is built on CPU as usual (RoPE tables are computed in `__init__`, norms
+    are small). The meta ones are read after AutoTP: the ones it slices as this rank's slices, the others whole
+    (and ZeRO-partitioned over the data-parallel group as soon as each is read)."""
     original = torch.nn.Module.register_parameter
 
     def register_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        if param is not None and isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and not param.is_meta:
+        if param is not None and not param.is_meta and (isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+                                                        or param.dim() >= 3):
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
@@ -44,8 +56,10 @@ class _PendingTPLoad:
     """What the fill after AutoTP needs: the files, the file key of each parameter, the resize plan."""
 
     def __init__(self, folder: str, files: dict[str, str], keys: dict[str, str], vocab_params: set[str],
-                 row_plan: Any | None, ds_config: dict, buffers: dict[str, torch.Tensor]) -> None:
+                 row_plan: Any | None, ds_config: dict, buffers: dict[str, torch.Tensor],
+                 assembled: dict[str, Assembled]) -> None:
         self.folder, self.files, self.keys, self.vocab_params, self.row_plan = folder, files, keys, vocab_params, row_plan
+        self.assembled = assembled  # the parameters the files hold as several tensors (`reading.Assembled`)
         self.ds_config = ds_config
         self.buffers = buffers  # every buffer by name, before AutoTP (its layers may copy one onto the meta device)
 
@@ -74,8 +88,10 @@ def load_tp_sliced(folder: str, config: Any, ds_config: dict, *, attn_implementa
                 grown = GrownRows(row_plan, reader, keys[name]) if name in vocab_params else None
                 _fill_slice(param, reader, keys[name], grown, None)
         load_buffers(model, files, reader)
+        assembled = reader.assembled
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan, ds_config, buffers))
+    setattr(model, PENDING_TP_LOAD, _PendingTPLoad(folder, files, keys, vocab_params, row_plan, ds_config, buffers,
+                                                   assembled))
     _install_fill_after_autotp()
     return model
 
@@ -188,7 +204,7 @@ def fill_tp_slices(model: torch.nn.Module) -> None:
     zero_init = None
     if torch.distributed.get_world_size(dp_group) > 1:
         zero_init = init_without_broadcast(pending.ds_config, data_parallel_group=dp_group)
-    with heap_returned_to_os(), TensorReader(pending.files) as reader:
+    with heap_returned_to_os(), TensorReader(pending.files, pending.assembled) as reader:
         for name, param in model.named_parameters():
             if not param.is_meta:
                 continue

@@ -120,8 +120,11 @@ class TensorReader:
     rank touches in its RSS and keep it mapped until the file is closed.
     """
 
-    def __init__(self, files: dict[str, str]) -> None:
+    def __init__(self, files: dict[str, str], assembled: dict[str, "Assembled"] | None = None) -> None:
         self.files = files
+        # parameters the files hold as several tensors, read under the parameter's name (`Assembled`)
+        self.assembled: dict[str, Assembled] = dict(assembled or {})
+        self._last_assembled: tuple[str, torch.Tensor] | None = None  # the one assembled tensor kept between reads
         self.stack = contextlib.ExitStack()
         self.handles: dict[str, Any] = {}
         self.headers: dict[str, tuple[int, dict]] = {}
@@ -130,7 +133,16 @@ class TensorReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._last_assembled = None
         self.stack.close()
+
+    def _assembled_value(self, name: str) -> torch.Tensor:
+        """The whole assembled tensor `name`: its file tensors read whole and joined by transformers' conversion;
+        the last one is kept, so a parameter read in several ranges (ZeRO shares, chunks) is assembled once."""
+        if self._last_assembled is None or self._last_assembled[0] != name:
+            self._last_assembled = None  # before the next one is built: one assembled tensor at a time
+            self._last_assembled = (name, self.assembled[name].value(self))
+        return self._last_assembled[1]
 
     def _entry(self, name: str) -> tuple[Any, int, dict]:
         path = self.files[name]
@@ -141,10 +153,15 @@ class TensorReader:
         return self.handles[path], data_start, header[name]
 
     def shape(self, name: str) -> list[int]:
+        if name in self.assembled:
+            return list(self.assembled[name].shape)
         return list(self._entry(name)[2]["shape"])
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `name` as a 2-D tensor (a 1-D or 0-D tensor's elements are rows of width 1)."""
+        if name in self.assembled:
+            value = self._assembled_value(name)
+            return value.reshape(value.shape[0] if value.dim() else 1, -1)[start:stop]
         handle, data_start, entry = self._entry(name)
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:
@@ -163,12 +180,18 @@ class TensorReader:
 
     def dtype(self, name: str) -> torch.dtype | None:
         """The torch dtype of tensor `name` in its file (None for one the partitioned load does not read)."""
+        if name in self.assembled:
+            return self.dtype(next(iter(self.assembled[name].sources)))
         return _SAFETENSORS_DTYPES.get(self._entry(name)[2]["dtype"])
 
     def read_into(self, name: str, first_element: int, out: torch.Tensor) -> None:
         """Elements `[first_element, first_element + out.numel())` of tensor `name` (row-major) straight into
         `out`, a contiguous CPU tensor of the file's dtype: one file read, no intermediate buffer (a buffer per
         read, freed and allocated again, fragments the heap: it was up to 0.1x of the model in peak RSS)."""
+        if name in self.assembled:
+            with torch.no_grad():
+                out.view(-1).copy_(self._assembled_value(name).reshape(-1)[first_element:first_element + out.numel()])
+            return
         handle, data_start, entry = self._entry(name)
         if out.dtype != _SAFETENSORS_DTYPES.get(entry["dtype"]) or not out.is_contiguous():
             raise ValueError(f"read_into needs a contiguous {entry['dtype']} tensor for {name!r}, got {out.dtype}")
@@ -183,6 +206,28 @@ class TensorReader:
         """The whole tensor `name` (for small ones: buffers)."""
         shape = self.shape(name)
         return self.rows(name, 0, shape[0] if shape else 1).reshape(shape)
+
+
+class Assembled:
+    """A parameter whose checkpoints hold it as several tensors that transformers' load conversion joins (Qwen3-MoE's
+    and Mixtral's fused `experts.gate_up_proj`: one gate and one up projection per expert in the files): read whole
+    from those tensors and assembled as `from_pretrained` does (`families.assemble_published`), then sliced or
+    partitioned like any file tensor. Costs one whole parameter in memory while it is read (one layer's experts)."""
+
+    def __init__(self, model: torch.nn.Module, name: str, shape: tuple[int, ...], sources: dict[str, str]) -> None:
+        self.model, self.name, self.shape = model, name, tuple(shape)
+        self.sources = sources  # {file key: the published name transformers' conversion reads it as}
+
+    def value(self, reader: "TensorReader") -> torch.Tensor:
+        from ..families import assemble_published
+
+        value = assemble_published(self.model, self.name, {published: reader.tensor(key)
+                                                           for key, published in self.sources.items()})
+        if tuple(value.shape) != self.shape:
+            raise ValueError(f"transformers' conversion of the files' {next(iter(self.sources))!r} ... gives "
+                             f"{self.name!r} the shape {tuple(value.shape)}, not the model's {self.shape}; set "
+                             f"model.partitioned_load=false")
+        return value.contiguous()
 
 
 def _file_key(name: str, files: dict[str, str], prefix: str) -> str | None:
@@ -287,16 +332,31 @@ def _vocab_parameter_names(model: torch.nn.Module, params: dict[str, torch.Tenso
 def file_keys(model: torch.nn.Module, folder: str, files: dict[str, str], reader: TensorReader,
               row_plan: Any | None) -> tuple[dict[str, str], set[str]]:
     """{parameter name: file key} for every parameter of `model` (tied ones once) and the names of the
-    vocabulary parameters a resize grows; raises naming the fix when a tensor is missing or mis-shaped."""
+    vocabulary parameters a resize grows; raises naming the fix when a tensor is missing or mis-shaped. A parameter
+    the files hold as several tensors is registered in `reader.assembled` and read under its own name."""
     prefix = getattr(model, "base_model_prefix", "")
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     keys = {name: key for name in params if (key := _file_key(name, files, prefix)) is not None}
-    if len(keys) < len(params):  # a family whose checkpoints use other names (GPT-NeoX: embed_out for lm_head)
-        from ..families import published_names
+    if len(keys) < len(params):  # a family whose checkpoints use other names (GPT-NeoX: embed_out for lm_head) or
+        # several tensors for one parameter (Qwen3-MoE: one per expert for the fused experts)
+        from ..families import published_layouts
 
-        renamed = published_names(model, {name: full_shape(p) for name, p in params.items() if name not in keys})
-        keys.update({name: key for name, published in renamed.items()
-                     if (key := _file_key(published, files, prefix)) is not None})
+        layouts = published_layouts(model, {name: full_shape(p) for name, p in params.items() if name not in keys})
+        for name, layout in layouts.items():
+            found = {published: _file_key(published, files, prefix) for published in layout}
+            if None in found.values():
+                continue
+            for published, key in found.items():
+                if reader.shape(key) != list(layout[published]):
+                    raise ValueError(f"model.name_or_path: tensor {key!r} has shape {reader.shape(key)} in the files "
+                                     f"but the model built from its config expects {list(layout[published])}; the "
+                                     f"config does not match the weights (model.architecture overrides?)")
+            if len(found) == 1 and next(iter(layout.values())) == tuple(full_shape(params[name])):
+                keys[name] = next(iter(found.values()))  # renamed only
+            else:
+                reader.assembled[name] = Assembled(model, name, tuple(full_shape(params[name])),
+                                                   {key: published for published, key in found.items()})
+                keys[name] = name
     missing = sorted(set(params) - set(keys))
     head = model.get_output_embeddings()
     if missing and head is not None and [name for name in missing if params[name] is head.weight] == missing:
