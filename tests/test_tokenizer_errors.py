@@ -377,3 +377,33 @@ def test_inspect_flags_added_tokens_that_hide_digits_as_the_trainer_does(gpt2_st
     out = capsys.readouterr().out
     assert "verdict: NOT digit-level" in out and "added token(s) begin or end with a digit ('07')" in out, out
     assert "NTL can use this tokenizer as it is" not in out
+
+
+def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(gpt2_style, tmp_path, tool):
+    """Issue 40 defect 1: `kill -9` of `tools/tokenizer.py split-digits IN OUT` while it wrote left `.OUT.tmp-*`
+    beside OUT forever. The next run removes the staging folders of its own (they hold the marker naming a
+    process that no longer runs) and nothing else: not a folder of the same pattern without the marker, nor one
+    whose writer still runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "OUT"
+    killed = subprocess.run(  # a run killed while it writes into its staging folder (atomic_directory)
+        [sys.executable, "-c", "import os, signal, sys\nfrom ntl_pretrain.core.fs import atomic_directory\n"
+         "with atomic_directory(sys.argv[1]) as staging:\n"
+         "    open(os.path.join(staging, 'tokenizer.json'), 'w').write('{\"half')\n"
+         "    os.kill(os.getpid(), signal.SIGKILL)\n", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    [stale] = _leftovers(tmp_path)
+    assert stale.startswith(".OUT.tmp-")
+    mine = tmp_path / ".OUT.tmp-mine"  # a user's folder of the same pattern, without the marker
+    (mine / "notes").mkdir(parents=True)
+    running = tmp_path / ".OUT.tmp-running"  # a writer that still runs (pid 1)
+    running.mkdir()
+    (running / ".ntl-staging.json").write_text(json.dumps({"pid": 1, "host": os.uname().nodename}))
+    assert tool["main"](["split-digits", str(gpt2_style), str(out)]) == 0
+    assert (out / "tokenizer.json").is_file() and not (out / ".ntl-staging.json").exists()
+    assert _leftovers(tmp_path) == [".OUT.tmp-mine", ".OUT.tmp-running"] and (mine / "notes").is_dir()

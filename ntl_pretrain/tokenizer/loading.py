@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ..core.fs import atomic_directory
+from ..core.fs import STAGING_MARKER, atomic_directory
 from .tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe, load_tiktoken_file
 
 # Files whose presence makes a folder a tokenizer folder (transformers' own file names).
@@ -349,7 +349,7 @@ def atomic_output_dir(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]
     out = check_output_dir(out_dir, force)
     with atomic_directory(out, replace=force) as staging:
         yield Path(staging)
-        files = sorted(os.listdir(staging)) + [OUTPUT_MARKER]
+        files = sorted(set(os.listdir(staging)) - {STAGING_MARKER}) + [OUTPUT_MARKER]
         (Path(staging) / OUTPUT_MARKER).write_text(
             json.dumps({"written_by": "ntl_pretrain tools/tokenizer.py", "files": files}, indent=1) + "\n",
             encoding="utf-8")
