@@ -59,7 +59,7 @@ SUMS_WIDTH = len(fields(ObjectiveSums))  # entries of ObjectiveSums.stack()
 def check_loss_inputs(labels: torch.Tensor, number_vocab: NumberVocab, loss_weights: torch.Tensor | None,
                       check_values: bool = True) -> None:
     """What every entry point checks before any device work: the number vocabulary, integer labels and NTL
-    loss weights of the labels' shape (`check_values`: a host sync, also non-negative)."""
+    loss weights of the labels' shape (`check_values`: a host sync, also non-negative and finite)."""
     if not isinstance(number_vocab, NumberVocab):
         raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
     if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
@@ -70,8 +70,9 @@ def check_loss_inputs(labels: torch.Tensor, number_vocab: NumberVocab, loss_weig
     if loss_weights.shape != labels.shape:
         raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
                          f"{tuple(labels.shape)}")
-    if check_values and bool((loss_weights < 0).any()):
-        raise ValueError("loss_weights must be >= 0")
+    if check_values and bool(((loss_weights < 0) | ~torch.isfinite(loss_weights)).any()):  # one sync for both
+        bad = loss_weights[(loss_weights < 0) | ~torch.isfinite(loss_weights)][0].item()
+        raise ValueError(f"loss_weights must be >= 0 and finite, got {bad} (a nan or inf weight makes the loss nan)")
 
 
 def check_on_host(shard: VocabShard, local_width: int, labels: torch.Tensor, number_vocab: NumberVocab,
