@@ -642,3 +642,22 @@ def test_a_manifest_edited_to_a_smaller_layout_over_more_rank_files_is_refused(t
                                               r"1 processes, not 2\)"):
         export_hf(str(edited), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists() and not (run / "global_step2_universal").exists()
+
+
+def test_a_zero_stage_beyond_3_and_an_export_path_that_is_a_file_are_named_as_such(tmp_path):
+    """Issue 40, go-beyond round: zero_stage 7 in a re-signed manifest was reported as files "its layout has no rank
+    for"; an export path that is a file was "already exists and is not empty"."""
+    from ntl_pretrain.checkpoint import export_hf
+
+    run = tmp_path / "run"
+    good = _tp2_checkpoint(run, 1)
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_text("mine")
+    with pytest.raises(CheckpointError, match=r"export folder .*model.safetensors' is a file, not a folder"):
+        export_hf(str(good), str(a_file))
+    assert a_file.read_text() == "mine"
+    manifest = json.loads((good / MANIFEST_NAME).read_text())
+    manifest["layout"]["zero_stage"] = 7
+    (good / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"'layout' has zero_stage=7, not a ZeRO stage \(0-3\)"):
+        resolve_resume(str(run), "global_step1")

@@ -238,9 +238,14 @@ def _write(folder: Path, files: dict[str, str | bytes | None]) -> Path:
     ({"tokenizer.json": None}, "tokenizer.json' is not a regular file"),
     ({"tokenizer.json": "[1, 2]"}, "tokenizer.json' holds a JSON list, not an object"),
     ({"tokenizer.json": "{}"}, "tokenizer.json' is not a tokenizers pipeline"),
-    ({"tokenizer.json": '{"model": {"type": "BPE", "vocab": {}, "merges": []}}', "tokenizer_config.json": b'{"a": "\xe9"}'},
+    ({"tokenizer.json": '{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}', "tokenizer_config.json": b'{"a": "\xe9"}'},
      "tokenizer_config.json' is corrupt: not valid JSON"),
-    ({"vocab.json": '{"a": 0}'}, r"could not load a tokenizer from folder .* \(it holds vocab.json\): ValueError"),
+    # issue 40, go-beyond round: transformers' message asked to install sentencepiece or tiktoken
+    ({"vocab.json": '{"a": 0}'}, r"folder .* holds vocab.json but no merges.txt: a byte-level BPE tokenizer"),
+    # loaded, then `inspect` died in a raw `Exception: Encountered an unknown token but unk_id is missing`
+    ({"tokenizer.json": '{"model": {"type": "Unigram", "unk_id": null, "vocab": []}}'},
+     "tokenizer.json': its Unigram model vocabulary is empty, so no text can be encoded"),
+    ({"tokenizer.json": '{"model": {"type": "BPE", "vocab": {}, "merges": []}}'}, "its BPE model vocabulary is empty"),
 ])
 def test_tokenizer_folder_errors_are_one_line_naming_the_folder_or_file(tmp_path, files, message):
     folder = _write(tmp_path / "tok", files)

@@ -32,6 +32,7 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
+BPE_VOCAB, BPE_MERGES = "vocab.json", "merges.txt"  # a GPT-2 style byte-level BPE without tokenizer.json
 # tokenizer_config.json classes that mean "tokenizer.json as it is" (transformers 4 name, transformers 5 name)
 GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # Per-call encoding options a tokenizer.json may carry; files this project writes never keep them.
@@ -94,6 +95,9 @@ def _check_vocabulary_ids(pipeline: dict, path: Path) -> None:
     two tokens (NTL's "1" would read as "0"), and copying the tokenizer fails at random (its id -> token table
     keeps one of them)."""
     vocab = (pipeline.get("model") or {}).get("vocab") if isinstance(pipeline.get("model"), dict) else None
+    if isinstance(vocab, (dict, list)) and not vocab:  # loads, then every text fails to encode (a raw Exception)
+        raise TokenizerLoadError(f"{str(path)!r}: its {pipeline['model'].get('type', '')} model vocabulary is empty, "
+                                 f"so no text can be encoded: restore the file from the model's source")
     if not isinstance(vocab, dict):
         return  # Unigram keeps a list (ids are positions); anything else is the loader's to refuse
     by_id: dict[object, list[str]] = {}
@@ -206,6 +210,12 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
     try:  # AutoTokenizer also reads config.json, which names the model's tokenizer class and special tokens
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as error:
+        if BPE_VOCAB in present and not (path / BPE_MERGES).exists() and not (
+                set(present) & (set(VOCABULARY_FILES) - {BPE_VOCAB})):
+            # transformers' message asks to install sentencepiece or tiktoken, which would not help
+            raise TokenizerLoadError(f"folder {str(path)!r} holds {BPE_VOCAB} but no {BPE_MERGES}: a byte-level BPE "
+                                     f"tokenizer (GPT-2 style) needs both; copy {BPE_MERGES} from the model's source "
+                                     f"(or its tokenizer.json)") from None
         raise no_vocabulary or TokenizerLoadError(
             f"could not load a tokenizer from folder {str(path)!r} (it holds {', '.join(present)}): "
             f"{_one_line(error)}") from None
