@@ -412,3 +412,20 @@ def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(gpt2_style
     assert tool["main"](["split-digits", str(gpt2_style), str(out)]) == 0
     assert (out / "tokenizer.json").is_file() and not (out / ".ntl-staging.json").exists()
     assert _leftovers(tmp_path) == [".OUT.tmp-mine", ".OUT.tmp-running"] and (mine / "notes").is_dir()
+
+
+def test_number_vocab_writes_over_an_earlier_vocabulary_only(gpt2_style, tmp_path, tool, capsys):
+    """Issue 40, go-beyond round: `number-vocab TOK --out model/config.json` replaced the model's config.json
+    without a word, and an --out that was a symbolic link was replaced by a file."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama"}')
+    (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists and is not a number vocabulary, so it is not replaced" in err, err
+    assert config.read_text() == '{"model_type": "llama"}'
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "link.json")]) == 2
+    assert "exists and is a symbolic link" in capsys.readouterr().err and (tmp_path / "link.json").is_symlink()
+    for _ in range(2):  # a new file, then the same vocabulary written again
+        assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "nv.json")]) == 0
+    assert json.loads((tmp_path / "nv.json").read_text())["tokens"] == [str(d) for d in range(10)]
