@@ -661,3 +661,19 @@ def test_a_zero_stage_beyond_3_and_an_export_path_that_is_a_file_are_named_as_su
     (good / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"'layout' has zero_stage=7, not a ZeRO stage \(0-3\)"):
         resolve_resume(str(run), "global_step1")
+
+
+def test_reshard_of_a_run_folder_names_its_checkpoints(tmp_path, capsys):
+    """Issue 40, go-beyond round: `tools/reshard.py RUN` said the run folder "is incomplete: it has no
+    ntl_checkpoint.json (its save was interrupted ...)"; it now says it is a run folder and names a checkpoint."""
+    import runpy
+
+    run = tmp_path / "run"
+    _tp2_checkpoint(run, 1), _tp2_checkpoint(run, 2)
+    before = _snapshot(run)
+    main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "reshard.py"))["main"]
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {str(run)!r} is a run folder, not a checkpoint; pass one of its checkpoints, e.g. "
+                   f"{run / 'global_step2'} (complete: global_step1, global_step2)\n")
+    assert _snapshot(run) == before
