@@ -125,3 +125,14 @@ def test_hf_trainer_loss_refuses_a_negative_item_count_and_gives_0_for_a_step_wi
     for count in (0, torch.tensor(0)):
         loss = HFTrainerLoss(VOCAB, ntl_weight=0.3)({"logits": logits}, ignored, num_items_in_batch=count)
         assert loss.item() == 0.0 == ce_ntl_loss(logits[:, :-1], ignored[:, 1:], VOCAB, ntl_weight=0.3).item()
+
+
+def test_shard_none_is_the_full_vocabulary_in_every_loss_function():
+    """Issue 40, go-beyond round: the chunked functions take `shard=None`, while ce_ntl_loss and number_token_loss
+    raised a raw `AttributeError: 'NoneType' object has no attribute 'is_split'`."""
+    logits, labels = _batch()
+    torch.testing.assert_close(ce_ntl_loss(logits, labels, VOCAB, ntl_weight=0.3, shard=None),
+                               ce_ntl_loss(logits, labels, VOCAB, ntl_weight=0.3))
+    torch.testing.assert_close(number_token_loss(logits, labels, VOCAB, shard=None), number_token_loss(logits, labels, VOCAB))
+    with pytest.raises(TypeError, match=r"^shard must be a VocabShard \(vocab_shard_of\(engine\)\) or None .*got int$"):
+        ce_ntl_loss(logits, labels, VOCAB, shard=2)

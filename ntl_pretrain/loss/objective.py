@@ -21,7 +21,7 @@ import torch
 from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, NumberSpans, check_ntl_weight, ntl_terms
 from .parallel import ShardStats, shard_reductions
-from .shard import VocabShard
+from .shard import VocabShard, as_vocab_shard
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -151,7 +151,7 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
         spans: "number_level" only: where the numbers sit when `labels` are one sequence shard of longer rows
             (`sequence_shard.shard_number_spans`); default: found in `labels`.
     """
-    stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights, need_lse=True, need_target=True,
+    stats = _logit_stats(logits, labels, number_vocab, as_vocab_shard(shard), loss_weights, need_lse=True, need_target=True,
                          ignore_index=settings.ignore_index, check_inputs=check_inputs)
     return sums_from_stats(stats, labels, number_vocab, settings, loss_weights=loss_weights, with_ntl=with_ntl,
                            spans=spans)
@@ -246,6 +246,7 @@ def ntl_with_settings(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
     settings' own)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+    shard = as_vocab_shard(shard)
     if ignore_index is not None and ignore_index != settings.ignore_index:
         settings = replace(settings, ignore_index=ignore_index)
     stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights,
