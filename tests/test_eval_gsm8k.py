@@ -151,3 +151,14 @@ def test_a_test_question_that_is_in_the_train_split_is_left_out_of_its_own_exemp
         assert "7 of the 7 test questions are also in the train split" in caplog.text
     with pytest.raises(ValueError, match="num_fewshot=7 but the train split has only 7 rows, and the test questions"):
         build_prompts(test, train, num_fewshot=7)
+
+
+def test_a_gsm8k_file_with_a_byte_order_mark_is_read(tmp_path: Path):
+    """Issue 40, go-beyond round: a test.jsonl saved with a BOM (Windows editors) was refused as "line 1 is not valid
+    JSON (Unexpected UTF-8 BOM ...): fix or remove that line", though the training data reader takes one."""
+    if not (SHARED_GSM8K / "test.jsonl").is_file():
+        pytest.fail(f"{SHARED_GSM8K} is absent: the tests need ../shared/data beside the clone")
+    text = "\n".join((SHARED_GSM8K / "test.jsonl").read_text(encoding="utf-8").splitlines()[:5]) + "\n"
+    (tmp_path / "test.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    (tmp_path / "plain.jsonl").write_text(text, encoding="utf-8")
+    assert load_gsm8k(str(tmp_path / "test.jsonl")) == load_gsm8k(str(tmp_path / "plain.jsonl"))

@@ -131,7 +131,7 @@ def _read_jsonl(data_file: str) -> list[dict[str, Any]]:
     """Rows of a local .jsonl file; a line that is not a JSON object is an error naming the file and line."""
     rows = []
     try:
-        with open(data_file, encoding="utf-8") as handle:
+        with open(data_file, encoding="utf-8-sig") as handle:  # a BOM is no part of line 1's JSON
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
