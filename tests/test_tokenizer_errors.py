@@ -429,3 +429,21 @@ def test_number_vocab_writes_over_an_earlier_vocabulary_only(gpt2_style, tmp_pat
     for _ in range(2):  # a new file, then the same vocabulary written again
         assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "nv.json")]) == 0
     assert json.loads((tmp_path / "nv.json").read_text())["tokens"] == [str(d) for d in range(10)]
+
+
+def test_a_write_that_fails_for_size_is_one_line_and_leaves_nothing(gpt2_style, tmp_path, tool, capsys):
+    """Issue 40, go-beyond round: a full disk or a file-size limit (`ulimit -f`) while split-digits saved came out
+    as tokenizers' bare `Exception: File too large (os error 27)` with a traceback; it is now one line."""
+    import resource
+
+    limit = (gpt2_style / "tokenizer.json").stat().st_size // 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        code = tool["main"](["split-digits", str(gpt2_style), str(tmp_path / "OUT")])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"cannot write {str(tmp_path / 'OUT')!r}: File too large (nothing was written" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,7 +33,8 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
-BPE_VOCAB, BPE_MERGES = "vocab.json", "merges.txt"  # a GPT-2 style byte-level BPE without tokenizer.json
+BPE_VOCAB, BPE_MERGES = "vocab.json", "merges.txt"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # a GPT-2 style byte-level BPE without tokenizer.json
 # tokenizer_config.json classes that mean "tokenizer.json as it is" (transformers 4 name, transformers 5 name)
 GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # Per-call encoding options a tokenizer.json may carry; files this project writes never keep them.
@@ -358,7 +360,15 @@ def atomic_output_dir(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]
     """
     out = check_output_dir(out_dir, force)
     with atomic_directory(out, replace=force) as staging:
-        yield Path(staging)
+        try:
+            yield Path(staging)
+        except Exception as error:  # tokenizers reports a failed write as a bare Exception("... (os error 28)")
+            code = _OS_ERROR.search(str(error)) if type(error) is Exception else None
+            if code is None:
+                raise
+            number = int(code.group(1))
+            raise OSError(number, f"cannot write {str(out)!r}: {os.strerror(number)} (nothing was written; "
+                                  f"free space or choose another folder)") from None
         files = sorted(set(os.listdir(staging)) - {STAGING_MARKER}) + [OUTPUT_MARKER]
         (Path(staging) / OUTPUT_MARKER).write_text(
             json.dumps({"written_by": "ntl_pretrain tools/tokenizer.py", "files": files}, indent=1) + "\n",
