@@ -57,6 +57,10 @@ MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", 
     ("checkpoint.export_max_shard_size=abc", "checkpoint.export_max_shard_size='abc' is not a size"),
     ("checkpoint.export_max_shard_size=0MB", "checkpoint.export_max_shard_size='0MB' is not a size"),
     ("checkpoint.export_max_shard_size=nanGB", "checkpoint.export_max_shard_size='nanGB' is not a size"),
+    # issue 40, go-beyond round: numpy's `ValueError: expected non-negative integer` once the data was built
+    ("data.seed=-1", "data.seed must be a seed in [0, 2**63), got -1"),
+    ("train.seed=-1", "train.seed must be a seed in [0, 2**63), got -1"),
+    ("model.init_seed=-3", "model.init_seed must be a seed in [0, 2**63), got -3"),
 ])
 def test_bad_values_are_refused_at_load(override, message):
     with pytest.raises(ConfigError) as info:

@@ -609,3 +609,71 @@ def test_an_export_or_universal_folder_that_is_a_link_is_refused_before_the_work
         with pytest.raises(CheckpointError, match=r"universal folder .* is a symbolic link"):
             convert_to_universal(str(checkpoint), str(tmp_path / "out"))
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_a_manifest_edited_to_a_smaller_layout_over_more_rank_files_is_refused(tmp_path):
+    """Issue 40 defect 2: a manifest re-signed to say tp 1 over a checkpoint holding tp-2 files exported rank 0's
+    half of every sharded weight; export, reshard and resume now name the files the layout has no rank for.
+    A layout whose sizes do not multiply to its world size is refused too."""
+    import xxhash
+
+    from ntl_pretrain.checkpoint import export_hf
+    from ntl_pretrain.checkpoint.universal import convert_to_universal
+
+    run = tmp_path / "run"
+    edited = _tp2_checkpoint(run, 2)
+    (edited / "rng_state_1.pt").write_bytes(_torch_bytes({"x": torch.ones(1)}))
+    manifest = json.loads((edited / MANIFEST_NAME).read_text())
+    manifest["files"]["rng_state_1.pt"] = (edited / "rng_state_1.pt").stat().st_size
+    manifest["hashes"]["rng_state_1.pt"] = xxhash.xxh3_128((edited / "rng_state_1.pt").read_bytes()).hexdigest()
+    manifest["layout"].update(world_size=1, tp_size=1)
+    (edited / MANIFEST_NAME).write_text(json.dumps(manifest))
+    message = (r"holds 3 file\(s\) its layout \(world 1 = dp 1 x tp 1, ZeRO-3\) has no rank for: rng_state_1.pt, "
+               r"zero_pp_rank_0_mp_rank_01_model_states.pt, zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    with pytest.raises(CheckpointError, match=message):
+        resolve_resume(str(run), "global_step2")
+    with pytest.raises(CheckpointError, match=message):
+        export_hf(str(edited), str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=message):
+        convert_to_universal(str(edited))
+    manifest["layout"].update(world_size=2)  # tp 1 x dp 1 is one process, not 2
+    (edited / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"manifest's layout is inconsistent \(world 2 = dp 1 x tp 1, ZeRO-3: "
+                                              r"1 processes, not 2\)"):
+        export_hf(str(edited), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists() and not (run / "global_step2_universal").exists()
+
+
+def test_a_zero_stage_beyond_3_and_an_export_path_that_is_a_file_are_named_as_such(tmp_path):
+    """Issue 40, go-beyond round: zero_stage 7 in a re-signed manifest was reported as files "its layout has no rank
+    for"; an export path that is a file was "already exists and is not empty"."""
+    from ntl_pretrain.checkpoint import export_hf
+
+    run = tmp_path / "run"
+    good = _tp2_checkpoint(run, 1)
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_text("mine")
+    with pytest.raises(CheckpointError, match=r"export folder .*model.safetensors' is a file, not a folder"):
+        export_hf(str(good), str(a_file))
+    assert a_file.read_text() == "mine"
+    manifest = json.loads((good / MANIFEST_NAME).read_text())
+    manifest["layout"]["zero_stage"] = 7
+    (good / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"'layout' has zero_stage=7, not a ZeRO stage \(0-3\)"):
+        resolve_resume(str(run), "global_step1")
+
+
+def test_reshard_of_a_run_folder_names_its_checkpoints(tmp_path, capsys):
+    """Issue 40, go-beyond round: `tools/reshard.py RUN` said the run folder "is incomplete: it has no
+    ntl_checkpoint.json (its save was interrupted ...)"; it now says it is a run folder and names a checkpoint."""
+    import runpy
+
+    run = tmp_path / "run"
+    _tp2_checkpoint(run, 1), _tp2_checkpoint(run, 2)
+    before = _snapshot(run)
+    main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "reshard.py"))["main"]
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {str(run)!r} is a run folder, not a checkpoint; pass one of its checkpoints, e.g. "
+                   f"{run / 'global_step2'} (complete: global_step1, global_step2)\n")
+    assert _snapshot(run) == before

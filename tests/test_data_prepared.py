@@ -153,3 +153,51 @@ def test_users_own_token_ids_with_a_loss_mask(tokenizer, tmp_path, caplog):
         bad.write_text('{"text": "a"}\n' * 5)
         PretrainingData.build(_cfg(bad, tmp_path, validation_documents=0, source={"format": "tokenized"}), tokenizer,
                               dp_rank=0, dp_size=1)
+
+
+def test_a_prepared_corpus_without_validation_samples_loads_and_a_damaged_one_is_named(tokenizer_dir, tokenizer,
+                                                                                         tmp_path):
+    """Issue 40, go-beyond round: a corpus prepared with data.validation_documents=0 (or too few documents to fill
+    one sample) could not be loaded at all (`datasets` saves an empty split without data files, and its
+    load_from_disk raised a raw `IndexError: list index out of range`); a truncated train/ file gave pyarrow's
+    OSError, a train/ replaced by the (empty) validation/ a ZeroDivisionError, a manifest of another version was read."""
+    import os
+    import shutil
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(60)))
+    sys.path.insert(0, str(ROOT / "tools"))
+    import prepare_data
+
+    out = tmp_path / "prepared"
+    assert prepare_data.main(["--out", str(out), "model.architecture.model_type=llama",
+                              f"tokenizer.name_or_path={tokenizer_dir}", f"data.sources=[{{path: {corpus}}}]",
+                              f"data.seq_len={SEQ}", "data.validation_documents=0", "train.val_every_n_steps=-1", "data.seed=7",
+                              f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    folder = out / "source-0"
+    cfg = _cfg(folder, tmp_path, validation_documents=0, source={"format": "prepared"})
+    prepared = PretrainingData.build(cfg, tokenizer, dp_rank=0, dp_size=1)
+    raw = PretrainingData.build(_cfg(corpus, tmp_path, validation_documents=0), tokenizer, dp_rank=0, dp_size=1)
+    assert len(prepared.validation) == 0 and _steps(prepared, 3) == _steps(raw, 3)
+
+    def damaged(name: str, edit) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(folder, copy)
+        edit(copy)
+        return copy
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    arrow = next((folder / "train").glob("*.arrow")).name
+    cases = {
+        "truncated": (lambda c: os.truncate(c / "train" / arrow, (c / "train" / arrow).stat().st_size // 2),
+                      r"cannot read its train/ \(OSError: .*\); prepare the corpus again"),
+        "swapped": (lambda c: (shutil.rmtree(c / "train"), shutil.copytree(c / "validation", c / "train")),
+                    rf"its train/ holds 0 samples, its manifest.json says {manifest['samples']['train']} "),
+        "version": (lambda c: (c / "manifest.json").write_text(json.dumps({**manifest, "version": 99})),
+                    "its manifest.json is of version 99, this ntl_pretrain reads version 1"),
+    }
+    for name, (edit, message) in cases.items():
+        copy = damaged(name, edit)
+        with pytest.raises(DataError, match=message):
+            PretrainingData.build(_cfg(copy, tmp_path, validation_documents=0, source={"format": "prepared"}),
+                                  tokenizer, dp_rank=0, dp_size=1)

@@ -131,3 +131,34 @@ def test_rows_without_a_final_answer_line_are_refused_naming_file_and_line(tmp_p
     assert load_gsm8k(str(tmp_path / "test.jsonl"), "test") == fine
     golds = [gold_answer(row["answer"]) for row in fine[1:]]
     assert score(["#### 1000", "The total is -2.5"], golds)[0]["flexible-extract"] == 1.0
+
+
+def test_a_test_question_that_is_in_the_train_split_is_left_out_of_its_own_exemplars(tmp_path: Path, caplog):
+    """Issue 40, go-beyond round: eval.gsm8k_path naming GSM8K's train.jsonl (its train split is then the same file)
+    drew a question's own row as one of its exemplars, answer included, and counted the answer as right."""
+    if not (SHARED_GSM8K / "train.jsonl").is_file():
+        pytest.fail(f"{SHARED_GSM8K} is absent: the tests need ../shared/data beside the clone")
+    lines = (SHARED_GSM8K / "train.jsonl").read_text(encoding="utf-8").splitlines()[:7]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    test = load_gsm8k(str(tmp_path / "train.jsonl"), "test")  # the path names the train file
+    train = load_gsm8k(str(tmp_path / "train.jsonl"), "train")
+    assert test == train
+    for sampler in ("lm_eval", "per_question"):
+        with caplog.at_level("WARNING", logger="ntl_pretrain"):
+            items = build_prompts(test, train, num_fewshot=5, fewshot_sampler=sampler)
+        assert all(item.prompt.count(f"Question: {item.question}\n") == 1 for item in items)
+        assert all(item.prompt.count("Question: ") == 6 for item in items)
+        assert "7 of the 7 test questions are also in the train split" in caplog.text
+    with pytest.raises(ValueError, match="num_fewshot=7 but the train split has only 7 rows, and the test questions"):
+        build_prompts(test, train, num_fewshot=7)
+
+
+def test_a_gsm8k_file_with_a_byte_order_mark_is_read(tmp_path: Path):
+    """Issue 40, go-beyond round: a test.jsonl saved with a BOM (Windows editors) was refused as "line 1 is not valid
+    JSON (Unexpected UTF-8 BOM ...): fix or remove that line", though the training data reader takes one."""
+    if not (SHARED_GSM8K / "test.jsonl").is_file():
+        pytest.fail(f"{SHARED_GSM8K} is absent: the tests need ../shared/data beside the clone")
+    text = "\n".join((SHARED_GSM8K / "test.jsonl").read_text(encoding="utf-8").splitlines()[:5]) + "\n"
+    (tmp_path / "test.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    (tmp_path / "plain.jsonl").write_text(text, encoding="utf-8")
+    assert load_gsm8k(str(tmp_path / "test.jsonl")) == load_gsm8k(str(tmp_path / "plain.jsonl"))

@@ -101,3 +101,38 @@ def test_hf_trainer_loss_states_the_real_shape_rule_for_labels():
                        "unshifted labels, one per logit row (shape (2, 6)), and shifts them itself")
     torch.testing.assert_close(HFTrainerLoss(VOCAB)({"logits": logits}, labels),  # the right shape is taken
                                ce_ntl_loss(logits[:, :-1], labels[:, 1:], VOCAB))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_loss_weight_is_refused_like_a_negative_one(bad):
+    """Issue 40, go-beyond round: a nan (or inf) in loss_weights passed the ">= 0" check and returned nan."""
+    logits, labels = _batch()
+    weights = torch.ones(2, 6)
+    weights[1, 2] = bad
+    for loss in (number_token_loss, lambda *a, **k: ce_ntl_loss(*a, ntl_weight=0.3, **k)):
+        with pytest.raises(ValueError, match=rf"^loss_weights must be >= 0 and finite, got {bad} "):
+            loss(logits, labels, VOCAB, loss_weights=weights)
+
+
+def test_hf_trainer_loss_refuses_a_negative_item_count_and_gives_0_for_a_step_without_labels():
+    """num_items_in_batch=-3 returned a negative loss (the optimizer then climbed it); a step whose labels are all
+    ignored (num_items_in_batch 0) returned nan, where the micro-batch mean and ce_ntl_loss give 0."""
+    logits, labels = _batch()
+    for bad in (-3, math.nan, "7", True):
+        with pytest.raises(ValueError, match="num_items_in_batch must be a count of label tokens"):
+            HFTrainerLoss(VOCAB, ntl_weight=0.3)({"logits": logits}, labels, num_items_in_batch=bad)
+    ignored = torch.full_like(labels, -100)
+    for count in (0, torch.tensor(0)):
+        loss = HFTrainerLoss(VOCAB, ntl_weight=0.3)({"logits": logits}, ignored, num_items_in_batch=count)
+        assert loss.item() == 0.0 == ce_ntl_loss(logits[:, :-1], ignored[:, 1:], VOCAB, ntl_weight=0.3).item()
+
+
+def test_shard_none_is_the_full_vocabulary_in_every_loss_function():
+    """Issue 40, go-beyond round: the chunked functions take `shard=None`, while ce_ntl_loss and number_token_loss
+    raised a raw `AttributeError: 'NoneType' object has no attribute 'is_split'`."""
+    logits, labels = _batch()
+    torch.testing.assert_close(ce_ntl_loss(logits, labels, VOCAB, ntl_weight=0.3, shard=None),
+                               ce_ntl_loss(logits, labels, VOCAB, ntl_weight=0.3))
+    torch.testing.assert_close(number_token_loss(logits, labels, VOCAB, shard=None), number_token_loss(logits, labels, VOCAB))
+    with pytest.raises(TypeError, match=r"^shard must be a VocabShard \(vocab_shard_of\(engine\)\) or None .*got int$"):
+        ce_ntl_loss(logits, labels, VOCAB, shard=2)

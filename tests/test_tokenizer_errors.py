@@ -238,9 +238,14 @@ def _write(folder: Path, files: dict[str, str | bytes | None]) -> Path:
     ({"tokenizer.json": None}, "tokenizer.json' is not a regular file"),
     ({"tokenizer.json": "[1, 2]"}, "tokenizer.json' holds a JSON list, not an object"),
     ({"tokenizer.json": "{}"}, "tokenizer.json' is not a tokenizers pipeline"),
-    ({"tokenizer.json": '{"model": {"type": "BPE", "vocab": {}, "merges": []}}', "tokenizer_config.json": b'{"a": "\xe9"}'},
+    ({"tokenizer.json": '{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}', "tokenizer_config.json": b'{"a": "\xe9"}'},
      "tokenizer_config.json' is corrupt: not valid JSON"),
-    ({"vocab.json": '{"a": 0}'}, r"could not load a tokenizer from folder .* \(it holds vocab.json\): ValueError"),
+    # issue 40, go-beyond round: transformers' message asked to install sentencepiece or tiktoken
+    ({"vocab.json": '{"a": 0}'}, r"folder .* holds vocab.json but no merges.txt: a byte-level BPE tokenizer"),
+    # loaded, then `inspect` died in a raw `Exception: Encountered an unknown token but unk_id is missing`
+    ({"tokenizer.json": '{"model": {"type": "Unigram", "unk_id": null, "vocab": []}}'},
+     "tokenizer.json': its Unigram model vocabulary is empty, so no text can be encoded"),
+    ({"tokenizer.json": '{"model": {"type": "BPE", "vocab": {}, "merges": []}}'}, "its BPE model vocabulary is empty"),
 ])
 def test_tokenizer_folder_errors_are_one_line_naming_the_folder_or_file(tmp_path, files, message):
     folder = _write(tmp_path / "tok", files)
@@ -377,3 +382,68 @@ def test_inspect_flags_added_tokens_that_hide_digits_as_the_trainer_does(gpt2_st
     out = capsys.readouterr().out
     assert "verdict: NOT digit-level" in out and "added token(s) begin or end with a digit ('07')" in out, out
     assert "NTL can use this tokenizer as it is" not in out
+
+
+def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(gpt2_style, tmp_path, tool):
+    """Issue 40 defect 1: `kill -9` of `tools/tokenizer.py split-digits IN OUT` while it wrote left `.OUT.tmp-*`
+    beside OUT forever. The next run removes the staging folders of its own (they hold the marker naming a
+    process that no longer runs) and nothing else: not a folder of the same pattern without the marker, nor one
+    whose writer still runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "OUT"
+    killed = subprocess.run(  # a run killed while it writes into its staging folder (atomic_directory)
+        [sys.executable, "-c", "import os, signal, sys\nfrom ntl_pretrain.core.fs import atomic_directory\n"
+         "with atomic_directory(sys.argv[1]) as staging:\n"
+         "    open(os.path.join(staging, 'tokenizer.json'), 'w').write('{\"half')\n"
+         "    os.kill(os.getpid(), signal.SIGKILL)\n", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    [stale] = _leftovers(tmp_path)
+    assert stale.startswith(".OUT.tmp-")
+    mine = tmp_path / ".OUT.tmp-mine"  # a user's folder of the same pattern, without the marker
+    (mine / "notes").mkdir(parents=True)
+    running = tmp_path / ".OUT.tmp-running"  # a writer that still runs (pid 1)
+    running.mkdir()
+    (running / ".ntl-staging.json").write_text(json.dumps({"pid": 1, "host": os.uname().nodename}))
+    assert tool["main"](["split-digits", str(gpt2_style), str(out)]) == 0
+    assert (out / "tokenizer.json").is_file() and not (out / ".ntl-staging.json").exists()
+    assert _leftovers(tmp_path) == [".OUT.tmp-mine", ".OUT.tmp-running"] and (mine / "notes").is_dir()
+
+
+def test_number_vocab_writes_over_an_earlier_vocabulary_only(gpt2_style, tmp_path, tool, capsys):
+    """Issue 40, go-beyond round: `number-vocab TOK --out model/config.json` replaced the model's config.json
+    without a word, and an --out that was a symbolic link was replaced by a file."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama"}')
+    (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists and is not a number vocabulary, so it is not replaced" in err, err
+    assert config.read_text() == '{"model_type": "llama"}'
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "link.json")]) == 2
+    assert "exists and is a symbolic link" in capsys.readouterr().err and (tmp_path / "link.json").is_symlink()
+    for _ in range(2):  # a new file, then the same vocabulary written again
+        assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "nv.json")]) == 0
+    assert json.loads((tmp_path / "nv.json").read_text())["tokens"] == [str(d) for d in range(10)]
+
+
+def test_a_write_that_fails_for_size_is_one_line_and_leaves_nothing(gpt2_style, tmp_path, tool, capsys):
+    """Issue 40, go-beyond round: a full disk or a file-size limit (`ulimit -f`) while split-digits saved came out
+    as tokenizers' bare `Exception: File too large (os error 27)` with a traceback; it is now one line."""
+    import resource
+
+    limit = (gpt2_style / "tokenizer.json").stat().st_size // 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        code = tool["main"](["split-digits", str(gpt2_style), str(tmp_path / "OUT")])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"cannot write {str(tmp_path / 'OUT')!r}: File too large (nothing was written" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

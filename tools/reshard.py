@@ -22,7 +22,19 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from ntl_pretrain.checkpoint import CheckpointError, convert_to_universal, folder_bytes  # noqa: E402
+from ntl_pretrain.checkpoint import (MANIFEST_NAME, CheckpointError, convert_to_universal, folder_bytes,  # noqa: E402
+                                     list_checkpoints)
+
+
+def check_not_a_run_folder(path: str) -> None:
+    """A run folder given for one of its checkpoints was "incomplete: it has no ntl_checkpoint.json (its save was
+    interrupted ...)", which sends the user looking for a failed save; name its checkpoints instead."""
+    if (os.path.isdir(path) and not os.path.islink(path.rstrip("/") or path)
+            and not os.path.lexists(os.path.join(path, MANIFEST_NAME))):
+        complete = [info.tag for info in list_checkpoints(path)]
+        if complete:
+            raise CheckpointError(f"{path!r} is a run folder, not a checkpoint; pass one of its checkpoints, e.g. "
+                                  f"{os.path.join(path, complete[-1])} (complete: {', '.join(complete[-5:])})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.perf_counter()
     try:
+        check_not_a_run_folder(args.checkpoint)
         out = convert_to_universal(args.checkpoint.rstrip("/"), args.output, workers=args.workers)
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)

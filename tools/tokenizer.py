@@ -21,7 +21,7 @@ from pathlib import Path
 # Runs from a checkout without installation too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntl_pretrain.numbers import NumberVocab  # noqa: E402
+from ntl_pretrain.numbers import NUMBER_VOCAB_FILENAME, NumberVocab  # noqa: E402
 from ntl_pretrain.tokenizer import (ConversionCheckError, SpmTrainConfig,  # noqa: E402
                                     inspect_tokenizer, load_tokenizer, resize_model, split_digits, train_spm)
 
@@ -69,6 +69,24 @@ def _cmd_resize_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_replaceable_vocab(path: str) -> None:
+    """Refuse to write over anything but an earlier number vocabulary: `--out model/config.json` replaced the
+    model's config without a word, and a link in its place was replaced by a file."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise ValueError(f"--out {path!r} exists and is {'a symbolic link' if os.path.islink(path) else 'not a file'}; "
+                         f"choose another path (nothing was written)")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            earlier = json.load(handle)
+    except (OSError, ValueError):
+        earlier = None
+    if not (isinstance(earlier, dict) and {"token_ids", "values"} <= set(earlier)):
+        raise ValueError(f"--out {path!r} exists and is not a number vocabulary, so it is not replaced; choose "
+                         f"another path, or remove it first (nothing was written)")
+
+
 def _cmd_number_vocab(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     vocab = NumberVocab.from_tokenizer(tokenizer, digit_level=not args.multi_digit, vocab_size=args.vocab_size)
@@ -80,6 +98,7 @@ def _cmd_number_vocab(args: argparse.Namespace) -> int:
         out = str(source if source.is_dir() else source.parent)
     if os.path.isdir(out) or out.endswith(os.sep):
         os.makedirs(out, exist_ok=True)
+    _check_replaceable_vocab(os.path.join(out, NUMBER_VOCAB_FILENAME) if os.path.isdir(out) else out)
     path = vocab.save(out)
     if args.json:
         print(json.dumps({**vocab.to_dict(), "path": path}, indent=1, ensure_ascii=False))

@@ -459,7 +459,10 @@ def max_shard_bytes(size: str | int) -> int:
 def _check_export_folder(checkpoint_path: str, out_dir: str) -> None:
     """Refuse an export folder that exists with content or lies inside the checkpoint (the export would add an
     unlisted folder to it, and verification then refuses the checkpoint: the run could not resume from it)."""
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"export folder {out_dir!r} is a file, not a folder; choose another path (nothing was "
+                              f"overwritten)")
+    if os.path.exists(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"export folder {out_dir!r} already exists and is not empty; choose another one "
                               f"(nothing was overwritten)")
     check_output_outside(checkpoint_path, out_dir, "export")

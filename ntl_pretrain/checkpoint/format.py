@@ -192,6 +192,9 @@ def check_manifest(manifest: Any, path: str) -> None:
         if empty:  # a size 0 matched no file and loaded nothing
             raise CheckpointError(f"{where}: 'layout' has {empty[0]}={layout[empty[0]]}, not a number of processes "
                                   f"(1 or more); restore the manifest, or resume from another checkpoint")
+        if layout["zero_stage"] > 3:  # read as "no rank for" the files of a real stage
+            raise CheckpointError(f"{where}: 'layout' has zero_stage={layout['zero_stage']}, not a ZeRO stage (0-3); "
+                                  f"restore the manifest, or resume from another checkpoint")
     step = step_of_tag(os.path.basename(os.path.normpath(path)))
     if step is not None and step != manifest["step"]:
         raise CheckpointError(f"checkpoint {path!r} is named for step {step} but its manifest says step "

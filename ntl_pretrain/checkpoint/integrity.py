@@ -78,22 +78,44 @@ def verify_checkpoint(path: str, content: bool = True, collective: bool = False)
 
 
 _RANK_FILE = re.compile(r"^(?:bf16_)?(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_(optim|model)_states\.pt$")
+_RNG_FILE = re.compile(r"^rng_state_(\d+)\.pt$")
 
 
 def check_rank_files(path: str, manifest: dict) -> None:
-    """Every rank's DeepSpeed files of the saved layout are listed: a tensor-parallel rank's files deleted (and the
-    manifest re-signed) otherwise surfaced as a weight of half its shape at export, or as DeepSpeed's assertion
-    "checkpoint count 1 is different from saved mp_world_size 2" at resume. Universal folders hold other files."""
+    """The manifest's DeepSpeed and RNG files are exactly those of its saved layout: none missing (a
+    tensor-parallel rank's files deleted and the manifest re-signed surfaced as a weight of half its shape at
+    export, or as DeepSpeed's assertion "checkpoint count 1 is different from saved mp_world_size 2" at resume)
+    and none extra (a layout edited to tp 1 over tp-2 files exported rank 0's half of every sharded weight).
+    Universal folders hold other files."""
     if "layout" not in manifest or "universal_of" in manifest:
         return
     layout = saved_layout(manifest)
+    if layout.world_size != layout.dp_size * layout.sp_size * layout.tp_size:
+        raise CheckpointError(f"checkpoint {path!r}: its manifest's layout is inconsistent ({layout.describe()}: "
+                              f"{layout.dp_size * layout.sp_size * layout.tp_size} processes, not "
+                              f"{layout.world_size}); restore the manifest, or resume from another checkpoint")
     found: dict[str, set[tuple[int, int]]] = {"optim": set(), "model": set()}
+    partitions = layout.zero_partitions  # optimizer files: one per ZeRO partition (bf16 at stage 0 too)
+    model_partitions = partitions if layout.zero_stage == 3 else 1
+    extra = []
     for name in manifest["files"]:
         match = _RANK_FILE.match(name)
         if match:
-            found[match.group(3)].add((int(match.group(2)), int(match.group(1) or 0)))
-    partitions = layout.zero_partitions if layout.zero_stage else 1
-    wanted = {"model": range(partitions if layout.zero_stage == 3 else 1)}
+            tp, dp, kind = int(match.group(2)), int(match.group(1) or 0), match.group(3)
+            found[kind].add((tp, dp))
+            per_partition = match.group(1) is not None
+            if (tp >= layout.tp_size or dp >= (model_partitions if kind == "model" else partitions)
+                    or (kind == "model" and per_partition != (layout.zero_stage == 3))):
+                extra.append(name)
+        elif (rng := _RNG_FILE.match(name)) and int(rng.group(1)) >= layout.world_size:
+            extra.append(name)
+    if extra:
+        extra.sort()
+        raise CheckpointError(
+            f"checkpoint {path!r} holds {len(extra)} file(s) its layout ({layout.describe()}) has no rank for: "
+            f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} (a manifest edited to another layout, or "
+            f"files of another run copied in); restore the manifest, or resume from another checkpoint")
+    wanted = {"model": range(model_partitions)}
     if layout.zero_stage:
         wanted["optim"] = range(partitions)
     for kind, dp_ranks in wanted.items():

@@ -26,6 +26,9 @@ def validate(config: Config) -> None:
     for key in positive:
         if get_key(config, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {get_key(config, key)}")
+    for key in ("data.seed", "train.seed", "model.init_seed"):  # numpy's generators refuse a negative seed mid-start-up
+        if not 0 <= get_key(config, key) < 2**63:
+            raise ConfigError(f"{key} must be a seed in [0, 2**63), got {get_key(config, key)}")
     tp_size = config.parallel.tp_size
     if isinstance(tp_size, int) and tp_size < 1:
         raise ConfigError(f"parallel.tp_size must be >= 1 or auto, got {tp_size!r}")

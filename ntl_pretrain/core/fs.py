@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import tempfile
 from typing import IO, Any, Iterator
 
@@ -105,10 +106,61 @@ def write_json_atomic(path: str | os.PathLike, data: Any, **dump_kwargs: Any) ->
     return os.fspath(path)
 
 
+STAGING_MARKER = ".ntl-staging.json"  # inside a staging folder of `atomic_directory`: who writes it
+
+
+def _staging_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's (EPERM)
+    return True
+
+
+def remove_stale_staging(path: str | os.PathLike) -> list[str]:
+    """Remove the staging folders of `atomic_directory` for `path` that a killed process left beside it.
+
+    Only folders named `.NAME.tmp-*` that hold our `STAGING_MARKER` naming a process of this host that no
+    longer runs are removed: a folder without the marker (not ours), a link, or one whose writer is alive or on
+    another host (a shared file system: its process cannot be seen from here) is left alone. Returns the removed."""
+    path = os.path.abspath(os.fspath(path))
+    parent, prefix = os.path.dirname(path), _staging_prefix(path)
+    try:
+        names = [name for name in os.listdir(parent) if name.startswith(prefix)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        folder = os.path.join(parent, name)
+        marker = os.path.join(folder, STAGING_MARKER)
+        if os.path.islink(folder) or not os.path.isdir(folder) or os.path.islink(marker):
+            continue
+        try:
+            with open(marker, encoding="utf-8") as handle:
+                owner = json.load(handle)
+            pid, host = int(owner["pid"]), str(owner["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if host == socket.gethostname() and pid != os.getpid() and not _process_alive(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator[str]:
     """Yield an empty staging folder beside `path` (mode from the umask); on success the files in it get
     the umask's modes and it is renamed onto `path`, on error removed.
+
+    The staging folder (`.NAME.tmp-*`) holds `STAGING_MARKER` (this process's id and host; callers list the
+    folder without it) until it is committed, so a folder left by a process killed with SIGKILL is removed by
+    the next `atomic_directory` for the same `path` (`remove_stale_staging`).
 
     Raises FileExistsError (staging removed) when `path` already exists and is not empty, so a caller
     that races another process for the same result can keep the one that finished first; with `replace`
@@ -117,9 +169,13 @@ def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    remove_stale_staging(path)
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(path), dir=parent)
     try:
+        with open(os.path.join(staging, STAGING_MARKER), "x", encoding="utf-8") as handle:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "written_by": "ntl_pretrain"}, handle)
         yield staging
+        os.remove(os.path.join(staging, STAGING_MARKER))
         apply_umask_modes(staging)
         commit_directory(staging, path, replace=replace)
     except BaseException:

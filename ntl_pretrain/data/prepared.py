@@ -78,8 +78,6 @@ def prepare_corpus(cfg: DataConfig, tokenizer: Any, out_dir: str, num_proc: int)
 def load_prepared(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: Any) -> tuple[Any, Any]:
     """(training samples, validation samples) of a prepared corpus, memory-mapped; refused (every differing
     key named) when it was made with another tokenizer or settings than this run's."""
-    import datasets
-
     folder = os.path.expanduser(source.path)
     manifest_path = os.path.join(folder, MANIFEST)
     resolve_files(source, key)  # a folder with a manifest
@@ -92,6 +90,9 @@ def load_prepared(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer
         made_with = dict(manifest["settings"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DataError(f"{key}.path={source.path!r}: unreadable {MANIFEST} ({error}); prepare the corpus again") from None
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise DataError(f"{key}.path={source.path!r}: its {MANIFEST} is of version {manifest.get('version')!r}, this "
+                        f"ntl_pretrain reads version {MANIFEST_VERSION}; prepare the corpus again with this version")
     wanted = run_settings(cfg, tokenizer)
     differing = [f"{name} (prepared {made_with.get(name)!r}, this run {value!r})" for name, value in wanted.items()
                  if made_with.get(name) != value]
@@ -99,4 +100,31 @@ def load_prepared(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer
         raise DataError(f"{key}.path={source.path!r} was prepared with other settings than this run's: "
                         f"{'; '.join(differing)}; prepare it again with this config (tools/prepare_data.py) or "
                         f"train with the settings it was made with")
-    return datasets.load_from_disk(os.path.join(folder, TRAIN)), datasets.load_from_disk(os.path.join(folder, VALIDATION))
+    parts = {part: _load_part(folder, part, key, source) for part in (TRAIN, VALIDATION)}
+    recorded = manifest.get("samples") if isinstance(manifest.get("samples"), dict) else {}
+    for part, dataset in parts.items():  # a split swapped or copied from another corpus
+        if part in recorded and recorded[part] != len(dataset):
+            raise DataError(f"{key}.path={source.path!r}: its {part}/ holds {len(dataset)} samples, its {MANIFEST} "
+                            f"says {recorded[part]!r} (a part replaced or edited); prepare the corpus again")
+    if not len(parts[TRAIN]):
+        raise DataError(f"{key}.path={source.path!r}: its {TRAIN}/ holds no samples; prepare the corpus again")
+    return parts[TRAIN], parts[VALIDATION]
+
+
+def _load_part(folder: str, part: str, key: str, source: DataSourceConfig) -> Any:
+    """One split of a prepared corpus, memory-mapped. A split of 0 samples (validation_documents too few to fill a
+    sample, or 0) is saved by `datasets` without data files, which its `load_from_disk` cannot read back (a raw
+    IndexError): it is rebuilt empty with its recorded features. A damaged file is one line naming the folder."""
+    import datasets
+
+    path = os.path.join(folder, part)
+    try:
+        with open(os.path.join(path, "state.json"), encoding="utf-8") as handle:
+            empty = json.load(handle).get("_data_files") == []
+        if empty:
+            features = datasets.DatasetInfo.from_directory(path).features
+            return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+        return datasets.load_from_disk(path)
+    except Exception as error:  # pyarrow's and datasets' own errors for a truncated or replaced file
+        raise DataError(f"{key}.path={source.path!r}: cannot read its {part}/ ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0] if str(error) else ''}); prepare the corpus again") from None

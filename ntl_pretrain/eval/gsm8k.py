@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import os
 import random
 import re
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence, get_args
 
 from ..core.typed_yaml import load_yaml  # duplicate keys and alias bombs refused as in a run's config
+
+logger = logging.getLogger("ntl_pretrain")
 
 FILTERS = ("strict-match", "flexible-extract")
 _STRICT = {"gsm8k": re.compile(r"#### (\-?[0-9\.\,]+)"),
@@ -128,7 +131,7 @@ def _read_jsonl(data_file: str) -> list[dict[str, Any]]:
     """Rows of a local .jsonl file; a line that is not a JSON object is an error naming the file and line."""
     rows = []
     try:
-        with open(data_file, encoding="utf-8") as handle:
+        with open(data_file, encoding="utf-8-sig") as handle:  # a BOM is no part of line 1's JSON
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -273,6 +276,19 @@ def build_prompts(test_rows: Sequence[dict[str, str]], train_rows: Sequence[dict
     shots_wanted = default_num_fewshot(variant, num_fewshot)
     rows = list(test_rows)[:limit] if limit > 0 else list(test_rows)
     pool = list(train_rows)
+    # a test question that is also in the pool (eval.gsm8k_path naming train.jsonl, a test file copied from it) is
+    # left out of its own exemplars, as lm-evaluation-harness does when both splits are one: drawn, it would put
+    # the question with its answer into the prompt
+    in_pool = {row["question"] for row in pool} if variant == "gsm8k" and shots_wanted > 0 else set()
+    shared = sum(row["question"] in in_pool for row in rows)
+    if shared:
+        if shots_wanted >= len(pool):
+            raise ValueError(f"num_fewshot={shots_wanted} but the train split has only {len(pool)} rows, and the test "
+                             f"questions are among them (each is left out of its own exemplars); use distinct test "
+                             f"and train files, or fewer shots")
+        logger.warning("GSM8K: %d of the %d test questions are also in the train split the few-shot exemplars are "
+                       "drawn from; each is left out of its own exemplars (give distinct test and train files)",
+                       shared, len(rows))
     if variant == "gsm8k" and shots_wanted > len(pool):
         raise ValueError(f"num_fewshot={shots_wanted} but the train split has only {len(pool)} rows")
     exemplars = load_cot_exemplars(cot_exemplars) if variant == "gsm8k_cot" and shots_wanted > 0 else ()
@@ -285,10 +301,12 @@ def build_prompts(test_rows: Sequence[dict[str, str]], train_rows: Sequence[dict
         if variant == "gsm8k":
             if shots_wanted == 0:
                 drawn: list[dict[str, str]] = []
-            elif fewshot_sampler == "lm_eval":
-                drawn = shared_rng.sample(pool, shots_wanted)
             else:
-                drawn = random.Random(f"{fewshot_seed}:{index}").sample(pool, shots_wanted)
+                rng = shared_rng if fewshot_sampler == "lm_eval" else random.Random(f"{fewshot_seed}:{index}")
+                own = row["question"] in in_pool
+                drawn = rng.sample(pool, shots_wanted + own)
+                if own:
+                    drawn = [r for r in drawn if r["question"] != row["question"]][:shots_wanted]
             shots = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in drawn]
             query = f"Question: {row['question']}\nAnswer:"
         else:

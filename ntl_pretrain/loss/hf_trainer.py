@@ -22,6 +22,8 @@ does not divide by the accumulation steps. So the hook:
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -115,7 +117,14 @@ class HFTrainerLoss:
         ntl_mean = safe_mean(sums.ntl_sum, sums.ntl_count)
         if num_items_in_batch is None:
             return safe_mean(sums.ce_sum, sums.token_count) + self.ntl_weight * ntl_mean
+        if not torch.is_tensor(num_items_in_batch) and (
+                isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float))
+                or not math.isfinite(num_items_in_batch) or num_items_in_batch < 0):
+            raise ValueError(f"num_items_in_batch must be a count of label tokens (>= 0), got "
+                             f"{type(num_items_in_batch).__name__} {num_items_in_batch!r}; pass what the Trainer passes, "
+                             f"or None for the micro-batch's mean")
         items = torch.as_tensor(num_items_in_batch, device=logits.device, dtype=sums.ce_sum.dtype)
+        items = items.masked_fill(items == 0, 1.0)  # as `safe_mean`: labels all ignored give 0, not 0/0 = nan
         if self._step_terms is not None:  # attached: the mean over every NTL term of the step
             step_terms = self._step_terms.to(device=logits.device, dtype=sums.ce_sum.dtype)
             return sums.ce_sum / items + self.ntl_weight * sums.ntl_sum / step_terms.clamp_min(1.0)

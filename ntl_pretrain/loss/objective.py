@@ -21,7 +21,7 @@ import torch
 from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, NumberSpans, check_ntl_weight, ntl_terms
 from .parallel import ShardStats, shard_reductions
-from .shard import VocabShard
+from .shard import VocabShard, as_vocab_shard
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -59,7 +59,7 @@ SUMS_WIDTH = len(fields(ObjectiveSums))  # entries of ObjectiveSums.stack()
 def check_loss_inputs(labels: torch.Tensor, number_vocab: NumberVocab, loss_weights: torch.Tensor | None,
                       check_values: bool = True) -> None:
     """What every entry point checks before any device work: the number vocabulary, integer labels and NTL
-    loss weights of the labels' shape (`check_values`: a host sync, also non-negative)."""
+    loss weights of the labels' shape (`check_values`: a host sync, also non-negative and finite)."""
     if not isinstance(number_vocab, NumberVocab):
         raise TypeError(f"number_vocab must be a NumberVocab (NumberVocab.from_tokenizer), got {type(number_vocab)}")
     if labels.dtype not in (torch.long, torch.int, torch.int32, torch.int16) or labels.numel() == 0:
@@ -70,8 +70,9 @@ def check_loss_inputs(labels: torch.Tensor, number_vocab: NumberVocab, loss_weig
     if loss_weights.shape != labels.shape:
         raise ValueError(f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels' shape "
                          f"{tuple(labels.shape)}")
-    if check_values and bool((loss_weights < 0).any()):
-        raise ValueError("loss_weights must be >= 0")
+    if check_values and bool(((loss_weights < 0) | ~torch.isfinite(loss_weights)).any()):  # one sync for both
+        bad = loss_weights[(loss_weights < 0) | ~torch.isfinite(loss_weights)][0].item()
+        raise ValueError(f"loss_weights must be >= 0 and finite, got {bad} (a nan or inf weight makes the loss nan)")
 
 
 def check_on_host(shard: VocabShard, local_width: int, labels: torch.Tensor, number_vocab: NumberVocab,
@@ -150,7 +151,7 @@ def ce_ntl_sums(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
         spans: "number_level" only: where the numbers sit when `labels` are one sequence shard of longer rows
             (`sequence_shard.shard_number_spans`); default: found in `labels`.
     """
-    stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights, need_lse=True, need_target=True,
+    stats = _logit_stats(logits, labels, number_vocab, as_vocab_shard(shard), loss_weights, need_lse=True, need_target=True,
                          ignore_index=settings.ignore_index, check_inputs=check_inputs)
     return sums_from_stats(stats, labels, number_vocab, settings, loss_weights=loss_weights, with_ntl=with_ntl,
                            spans=spans)
@@ -245,6 +246,7 @@ def ntl_with_settings(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
     settings' own)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+    shard = as_vocab_shard(shard)
     if ignore_index is not None and ignore_index != settings.ignore_index:
         settings = replace(settings, ignore_index=ignore_index)
     stats = _logit_stats(logits, labels, number_vocab, shard, loss_weights,

@@ -116,3 +116,14 @@ def vocab_shard_of(model: Any) -> VocabShard:
         return VocabShard(head.mp_group, start, int(head.vocab_end_index) - start)
     width = getattr(head, "out_features", None)
     return VocabShard(width=width if isinstance(width, int) and width > 0 else None)
+
+
+def as_vocab_shard(shard: "VocabShard | None") -> VocabShard:
+    """`shard` as the loss functions use it: None is the full vocabulary (as the chunked functions take it;
+    `shard=None` was an AttributeError in ce_ntl_loss), anything but a VocabShard one line."""
+    if shard is None:
+        return VocabShard()
+    if not isinstance(shard, VocabShard):
+        raise TypeError(f"shard must be a VocabShard (vocab_shard_of(engine)) or None for the full vocabulary, got "
+                        f"{type(shard).__name__}")
+    return shard

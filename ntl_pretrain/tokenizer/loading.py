@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ..core.fs import atomic_directory
+from ..core.fs import STAGING_MARKER, atomic_directory
 from .tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe, load_tiktoken_file
 
 # Files whose presence makes a folder a tokenizer folder (transformers' own file names).
@@ -32,6 +33,8 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
+BPE_VOCAB, BPE_MERGES = "vocab.json", "merges.txt"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # a GPT-2 style byte-level BPE without tokenizer.json
 # tokenizer_config.json classes that mean "tokenizer.json as it is" (transformers 4 name, transformers 5 name)
 GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # Per-call encoding options a tokenizer.json may carry; files this project writes never keep them.
@@ -94,6 +97,9 @@ def _check_vocabulary_ids(pipeline: dict, path: Path) -> None:
     two tokens (NTL's "1" would read as "0"), and copying the tokenizer fails at random (its id -> token table
     keeps one of them)."""
     vocab = (pipeline.get("model") or {}).get("vocab") if isinstance(pipeline.get("model"), dict) else None
+    if isinstance(vocab, (dict, list)) and not vocab:  # loads, then every text fails to encode (a raw Exception)
+        raise TokenizerLoadError(f"{str(path)!r}: its {pipeline['model'].get('type', '')} model vocabulary is empty, "
+                                 f"so no text can be encoded: restore the file from the model's source")
     if not isinstance(vocab, dict):
         return  # Unigram keeps a list (ids are positions); anything else is the loader's to refuse
     by_id: dict[object, list[str]] = {}
@@ -206,6 +212,12 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
     try:  # AutoTokenizer also reads config.json, which names the model's tokenizer class and special tokens
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as error:
+        if BPE_VOCAB in present and not (path / BPE_MERGES).exists() and not (
+                set(present) & (set(VOCABULARY_FILES) - {BPE_VOCAB})):
+            # transformers' message asks to install sentencepiece or tiktoken, which would not help
+            raise TokenizerLoadError(f"folder {str(path)!r} holds {BPE_VOCAB} but no {BPE_MERGES}: a byte-level BPE "
+                                     f"tokenizer (GPT-2 style) needs both; copy {BPE_MERGES} from the model's source "
+                                     f"(or its tokenizer.json)") from None
         raise no_vocabulary or TokenizerLoadError(
             f"could not load a tokenizer from folder {str(path)!r} (it holds {', '.join(present)}): "
             f"{_one_line(error)}") from None
@@ -348,8 +360,16 @@ def atomic_output_dir(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]
     """
     out = check_output_dir(out_dir, force)
     with atomic_directory(out, replace=force) as staging:
-        yield Path(staging)
-        files = sorted(os.listdir(staging)) + [OUTPUT_MARKER]
+        try:
+            yield Path(staging)
+        except Exception as error:  # tokenizers reports a failed write as a bare Exception("... (os error 28)")
+            code = _OS_ERROR.search(str(error)) if type(error) is Exception else None
+            if code is None:
+                raise
+            number = int(code.group(1))
+            raise OSError(number, f"cannot write {str(out)!r}: {os.strerror(number)} (nothing was written; "
+                                  f"free space or choose another folder)") from None
+        files = sorted(set(os.listdir(staging)) - {STAGING_MARKER}) + [OUTPUT_MARKER]
         (Path(staging) / OUTPUT_MARKER).write_text(
             json.dumps({"written_by": "ntl_pretrain tools/tokenizer.py", "files": files}, indent=1) + "\n",
             encoding="utf-8")
