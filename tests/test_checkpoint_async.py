@@ -14,6 +14,7 @@ The kill -9 of a rank in the middle of an asynchronous save is in tests/test_che
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -49,7 +50,8 @@ def test_snapshot_keeps_the_saved_values_while_training_changes_them(tmp_path):
     engine = _Engine()
     weights = torch.arange(6, dtype=torch.float32)
     state = {"weights": weights, "view": weights[2:4], "moments": {"exp_avg": torch.ones(3)}, "step": 7}
-    with snapshot_saves(engine) as snapshots:
+    buffers: list = []
+    with snapshot_saves(engine, buffers) as snapshots:
         engine.checkpoint_engine.save(state, str(tmp_path / "optim_states.pt"))
         engine.checkpoint_engine.save({"step": 7}, str(tmp_path / "model_states.pt"))
     assert isinstance(engine.checkpoint_engine, _Engine._Writer)  # restored after the save
@@ -60,19 +62,23 @@ def test_snapshot_keeps_the_saved_values_while_training_changes_them(tmp_path):
     (tmp_path / "rng_state_0.pt").write_bytes(b"rng")
     pending = PendingSave("global_step7", 7, 0, str(tmp_path), snapshots.files, ["rng_state_0.pt"], repr, None)
     pending.wait()
-    assert pending.error is None and not snapshots.files  # the host copies are released once written
+    assert pending.error is None and len(buffers) == 2
     saved = torch.load(tmp_path / "optim_states.pt")
     assert torch.equal(saved["weights"], torch.arange(6, dtype=torch.float32)) and saved["step"] == 7
     assert torch.equal(saved["moments"]["exp_avg"], torch.ones(3))
     assert saved["view"].untyped_storage().data_ptr() == saved["weights"].untyped_storage().data_ptr()  # as torch.save
     assert sorted(pending.digests) == ["model_states.pt", "optim_states.pt", "rng_state_0.pt"]
     assert pending.all_written()  # no process group: this rank alone
+    with snapshot_saves(engine, buffers) as again:  # the next save reuses the host memory
+        engine.checkpoint_engine.save({"step": 8}, str(tmp_path / "model_states.pt"))
+    assert again.files[0][1] is buffers[0] and len(buffers) == 2
+    assert torch.load(io.BytesIO(bytes(buffers[0].view()))) == {"step": 8}
 
 
 @pytest.mark.fast
 def test_a_failed_background_write_is_kept_for_the_training_thread(tmp_path):
     engine = _Engine()
-    with snapshot_saves(engine) as snapshots:
+    with snapshot_saves(engine, []) as snapshots:
         engine.checkpoint_engine.save({"x": torch.zeros(2)}, str(tmp_path / "missing" / "optim_states.pt"))
     pending = PendingSave("global_step1", 1, 0, str(tmp_path), snapshots.files, [],
                           lambda exc: f"{type(exc).__name__}: {exc.errno == errno.ENOENT}", None)

@@ -170,6 +170,8 @@ def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(interrupted):
     assert interrupted["staging"] == [f"global_step{stopped + 1}.partial"]
     assert interrupted["committed_before_kill"] == [f"global_step{stopped}"]  # the partial save never counted
     assert interrupted["killed_rc"] != 0
+    # the killed save was in flight in the background (checkpoint.async_save), its snapshot taken
+    assert f"checkpoint global_step{stopped + 1}: snapshot of" in interrupted["killed_output"]
     assert f"resumed from {interrupted['out'] / f'global_step{stopped}'} at step {stopped}" in interrupted["resume_output"]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -49,7 +50,7 @@ def run_once(config: str, overrides: list[str]) -> dict:
     trainer.lock.release()  # the next run of this process uses another folder; released as the command line does
     return {"fit_s": fit_s, "stall_s": checkpoints.stall_s, "saves": checkpoints.saves,
             "bytes_per_save": checkpoints.last_save.get("bytes", 0.0), "parameters": trainer.model_report.parameters,
-            "is_main": trainer.layout.is_main, "world_size": trainer.layout.world_size}
+            "world_size": trainer.layout.world_size}
 
 
 def main() -> int:
@@ -69,8 +70,10 @@ def main() -> int:
     max_steps = args.saves * args.every + args.every - 1
     results: dict = {"config": args.config, "overrides": args.overrides, "saves": args.saves, "every": args.every,
                      "steps": max_steps, "sizes": {}}
-    with tempfile.TemporaryDirectory(prefix="bench_ckpt_async_") as scratch:
-        main_rank = True
+    # one folder for all ranks of this launch (each rank's own temporary name would split the checkpoint)
+    scratch = os.path.join(tempfile.gettempdir(), f"bench_ckpt_async_{os.environ.get('MASTER_PORT', os.getpid())}")
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    try:
         for size, model in sizes.items():
             figures = {}
             for mode in MODES:
@@ -80,7 +83,6 @@ def main() -> int:
                              f"checkpoint.every_n_steps={0 if mode == 'none' else args.every}",
                              f"checkpoint.async_save={str(mode == 'async').lower()}", *model, *args.overrides]
                 figures[mode] = run_once(args.config, overrides)
-                main_rank = figures[mode].pop("is_main")
             none_s = figures["none"]["fit_s"]
             for mode in ("sync", "async"):
                 f = figures[mode]
@@ -91,6 +93,9 @@ def main() -> int:
             figures["extra_fit_ratio_async_over_sync"] = (figures["async"]["extra_fit_s_per_save"]
                                                           / figures["sync"]["extra_fit_s_per_save"])
             results["sizes"][size] = figures
+    finally:
+        if main_rank:  # after the last run's end, which every rank reached together
+            shutil.rmtree(scratch, ignore_errors=True)
     if main_rank:
         print(json.dumps(results, indent=1), flush=True)
         if args.out:

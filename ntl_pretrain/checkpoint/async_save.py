@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import io
 import os
 import threading
 import time
@@ -27,33 +26,64 @@ import torch.distributed as dist
 from .integrity import file_digest
 
 
+class HostBuffer:
+    """Bytes in host memory that `torch.save` writes into (it needs only `write`), kept by the manager and
+    reused by the next snapshot: allocating and first touching fresh memory at every save cost about as much
+    as the copy itself (`tools/bench_checkpoint_async.py`)."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        chunk = memoryview(data).cast("B")
+        end = self.size + chunk.nbytes
+        if end > len(self._data):  # grows by at least its size: amortized, and only until the first save's size
+            self._data.extend(bytes(max(end - len(self._data), len(self._data))))
+        self._data[self.size:end] = chunk
+        self.size = end
+        return chunk.nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def view(self) -> memoryview:
+        return memoryview(self._data)[: self.size]
+
+
 class SnapshotWriter:
     """Stands in for DeepSpeed's checkpoint engine during one `engine.save_checkpoint`: each `save(state, path)`
-    serializes `state` into memory at once (so the training thread may change the tensors afterwards) and
-    remembers the path; everything else is the engine's own (`makedirs`, `commit`, its flags)."""
+    serializes `state` into host memory at once (so the training thread may change the tensors afterwards),
+    into the next of `buffers` (grown as needed), and remembers the path; everything else is the engine's own
+    (`makedirs`, `commit`, its flags)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, buffers: list[HostBuffer]) -> None:
         self.inner = inner
-        self.files: collections.deque[tuple[str, io.BytesIO]] = collections.deque()
+        self.buffers = buffers
+        self.files: collections.deque[tuple[str, HostBuffer]] = collections.deque()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def save(self, state_dict: Any, path: str) -> None:
-        buffer = io.BytesIO()
+        if len(self.files) == len(self.buffers):
+            self.buffers.append(HostBuffer())
+        buffer = self.buffers[len(self.files)]
+        buffer.size = 0
         torch.save(state_dict, buffer,
                    _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
         self.files.append((path, buffer))
 
     @property
     def bytes(self) -> int:
-        return sum(buffer.getbuffer().nbytes for _, buffer in self.files)
+        return sum(buffer.size for _, buffer in self.files)
 
 
 @contextlib.contextmanager
-def snapshot_saves(engine: Any) -> Iterator[SnapshotWriter]:
-    """DeepSpeed's file writes inside the block become in-memory snapshots (`SnapshotWriter.files`)."""
-    writer = SnapshotWriter(engine.checkpoint_engine)
+def snapshot_saves(engine: Any, buffers: list[HostBuffer]) -> Iterator[SnapshotWriter]:
+    """DeepSpeed's file writes inside the block become snapshots in host memory (`SnapshotWriter.files`), in
+    `buffers` (reused: call this only once the previous snapshots are written)."""
+    writer = SnapshotWriter(engine.checkpoint_engine, buffers)
     engine.checkpoint_engine = writer
     try:
         yield writer
@@ -67,7 +97,7 @@ class PendingSave:
     Args:
         tag, step, tokens_seen: the checkpoint's.
         staging: its `.partial` folder.
-        snapshots: (path, bytes) of each file DeepSpeed saved on this rank (`SnapshotWriter.files`).
+        snapshots: (path, HostBuffer) of each file DeepSpeed saved on this rank (`SnapshotWriter.files`).
         written_here: names (relative to `staging`) of the files this rank wrote already (its RNG state, the
             `hf/` assets on global rank 0): hashed with the snapshots.
         describe_failure: the one-line reason of a failed write (a full disk named as such).
@@ -99,10 +129,9 @@ class PendingSave:
             started = time.perf_counter()
             while self._snapshots:
                 path, buffer = self._snapshots.popleft()
-                with open(path, "wb") as handle, buffer.getbuffer() as data:
+                with open(path, "wb") as handle, buffer.view() as data:
                     handle.write(data)
                     self.bytes += data.nbytes
-                buffer.close()  # this file's host copy is released as soon as it is on disk
                 names.append(os.path.relpath(path, self.staging))
             self.write_s = time.perf_counter() - started
             for name in names:  # read back, as a synchronous save hashes its files

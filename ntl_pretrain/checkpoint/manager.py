@@ -175,6 +175,7 @@ class CheckpointManager:
         self.stall_s = 0.0  # seconds the training thread spent in saves (snapshots, waits, commits)
         self.saves = 0  # checkpoints committed by this manager
         self._host_group: Any = False  # the host-memory group of asynchronous saves (False: not made yet)
+        self._host_buffers: list = []  # their snapshots' memory, reused from save to save
 
     # ------------------------------------------------------------------ resume
     def plan_resume(self, tag: str) -> str:
@@ -281,7 +282,7 @@ class CheckpointManager:
                      f"{self._write_failure(exc)}")
         agree(self._with_previous(error))
         try:
-            with snapshot_saves(engine) if asynchronous else contextlib.nullcontext() as snapshots:
+            with snapshot_saves(engine, self._host_buffers) if asynchronous else contextlib.nullcontext() as snapshots:
                 engine.save_checkpoint(self.output_dir, tag=staging_tag, client_state=client_state, save_latest=False)
         except (OSError, RuntimeError) as exc:
             # Raised at once (not agreed on): the other ranks may be inside DeepSpeed's barrier. The
