@@ -49,7 +49,9 @@ def run_once(config: str, overrides: list[str]) -> dict:
     checkpoints = trainer.checkpoints
     trainer.lock.release()  # the next run of this process uses another folder; released as the command line does
     return {"fit_s": fit_s, "stall_s": checkpoints.stall_s, "saves": checkpoints.saves,
-            "bytes_per_save": checkpoints.last_save.get("bytes", 0.0), "parameters": trainer.model_report.parameters,
+            "checkpoint_bytes": checkpoints.last_save.get("bytes"),  # all ranks' files (synchronous saves)
+            "rank_bytes": checkpoints.last_save.get("rank_bytes"),  # this rank's snapshot (asynchronous saves)
+            "parameters": trainer.model_report.parameters,
             "world_size": trainer.layout.world_size}
 
 

@@ -265,8 +265,8 @@ class CheckpointManager:
         a background thread writes and hashes them, and `poll` (at each step boundary) or `finish_pending`
         commits the checkpoint; until then `latest` names the previous one.
         """
-        started = time.perf_counter()
         self.finish_pending()  # the previous save first: one checkpoint in flight at a time
+        started = time.perf_counter()
         tag = tag_for_step(step)
         staging_tag = tag + STAGING_SUFFIX
         staging = os.path.join(self.output_dir, staging_tag)
@@ -344,7 +344,7 @@ class CheckpointManager:
         self.stall_s += time.perf_counter() - started
         self.saves += 1
         self.last_save = {"save_s": time.perf_counter() - pending.started, "write_s": pending.write_s,
-                          "hash_s": pending.hash_s, "waited_s": waited, "bytes": float(pending.bytes)}
+                          "hash_s": pending.hash_s, "waited_s": waited, "rank_bytes": float(pending.bytes)}
         return pending.tag
 
     def abandon_pending(self) -> str | None:
