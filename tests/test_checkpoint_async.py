@@ -8,7 +8,8 @@ saving at steps 2 and 4; the same run with asynchronous saves whose background w
 next step has updated the weights; a resume from that asynchronous step-2 checkpoint, which must train steps 3
 and 4 bitwise as the synchronous run did; and an asynchronous save whose write fails on rank 1 (ENOSPC): both
 ranks stop at the same step boundary with the one line, the previous checkpoint stays `latest` and verifies.
-The kill -9 of a rank in the middle of an asynchronous save is in tests/test_checkpoint_resume.py.
+And a job killed (SIGKILL, every rank) in the middle of the background write of its step-4 checkpoint: the
+step-2 checkpoint stays `latest` and verifies, and `train.resume=auto` resumes from it and commits step 4.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import errno
 import io
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ import torch
 from ntl_pretrain.checkpoint import MANIFEST_NAME, verify_checkpoint
 from ntl_pretrain.checkpoint.async_save import PendingSave, snapshot_saves
 
-from helpers.distributed import run_workers  # noqa: E402
+from helpers.distributed import WORKERS, finish_ranks, run_workers, start_ranks  # noqa: E402
 from helpers.launch import demo_args  # noqa: E402
 from helpers.tensorboard import scalars as _scalars  # noqa: E402
 
@@ -152,3 +154,25 @@ def test_async_checkpoint_resumes_as_the_sync_one_and_a_failed_write_stops_every
         "global_step2", "global_step4.partial"]
     verify_checkpoint(str(failing / "global_step2"))
     assert not os.path.exists(failing / "global_step6")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_kill_9_in_the_middle_of_a_background_write_keeps_the_previous_checkpoint(assets, tmp_path):
+    out = tmp_path / "run"
+    args = demo_args(assets, out, "checkpoint.every_n_steps=2", "checkpoint.keep_last=0",
+                     "checkpoint.async_save=true")[1:]
+    procs = start_ranks([sys.executable, str(WORKERS / "checkpoint_async.py"), "kill9", *args, "train.max_steps=6"], 2)
+    outputs = [text for text, _ in finish_ranks(procs, TIMEOUT, "the killed run")]
+    assert [proc.returncode for proc in procs] == [-9, -9], outputs
+    assert all("killed while writing global_step4" in text for text in outputs)
+    assert (out / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("global_step")) == [
+        "global_step2", "global_step4.partial"]
+    verify_checkpoint(str(out / "global_step2"))
+    outputs = run_workers("checkpoint_async.py", 2, ["plain", *args, "train.resume=auto", "train.max_steps=4"],
+                          timeout=TIMEOUT)
+    assert f"resumed from {out / 'global_step2'} at step 2" in outputs[0]
+    assert (out / "latest").read_text() == "global_step4"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("global_step")) == ["global_step2", "global_step4"]
+    verify_checkpoint(str(out / "global_step4"))

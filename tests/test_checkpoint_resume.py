@@ -2,9 +2,10 @@
 
 One uninterrupted reference run (6 steps, a checkpoint every step, keep the last 2, step 4 permanent,
 HF export at the end) is compared with an interrupted run of the same config: SIGTERM to one rank
-(every rank saves and exits 0), a resume killed with `kill -9` in the middle of its first save (written in
-the background: checkpoint.async_save), and a second resume (saving in the background too) that must pick
-the previous checkpoint and reach bitwise the same weights and losses.
+(every rank saves and exits 0), a resume with checkpoint.async_save killed with `kill -9` in the middle of its
+first save (the kill of a rank in the middle of the background write itself: tests/test_checkpoint_async.py),
+and a second resume (saving in the background too) that must pick the previous checkpoint and reach bitwise
+the same weights and losses.
 The reference's step-4 checkpoint is also resumed as T=1/dp=2 and T=1/dp=1 (universal checkpoint),
 and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-full stand-in). A T=1/dp=2
 resume plan whose universal conversion outlasts the process group's timeout waits for it (no collective).
@@ -112,8 +113,7 @@ def interrupted(assets, reference, tmp_path_factory) -> dict:
     info["sigterm_output"] = "".join(lines) + rest
     info["sigterm_rc"] = launcher.returncode
     info["stopped_at"] = int((out / "latest").read_text().strip()[len("global_step"):])
-    # 2. resume, saving every step in the background (checkpoint.async_save); kill -9 rank 1 while the first
-    # save is being written
+    # 2. resume, saving every step with checkpoint.async_save; kill -9 rank 1 in the middle of the first save
     launcher = subprocess.Popen(_launch(2, _overrides(assets, out, "train.resume=auto", "checkpoint.every_n_steps=1",
                                                       "checkpoint.async_save=true")),
                                 cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -170,8 +170,6 @@ def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(interrupted):
     assert interrupted["staging"] == [f"global_step{stopped + 1}.partial"]
     assert interrupted["committed_before_kill"] == [f"global_step{stopped}"]  # the partial save never counted
     assert interrupted["killed_rc"] != 0
-    # the killed save was in flight in the background (checkpoint.async_save), its snapshot taken
-    assert f"checkpoint global_step{stopped + 1}: snapshot of" in interrupted["killed_output"]
     assert f"resumed from {interrupted['out'] / f'global_step{stopped}'} at step {stopped}" in interrupted["resume_output"]
 
 

@@ -9,11 +9,15 @@ MODE says what the run's background writer does:
                the step's update lands on the tensors between the snapshot and the write
     fail-rank1 global rank 1's background write of the step-4 checkpoint fails (ENOSPC); the run's error is printed
                as `RUN FAILED: <message>` and the worker goes on with the next run
+    kill9      every rank's background writer of the step-4 checkpoint writes half of its first file and then
+               kills its process with SIGKILL (a job killed in the middle of a background write)
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import sys
 import threading
 
@@ -61,10 +65,24 @@ def fail_on_rank1(trainer: Trainer) -> None:
     PendingSave._write_and_hash = write_fails
 
 
+def kill9_in_writer(trainer: Trainer) -> None:
+    def write_half_and_die(pending: PendingSave) -> None:
+        if pending.step != 4:
+            _write_and_hash(pending)
+            return
+        path, buffer = pending._snapshots[0]
+        with open(path, "wb") as handle, buffer.view() as data:
+            handle.write(data[: data.nbytes // 2])
+        print(f"rank {dist.get_rank()}: killed while writing {pending.tag}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    PendingSave._write_and_hash = write_half_and_die
+
+
 def run(mode: str, config: str, overrides: list[str]) -> None:
     PendingSave._write_and_hash = _write_and_hash
     trainer = Trainer(load_config(config, overrides))
-    {"plain": lambda t: None, "held": held, "fail-rank1": fail_on_rank1}[mode](trainer)
+    {"plain": lambda t: None, "held": held, "fail-rank1": fail_on_rank1, "kill9": kill9_in_writer}[mode](trainer)
     try:
         trainer.fit()
     except CheckpointError as error:
