@@ -284,7 +284,7 @@ class CheckpointManager:
         try:
             with snapshot_saves(engine, self._host_buffers) if asynchronous else contextlib.nullcontext() as snapshots:
                 engine.save_checkpoint(self.output_dir, tag=staging_tag, client_state=client_state, save_latest=False)
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, MemoryError) as exc:  # MemoryError: a snapshot beyond the host's memory
             # Raised at once (not agreed on): the other ranks may be inside DeepSpeed's barrier. The
             # launcher stops them when this process exits; the partial folder is never resumed from.
             raise CheckpointError(self._with_previous(
