@@ -2,8 +2,10 @@
 
 One uninterrupted reference run (6 steps, a checkpoint every step, keep the last 2, step 4 permanent,
 HF export at the end) is compared with an interrupted run of the same config: SIGTERM to one rank
-(every rank saves and exits 0), a resume killed with `kill -9` in the middle of its first save, and a
-second resume that must pick the previous checkpoint and reach bitwise the same weights and losses.
+(every rank saves and exits 0), a resume with checkpoint.async_save killed with `kill -9` in the middle of its
+first save (the kill of a rank in the middle of the background write itself: tests/test_checkpoint_async.py),
+and a second resume (saving in the background too) that must pick the previous checkpoint and reach bitwise
+the same weights and losses.
 The reference's step-4 checkpoint is also resumed as T=1/dp=2 and T=1/dp=1 (universal checkpoint),
 and the T=1/dp=1 run then meets a file-size limit while saving (EFBIG: a disk-full stand-in). A T=1/dp=2
 resume plan whose universal conversion outlasts the process group's timeout waits for it (no collective).
@@ -111,8 +113,9 @@ def interrupted(assets, reference, tmp_path_factory) -> dict:
     info["sigterm_output"] = "".join(lines) + rest
     info["sigterm_rc"] = launcher.returncode
     info["stopped_at"] = int((out / "latest").read_text().strip()[len("global_step"):])
-    # 2. resume, saving every step; kill -9 rank 1 while the first save is being written
-    launcher = subprocess.Popen(_launch(2, _overrides(assets, out, "train.resume=auto", "checkpoint.every_n_steps=1")),
+    # 2. resume, saving every step with checkpoint.async_save; kill -9 rank 1 in the middle of the first save
+    launcher = subprocess.Popen(_launch(2, _overrides(assets, out, "train.resume=auto", "checkpoint.every_n_steps=1",
+                                                      "checkpoint.async_save=true")),
                                 cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         staging = _wait_for(lambda: [p for p in out.iterdir() if p.name.endswith(".partial")], timeout=TIMEOUT)
@@ -126,11 +129,12 @@ def interrupted(assets, reference, tmp_path_factory) -> dict:
     finally:
         launcher.kill()
     info["killed_rc"] = launcher.returncode
-    # 3. resume again (the real Trainer in 2 worker processes), then the trained model's gathered logits
+    # 3. resume again (the real Trainer in 2 worker processes, saving in the background: its checkpoints must
+    # equal the uninterrupted run's synchronous ones), then the trained model's gathered logits
     logits_file = out.parent / "logits.pt"
     outputs = run_workers("checkpoint_resume_logits.py", 2,
-                          [str(logits_file), *_overrides(assets, out, "train.resume=auto",
-                                                         "checkpoint.every_n_steps=1")[1:]],
+                          [str(logits_file), *_overrides(assets, out, "train.resume=auto", "checkpoint.every_n_steps=1",
+                                                         "checkpoint.async_save=true")[1:]],
                           timeout=TIMEOUT)
     info["resume_output"] = outputs[0]
     info["logits"] = torch.load(logits_file)

@@ -14,7 +14,9 @@ Layout of a run folder (`train.output_dir`):
 Atomicity: every rank writes into `global_stepN.partial` (marked as ours by a `.ntl_staging` file);
 when all ranks have finished, the ranks hash the files (xxh3_128, each rank a share), global rank 0
 lists them with their sizes and hashes in the manifest, renames the folder to `global_stepN` (an atomic
-rename) and then replaces `latest`. A save killed at any point leaves at most a `.partial` folder,
+rename) and then replaces `latest` (with checkpoint.async_save the files are written and hashed by a
+background thread from a snapshot in host memory, and the ranks commit together at a later step
+boundary: `async_save`). A save killed at any point leaves at most a `.partial` folder,
 which no resume picks; the next save removes it (only folders carrying the marker). A resume checks
 the manifest (every file present with its recorded size and content hash, so a truncated or corrupted
 shard is caught before DeepSpeed reads it), the fingerprint (model config, tokenizer, number
@@ -33,6 +35,7 @@ Modules (each imports only those above it):
     integrity     content hashes, verification of a folder
     fingerprint   model, tokenizer, number vocabulary, data and LR-schedule descriptions
     staging       temporary folders of ours, cleanup of interrupted saves
+    async_save    snapshots of DeepSpeed's files in host memory, written and hashed by a background thread
     universal     conversion to DeepSpeed's universal form (resharding)
     export        Hugging Face export
     manager       choosing the resume checkpoint; CheckpointManager (save, load, keep-last-K, resume planning)

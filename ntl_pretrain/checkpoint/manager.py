@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.agreement import host_group
 from ..core.fs import atomic_write, commit_directory, is_full_disk, is_short_write, write_text_atomic
-from .collective import agree, broadcast_from_main, run_on_main
+from .async_save import PendingSave, snapshot_saves
+from .collective import agree, broadcast_from_main, gather, run_on_main
 from .fingerprint import check_data, check_fingerprint, describe_changes, lr_text
 from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_MARKER,
                      STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError, CheckpointInfo, SavedLayout, UnsafeCheckpointError,
@@ -169,6 +171,11 @@ class CheckpointManager:
         self.data = data
         self.lr_schedule = lr_schedule
         self.last_save: dict[str, float] = {}
+        self.pending: PendingSave | None = None  # the save being written in the background (async_save)
+        self.stall_s = 0.0  # seconds the training thread spent in saves (snapshots, waits, commits)
+        self.saves = 0  # checkpoints committed by this manager
+        self._host_group: Any = False  # the host-memory group of asynchronous saves (False: not made yet)
+        self._host_buffers: list = []  # their snapshots' memory, reused from save to save
 
     # ------------------------------------------------------------------ resume
     def plan_resume(self, tag: str) -> str:
@@ -249,35 +256,52 @@ class CheckpointManager:
         return client_state
 
     # ------------------------------------------------------------------ save
-    def save(self, engine: Any, step: int, client_state: dict, write_hf_files: Callable[[str], None]) -> str:
+    def save(self, engine: Any, step: int, client_state: dict, write_hf_files: Callable[[str], None],
+             asynchronous: bool = False) -> str:
         """Save a checkpoint of step `step` atomically; prune old ones; returns the tag.
 
         `write_hf_files(folder)` writes config.json, generation_config.json, the tokenizer and the number
-        vocabulary (called on global rank 0).
+        vocabulary (called on global rank 0). A save still being written in the background is committed
+        first. With `asynchronous` this returns once every rank holds a snapshot of its files in host memory:
+        a background thread writes and hashes them, and `poll` (at each step boundary) or `finish_pending`
+        commits the checkpoint; until then `latest` names the previous one.
         """
+        self.finish_pending()  # the previous save first: one checkpoint in flight at a time
+        started = time.perf_counter()
         tag = tag_for_step(step)
-        final = os.path.join(self.output_dir, tag)
         staging_tag = tag + STAGING_SUFFIX
         staging = os.path.join(self.output_dir, staging_tag)
-        started = time.perf_counter()
         run_on_main(self.layout.is_main, lambda: self._prepare(staging, write_hf_files))
 
         error = None
+        rng_name = f"rng_state_{self.layout.rank}.pt"
         try:  # each rank's own RNG state, beside DeepSpeed's files
-            with atomic_write(os.path.join(staging, f"rng_state_{self.layout.rank}.pt"), "wb") as handle:
+            with atomic_write(os.path.join(staging, rng_name), "wb") as handle:
                 torch.save(rng_state(), handle)
         except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a short write, OSError from the handle
             error = (f"saving checkpoint {tag}: rank {self.layout.rank} could not write its RNG state: "
                      f"{self._write_failure(exc)}")
         agree(self._with_previous(error))
         try:
-            engine.save_checkpoint(self.output_dir, tag=staging_tag, client_state=client_state, save_latest=False)
-        except (OSError, RuntimeError) as exc:
+            with snapshot_saves(engine, self._host_buffers) if asynchronous else contextlib.nullcontext() as snapshots:
+                engine.save_checkpoint(self.output_dir, tag=staging_tag, client_state=client_state, save_latest=False)
+        except (OSError, RuntimeError, MemoryError) as exc:  # MemoryError: a snapshot beyond the host's memory
             # Raised at once (not agreed on): the other ranks may be inside DeepSpeed's barrier. The
             # launcher stops them when this process exits; the partial folder is never resumed from.
             raise CheckpointError(self._with_previous(
                 f"saving checkpoint {tag} failed on rank {self.layout.rank}: {self._write_failure(exc)}")) from None
-        agree(None)  # every rank has written its files
+        agree(None)  # every rank has written its files (or, asynchronous, taken their snapshots)
+        if asynchronous:
+            if self._host_group is False:  # made once, at the first asynchronous save (collective)
+                self._host_group = host_group()
+            hf_files = sorted(HF_DIR + "/" + name for name in file_sizes(os.path.join(staging, HF_DIR))) \
+                if self.layout.is_main else []
+            snapshot_bytes = snapshots.bytes
+            self.pending = PendingSave(tag, step, client_state.get("tokens_seen"), staging, snapshots.files,
+                                       [rng_name, *hf_files], self._write_failure, self._host_group)
+            self.last_save = {"snapshot_s": time.perf_counter() - started, "snapshot_bytes": float(snapshot_bytes)}
+            self.stall_s += self.last_save["snapshot_s"]
+            return tag
         written = time.perf_counter() - started
         sizes = broadcast_from_main(self.layout.is_main, lambda: file_sizes(staging))
         try:  # every rank hashes a share of the files (read back from the page cache, mostly)
@@ -285,17 +309,65 @@ class CheckpointManager:
         except CheckpointError as exc:  # agreed by all ranks (or this one alone): raised as such
             raise type(exc)(self._with_previous(f"saving checkpoint {tag}: {exc}")) from None
         hashed = time.perf_counter() - started - written
+        self._commit_agreed(tag, step, client_state.get("tokens_seen"), digests)
+        self.last_save = {"save_s": time.perf_counter() - started, "write_s": written, "hash_s": hashed,
+                          "bytes": float(sum(sizes.values()))}
+        self.stall_s += self.last_save["save_s"]
+        self.saves += 1
+        return tag
+
+    def poll(self) -> str | None:
+        """At a step boundary (every rank, every step): commit the save being written in the background once every
+        rank has written and hashed its files; returns its tag then, else None. Costs nothing when no save is in
+        flight, one host-memory all-reduce of one integer while one is."""
+        if self.pending is None:
+            return None
+        started = time.perf_counter()
+        done = self.pending.all_written()
+        self.stall_s += time.perf_counter() - started
+        return self.finish_pending() if done else None
+
+    def finish_pending(self) -> str | None:
+        """Wait for the save being written in the background and commit it (every rank, at the same point); its
+        tag, or None when none is in flight. A write that failed on any rank raises its one-line error on every
+        rank; the previous checkpoint and `latest` are then as they were."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        started = time.perf_counter()
+        waited = pending.wait()
+        failure = None if pending.error is None else (
+            f"saving checkpoint {pending.tag} (written in the background) failed on rank {self.layout.rank}: "
+            f"{pending.error}")
+        agree(self._with_previous(failure))
+        digests = gather(pending.digests, collective=True)
+        self._commit_agreed(pending.tag, pending.step, pending.tokens_seen, digests)
+        self.stall_s += time.perf_counter() - started
+        self.saves += 1
+        self.last_save = {"save_s": time.perf_counter() - pending.started, "write_s": pending.write_s,
+                          "hash_s": pending.hash_s, "waited_s": waited, "rank_bytes": float(pending.bytes)}
+        return pending.tag
+
+    def abandon_pending(self) -> str | None:
+        """After the run failed (no collective may run): let this rank's background writer finish, without
+        committing its checkpoint (the next start removes the `.partial` folder). Returns its tag, or None."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        pending.wait()
+        return pending.tag
+
+    def _commit_agreed(self, tag: str, step: int, tokens_seen: Any, digests: dict[str, str]) -> None:
+        """The manifest of a staged save whose files every rank has written and hashed; committed by global rank 0."""
         permanent = self.cfg.keep_every_n_steps > 0 and step % self.cfg.keep_every_n_steps == 0
         manifest = {
-            "format": FORMAT_VERSION, "tag": tag, "step": step, "tokens_seen": client_state.get("tokens_seen"),
+            "format": FORMAT_VERSION, "tag": tag, "step": step, "tokens_seen": tokens_seen,
             "layout": dataclasses.asdict(self.current), "fingerprint": self.fingerprint, "permanent": permanent,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "data": self.data, "lr_schedule": self.lr_schedule, **hash_record(digests),
         }
+        staging, final = os.path.join(self.output_dir, tag + STAGING_SUFFIX), os.path.join(self.output_dir, tag)
         run_on_main(self.layout.is_main, lambda: self._commit(staging, final, tag, manifest))
-        self.last_save = {"save_s": time.perf_counter() - started, "write_s": written, "hash_s": hashed,
-                          "bytes": float(sum(sizes.values()))}
-        return tag
 
     def _write_failure(self, exc: BaseException) -> str:
         """What a failed write of checkpoint files says: a full disk as such, with the space left (torch's

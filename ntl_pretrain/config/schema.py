@@ -308,6 +308,11 @@ class CheckpointConfig:
     every_n_steps: int = _doc("steps between checkpoints (0 = only at the end)", default=1000)
     save_final: bool = _doc("save a checkpoint after the last step", default=True)
     keep_last: int = _doc("keep the newest K complete checkpoints, delete older ones (0 = keep all)", default=3)
+    async_save: bool = _doc(
+        "write the periodic checkpoints in the background: the step loop pauses only to copy each rank's "
+        "checkpoint into host memory (as much memory as its files) and continues while a thread writes and "
+        "hashes them; committed at a later step boundary, with the same atomic rename (docs/checkpoints.md)",
+        default=False)
     keep_every_n_steps: int = _doc(
         "checkpoints at multiples of this step are permanent: never deleted by keep_last (0 = none; a KEEP "
         "file in a checkpoint folder also makes it permanent)", default=0)

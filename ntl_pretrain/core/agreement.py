@@ -10,6 +10,14 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """A gloo group of the whole world for flags agreed in host memory, with no device sync (None: the default
+    group, already gloo, or no process group). Collective: every rank makes it at the same point, once."""
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
 class AgreedError(ValueError):
     """An error that every rank raises together (`agree_on_error`), so global rank 0 alone reports it.
 

@@ -18,20 +18,44 @@ from .step_guard import check_weights_finite
 logger = logging.getLogger("ntl_pretrain")
 
 
-def save_checkpoint(trainer: Any) -> str:
-    """Save a checkpoint of the current step on every rank (atomic; keeps the last K)."""
+def save_checkpoint(trainer: Any, asynchronous: bool = False) -> str:
+    """Save a checkpoint of the current step on every rank (atomic; keeps the last K). With `asynchronous`
+    (checkpoint.async_save) it returns once each rank holds a snapshot of its files in host memory; the files are
+    written in the background and committed at a later step boundary (`commit_pending`)."""
+    commit_pending(trainer, wait=True)  # the previous one first, reported as committed
     check_weights_finite(trainer.engine, trainer.device, trainer.step, trainer.cfg.train.output_dir)
     client_state = {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "data": trainer.data.state_dict(),
                     "ntl_lambda": trainer.objective.ntl_lambda(max(trainer.step, 1)), "config": to_yaml(trainer.cfg)}
     tag = trainer.checkpoints.save(
         trainer.engine, trainer.step, client_state,
         lambda folder: (write_hf_assets(folder, trainer.engine.module.config, trainer.tokenizer, trainer.number_vocab),
-                        save_eval_settings(folder, trainer.cfg.eval)))  # the export evaluates as the run
+                        save_eval_settings(folder, trainer.cfg.eval)),  # the export evaluates as the run
+        asynchronous=asynchronous)
     timing = trainer.checkpoints.last_save
-    trainer.monitor.message(f"saved checkpoint {os.path.join(trainer.cfg.train.output_dir, tag)} "
-                            f"({timing.get('save_s', 0.0):.1f} s, of which hashing {timing.get('hash_s', 0.0):.2f} s)")
-    trainer.saved_tag = tag
+    if asynchronous:
+        trainer.monitor.message(f"checkpoint {tag}: snapshot of {timing.get('snapshot_bytes', 0.0) / 2**20:.1f} MiB per "
+                                f"rank taken in {timing.get('snapshot_s', 0.0):.2f} s; writing it in the background")
+        return tag
+    _report_saved(trainer, tag)
     return tag
+
+
+def commit_pending(trainer: Any, wait: bool) -> str | None:
+    """Commit the checkpoint being written in the background (every rank, at a step boundary): with `wait` block
+    until its files are written, else only when every rank has finished them. Its tag once committed, else None."""
+    tag = trainer.checkpoints.finish_pending() if wait else trainer.checkpoints.poll()
+    if tag is not None:
+        _report_saved(trainer, tag)
+    return tag
+
+
+def _report_saved(trainer: Any, tag: str) -> None:
+    timing = trainer.checkpoints.last_save
+    how = (f"written in the background in {timing['save_s']:.1f} s, the training waited {timing['waited_s']:.2f} s for it"
+           if "waited_s" in timing else f"{timing.get('save_s', 0.0):.1f} s")
+    trainer.monitor.message(f"saved checkpoint {os.path.join(trainer.cfg.train.output_dir, tag)} "
+                            f"({how}, of which hashing {timing.get('hash_s', 0.0):.2f} s)")
+    trainer.saved_tag = tag
 
 
 def resume(trainer: Any, load_tag: str) -> None:

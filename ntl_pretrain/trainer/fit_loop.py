@@ -48,14 +48,16 @@ def fit(trainer: Any) -> None:
             return
         last = trainer.step == cfg.train.max_steps
         with trainer.window.paused():  # not training steps: kept out of the logged step time and tokens/s
+            trainer.commit_pending_checkpoint(wait=False)  # a background save every rank has written
             if val_every > 0 and trainer.step % val_every == 0 and not last:
                 log_validation(trainer)
             if ckpt_every > 0 and trainer.step % ckpt_every == 0:
-                saved_at = trainer.save_checkpoint()
+                saved_at = trainer.save_checkpoint(asynchronous=cfg.checkpoint.async_save)
             if not last:
                 trainer.evaluate(final=False)
     if val_every >= 0:
-        log_validation(trainer)
+        log_validation(trainer)  # overlaps the writing of a background save of the last step
+    trainer.commit_pending_checkpoint(wait=True)
     if cfg.checkpoint.save_final and saved_at != f"global_step{trainer.step}":
         saved_at = trainer.save_checkpoint()
     trainer.evaluate(final=True)
@@ -74,7 +76,9 @@ def stop_for_preemption(trainer: Any, signal_name: str) -> None:
 
 
 def finish(trainer: Any) -> None:
-    """Print the run's summary (as the HF Trainer does), close the monitor, drop the signal handlers."""
+    """Commit a checkpoint still being written, print the run's summary (as the HF Trainer does), close the
+    monitor, drop the signal handlers."""
+    trainer.commit_pending_checkpoint(wait=True)
     trainer.monitor.message(trainer.summary())
     trainer.monitor.close("stopped" if trainer.stopped_by else "finished")
     trainer.preemption.uninstall()
@@ -82,7 +86,13 @@ def finish(trainer: Any) -> None:
 
 def close_after_failure(trainer: Any) -> None:
     """Close the monitor of a run that ended by an error (the trackers mark it failed); nothing if it is closed
-    already. Another failure while closing is logged: the run's own error is the one reported."""
+    already. Another failure while closing is logged: the run's own error is the one reported. A checkpoint
+    being written in the background is finished but not committed (that takes every rank; its `.partial`
+    folder is removed at the next start)."""
+    abandoned = trainer.checkpoints.abandon_pending() if getattr(trainer, "checkpoints", None) else None
+    if abandoned is not None:
+        logger.warning("checkpoint %s was being written in the background when the run failed: not committed; "
+                       "train.resume=auto resumes from the previous one", abandoned)
     try:
         trainer.monitor.close("failed")
     except Exception as error:  # the run's own error is reported; this one only logged

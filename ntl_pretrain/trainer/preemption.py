@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.format import CheckpointError
+from ..core.agreement import host_group
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -52,7 +53,7 @@ class PreemptionHandler:
         self._launchers: list[tuple[Any, str]] = []  # (psutil.Process, its command) of the launchers above
         # the agreed flag lives in host memory: written and read through numpy, all-reduced through torch
         self._flag = numpy.zeros(1, dtype=numpy.int64)
-        self._group = _host_group()
+        self._group = host_group()
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -130,10 +131,3 @@ class PreemptionHandler:
             dist.all_reduce(torch.from_numpy(self._flag), op=dist.ReduceOp.MAX, group=self._group)
         number = int(self._flag[0])
         return signal.Signals(number).name if number else None
-
-
-def _host_group() -> dist.ProcessGroup | None:
-    """A gloo group of the whole world for host-side flags (None: the default group, already gloo, or none)."""
-    if not dist.is_initialized() or dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")

@@ -70,9 +70,14 @@ class Trainer:
         """Run the evaluation hooks when due (`evaluation.evaluate`); every rank calls this."""
         evaluation.evaluate(self, final)
 
-    def save_checkpoint(self) -> str:
-        """Save a checkpoint of the current step on every rank (`checkpointing.save_checkpoint`)."""
-        return checkpointing.save_checkpoint(self)
+    def save_checkpoint(self, asynchronous: bool = False) -> str:
+        """Save a checkpoint of the current step on every rank (`checkpointing.save_checkpoint`); `asynchronous`
+        writes its files in the background."""
+        return checkpointing.save_checkpoint(self, asynchronous)
+
+    def commit_pending_checkpoint(self, wait: bool) -> str | None:
+        """Commit a checkpoint written in the background once it is (`checkpointing.commit_pending`)."""
+        return checkpointing.commit_pending(self, wait)
 
     def export_final(self, tag: str) -> None:
         """Export checkpoint `tag` as a Hugging Face folder (`checkpointing.export_final`)."""
