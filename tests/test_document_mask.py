@@ -104,3 +104,18 @@ def test_packed_documents_equal_one_by_one_under_deepspeed(tp, sp):
     for out in outputs:
         assert [line.split()[1] for line in out.splitlines() if line.startswith("OK ")] == ["logits", *SETTINGS], \
             out[-3000:]
+
+
+@pytest.mark.fast
+def test_a_checkpoints_eval_settings_say_how_the_run_trained(tmp_path):
+    """ntl_eval.json (every checkpoint's hf/ folder and its export) records data.document_mask beside the settings,
+    so tools/evaluate.py --model encodes prompts as the run trained; a file without the key: across documents."""
+    from ntl_pretrain.eval.config import EvalConfig, load_eval_settings, save_eval_settings, trained_document_mask
+
+    settings = EvalConfig(arithmetic_n=5)
+    for mode in (True, False):
+        save_eval_settings(str(tmp_path), settings, document_mask=mode)
+        assert load_eval_settings(str(tmp_path)) == settings and trained_document_mask(str(tmp_path)) is mode
+    (tmp_path / "ntl_eval.json").write_text('{"arithmetic_n": 5}')
+    assert load_eval_settings(str(tmp_path)) == settings and trained_document_mask(str(tmp_path)) is False
+    assert trained_document_mask(str(tmp_path / "missing")) is False

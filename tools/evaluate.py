@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from ntl_pretrain.config.parsing import parse_override  # noqa: E402
 from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, SharedSettings,  # noqa: E402
-                                      eval_config_from_dict, load_eval_settings, validate_eval_inputs)
+                                      eval_config_from_dict, load_eval_settings, trained_document_mask,
+                                      validate_eval_inputs)
 
 
 def settings_help() -> str:
@@ -272,8 +273,9 @@ def _evaluate(args: argparse.Namespace) -> int:
             _notice(is_main, f"evaluation settings: {settings_source}")
             _notice(is_main, f"loading {args.model} on {_world_size()} process(es) ...")
             model, tokenizer, description = load_hf_model(args, cfg)
-            # how the model was trained is not known here: "document" prompts follow an EOS (docs/evaluation.md)
-            document_mask = False
+            # how the model trained decides how "document" prompts are encoded: a training run's export says
+            # (ntl_eval.json), any other model is taken to have trained across documents (docs/evaluation.md)
+            document_mask = os.path.isdir(args.model) and trained_document_mask(args.model)
             step = args.step if args.step is not None else 0
             output_dir = args.output_dir or default_output_dir(args.model)
         else:

@@ -26,7 +26,8 @@ def save_checkpoint(trainer: Any) -> str:
     tag = trainer.checkpoints.save(
         trainer.engine, trainer.step, client_state,
         lambda folder: (write_hf_assets(folder, trainer.engine.module.config, trainer.tokenizer, trainer.number_vocab),
-                        save_eval_settings(folder, trainer.cfg.eval)))  # the export evaluates as the run
+                        # the export evaluates as the run, its prompts encoded as the run trained
+                        save_eval_settings(folder, trainer.cfg.eval, trainer.cfg.data.document_mask)))
     timing = trainer.checkpoints.last_save
     trainer.monitor.message(f"saved checkpoint {os.path.join(trainer.cfg.train.output_dir, tag)} "
                             f"({timing.get('save_s', 0.0):.1f} s, of which hashing {timing.get('hash_s', 0.0):.2f} s)")
