@@ -226,7 +226,8 @@ def _dry_run(dry_run_here, tmp_path: Path, *overrides: str):
 
 
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
-                                  "seq_len", "model_path", "train_batch_size", "zero_stage", "resume"])
+                                  "seq_len", "model_path", "train_batch_size", "zero_stage", "resume",
+                                  "document_mask_flash"])
 def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_here):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
                                                   "gradient_accumulation_steps": 1}))
@@ -244,6 +245,9 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_h
                              "train_batch_size=64 must equal train_micro_batch_size_per_gpu x"),
         "zero_stage": ([f"deepspeed.config={tmp_path / 'zero.json'}"], "DeepSpeed refuses zero_optimization.stage=7"),
         "resume": (["train.resume=../x"], "train.resume='../x' is not none, auto or a checkpoint tag"),
+        "document_mask_flash": (["model.attn_implementation=flash_attention_2"],
+                                "data.document_mask=true with model.attn_implementation=flash_attention_2 needs "
+                                "data.micro_batch_size=1"),
     }[case]
     result = _dry_run(dry_run_here, tmp_path, *overrides)
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-3000:])
@@ -251,6 +255,14 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_h
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def test_dry_run_prints_the_attention_mode(tmp_path, dry_run_here):
+    on = _dry_run(dry_run_here, tmp_path)
+    off = _dry_run(dry_run_here, tmp_path, "data.document_mask=false")
+    assert on.returncode == off.returncode == 0, (on.stderr[-3000:], off.stderr[-3000:])
+    assert "# attention: within each packed document (data.document_mask=true" in on.stdout
+    assert "# attention: the whole packed row, across documents (data.document_mask=false)" in off.stdout
 
 
 def test_dry_run_warns_about_an_output_folder_it_cannot_create(tmp_path, dry_run_here):

@@ -233,6 +233,13 @@ def test_another_max_steps_stops_unless_the_schedule_choice_is_given(run, assets
                                               r"none -> from step 3, weights \[2.0\]\)"):
         manager("data.stages=[{start_step: 1, weights: [1.0]}, {start_step: 3, weights: [2.0]}]").plan_resume(
             "global_step3")
+    # the attention mode (data.document_mask): a switch is refused in one line naming the key, unless allowed
+    with pytest.raises(CheckpointError, match=r"trained with data.document_mask=true, this run sets "
+                                              r"data.document_mask=false: resume with data.document_mask=true, or set "
+                                              r"checkpoint.allow_data_change=true"):
+        manager("data.document_mask=false").plan_resume("global_step3")
+    assert manager("data.document_mask=false", "checkpoint.allow_data_change=true").plan_resume(
+        "global_step3") == "global_step3"
 
 
 @pytest.mark.parametrize("choice", ["keep", "replan"])

@@ -231,21 +231,24 @@ def test_toy_addition_model_evaluates_to_known_accuracy(addition_model, tmp_path
 
 
 def test_arithmetic_prompt_formats_encode_as_documented(addition_model, tmp_path: Path):
-    """"document" (the default) puts the EOS that precedes every packed training document before each prompt;
-    "plain" gives the prompt alone. A toy model trained only after an EOS tells the two apart."""
+    """"document" (the default) puts the EOS that precedes every packed training document before each prompt,
+    except after training with data.document_mask (a document then starts alone); "plain" gives the prompt alone.
+    A toy model trained only after an EOS tells the two apart."""
     from helpers.models import char_tokenizer
 
     model, tokenizer = addition_model
     problems = generate_problems("extrapolation", 40, 1234, ops=("+",), train_digits=(1, 1), extrapolation_digits=(2, 2))
     outputs = {}
-    for prompt_format, prefix in (("document", [tokenizer.eos_token_id]), ("plain", [])):
+    for name, prompt_format, document_mask, prefix in (("document", "document", False, [tokenizer.eos_token_id]),
+                                                       ("plain", "plain", False, []),
+                                                       ("document_mask", "document", True, [])):
         cfg = EvalConfig(arithmetic_n=40, arithmetic_splits=["extrapolation"], arithmetic_ops=["+"],
                          arithmetic_train_digits=[1, 1], arithmetic_extrapolation_digits=[2, 2],
                          arithmetic_max_new_tokens=4, arithmetic_prompt_format=prompt_format)
-        run_evaluation(model, tokenizer, cfg, step=1, output_dir=str(tmp_path / prompt_format))
-        lines = [json.loads(line) for line in open(predictions_path(str(tmp_path / prompt_format), 1), encoding="utf-8")]
-        outputs[prompt_format] = [line["output"] for line in lines]
-        assert outputs[prompt_format] == _expected_scores(model, tokenizer, problems, 4, prefix)[1]
+        run_evaluation(model, tokenizer, cfg, step=1, output_dir=str(tmp_path / name), document_mask=document_mask)
+        lines = [json.loads(line) for line in open(predictions_path(str(tmp_path / name), 1), encoding="utf-8")]
+        outputs[name] = [line["output"] for line in lines]
+        assert outputs[name] == _expected_scores(model, tokenizer, problems, 4, prefix)[1]
     assert outputs["document"] != outputs["plain"], "the two formats gave the same outputs: the test cannot tell them apart"
     with pytest.raises(ValueError, match="arithmetic_prompt_format"):
         EvalConfig(arithmetic_prompt_format="chat")

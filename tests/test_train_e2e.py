@@ -19,6 +19,7 @@ import pytest
 
 from helpers.launch import demo_args, deepspeed_command, launch_env, run, run_ok
 from helpers.distributed import free_port
+from helpers.documents import document_slices
 from helpers.tensorboard import scalars as read_scalars, tensor_tags
 from ntl_pretrain.observability.monitor import STEP_TAGS, VAL_TAGS
 
@@ -81,7 +82,8 @@ def test_run_folder_holds_config_and_checkpoint(tp2_run):
 def test_logged_loss_equals_an_independent_computation(tp2_run, tmp_path):
     """Step 16's train/loss, train/ce and train/ntl recomputed in one process without the trainer's loss code:
     the step-15 checkpoint exported to Hugging Face (the weights step 16 started from), step 16's batch
-    taken from the run's data stream, CE from torch's cross_entropy and NTL-WAS from the ntloss package."""
+    taken from the run's data stream, the model on each of its documents alone (data.document_mask), CE from
+    torch's cross_entropy and NTL-WAS from the ntloss package."""
     import ntloss
     import torch
     import torch.nn.functional as F
@@ -100,8 +102,12 @@ def test_logged_loss_equals_an_independent_computation(tp2_run, tmp_path):
     data.position = 15 * cfg.data.micro_batch_size * cfg.train.grad_accum_steps
     (batch,) = data.next_step(cfg.train.grad_accum_steps)
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    assert cfg.data.document_mask  # the demo's: attention inside each packed document, so each runs alone here
+    logits = torch.empty(*batch.input_ids.shape, model.config.vocab_size)
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids).logits
+        for b, row in enumerate(batch.input_ids):
+            for part in document_slices(row, tokenizer.eos_token_id):
+                logits[b, part] = model(input_ids=row[part].unsqueeze(0)).logits[0]
     ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100).item()
     ntl = ntloss.NTLoss(tokenizer, vocab_size=logits.shape[-1], digit_level=True, reweigh=False)(
         logits, batch.labels).item()

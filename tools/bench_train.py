@@ -1,11 +1,13 @@
-"""Step time of the training loop with NTL on vs off (CE only), same run otherwise.
+"""Step time of the training loop with NTL on vs off (CE only), or with `--compare document_mask` attention inside
+each packed document vs across the row (data.document_mask), same run otherwise.
 
 Launch it like the trainer (one process per rank), e.g. on CPU:
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 tools/bench_train.py --config configs/demo.yaml
 It builds the run's engine once, trains `--warmup` steps, then `--steps` measured steps in ABBA order
 (on, off, off, on, ...) so drift in machine load hits both sides equally, and prints (and writes with
 `--out`) the median step time and tokens/s of each side, the ratio of the medians, and the median of
-the per-block ratios (on+on)/(off+off), the figure least disturbed by other load on the machine.
+the per-block ratios (on+on)/(off+off), the figure least disturbed by other load on the machine. The keys name
+the switch compared: `median_step_time_s_ntl_on`, ... or `median_step_time_s_document_mask_on`, ...
 
 Every step is a logging step here (`train.log_every_n_steps=1`): its figures are read at its end, so the
 step time the trainer reports (its logging window) is that of the one step.
@@ -57,7 +59,7 @@ def peak_tflops_per_device(override: float | None) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/demo.yaml")
-    parser.add_argument("--steps", type=int, default=40, help="measured steps (half with NTL, half without)")
+    parser.add_argument("--steps", type=int, default=40, help="measured steps (half with the switch on, half off)")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
@@ -65,6 +67,9 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=None, help="AutoTP size (parallel.tp_size; default: the config's)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak dense TFLOP/s of one device for MFU (default: table of common GPUs; none on CPU)")
+    parser.add_argument("--compare", choices=("ntl", "document_mask"), default="ntl",
+                        help="the switch turned on and off between steps: NTL (loss.ntl_weight) or attention inside "
+                             "packed documents (data.document_mask)")
     parser.add_argument("--local_rank", type=int, default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
@@ -78,12 +83,19 @@ def main() -> int:
             overrides.append(f"parallel.tp_size={args.tp}")
         overrides += args.overrides
         cfg = load_config(args.config, overrides)
-        if not cfg.loss.ntl_on:
+        if args.compare == "ntl" and not cfg.loss.ntl_on:
             parser.error("the config must have NTL on (loss.enabled=true, loss.ntl_weight > 0)")
         trainer = Trainer(cfg)
         cfg = trainer.cfg  # as resolved (DeepSpeed's batch sizes, the TP size a user's JSON sets)
-        # the run's objective and the same with NTL off (CE only), swapped between steps
-        objectives = {True: trainer.objective, False: dataclasses.replace(trainer.objective, ntl_on=False)}
+        # the two sides, swapped between steps: the run's objective and the same with NTL off (CE only), or the
+        # EOS that position ids restart after (attention inside documents) and none (attention across the row)
+        if args.compare == "ntl":
+            sides = {True: trainer.objective, False: dataclasses.replace(trainer.objective, ntl_on=False)}
+        else:
+            sides = {True: trainer.tokenizer.eos_token_id, False: None}
+            if trainer.ulysses is not None:
+                parser.error("--compare document_mask runs without sequence parallelism (the Ulysses attention's "
+                             "mask is chosen when it is registered)")
         for _ in range(args.warmup):
             trainer.train_step()
         times: dict[bool, list[float]] = {True: [], False: []}
@@ -91,11 +103,11 @@ def main() -> int:
         block_ratios = []  # (on + on) / (off + off) within each ABBA block: cancels slow drift in machine load
         block: list[float] = []
         for i in range(args.steps - args.steps % 4):
-            with_ntl = (i % 4) in (0, 3)  # ABBA
-            trainer.objective = objectives[with_ntl]
+            switch_on = (i % 4) in (0, 3)  # ABBA
+            setattr(trainer, "objective" if args.compare == "ntl" else "document_eos_id", sides[switch_on])
             figures = trainer.train_step()
-            times[with_ntl].append(figures["train/step_time_s"])
-            rates[with_ntl].append(figures["train/tokens_per_s"])
+            times[switch_on].append(figures["train/step_time_s"])
+            rates[switch_on].append(figures["train/tokens_per_s"])
             block.append(figures["train/step_time_s"])
             if len(block) == 4:
                 block_ratios.append((block[0] + block[3]) / (block[1] + block[2]))
@@ -103,14 +115,16 @@ def main() -> int:
         trainer.monitor.close()
     if trainer.layout.is_main:
         on, off = statistics.median(times[True]), statistics.median(times[False])
+        name = args.compare
         result = {
             "config": args.config, "overrides": args.overrides, "world_size": trainer.layout.world_size,
             "tp_size": trainer.layout.tp_size, "zero_stage": cfg.parallel.zero_stage, "measured_steps": args.steps,
             "tokens_per_step": cfg.data.seq_len * cfg.data.micro_batch_size * cfg.train.grad_accum_steps
             * trainer.layout.data_size,
-            "median_step_time_s_ntl_on": on, "median_step_time_s_ntl_off": off,
-            "median_tokens_per_s_ntl_on": statistics.median(rates[True]),
-            "median_tokens_per_s_ntl_off": statistics.median(rates[False]),
+            "compared": args.compare, "seq_len": cfg.data.seq_len,
+            f"median_step_time_s_{name}_on": on, f"median_step_time_s_{name}_off": off,
+            f"median_tokens_per_s_{name}_on": statistics.median(rates[True]),
+            f"median_tokens_per_s_{name}_off": statistics.median(rates[False]),
             "step_time_ratio_on_over_off": on / off,
             "median_abba_block_ratio": statistics.median(block_ratios),
         }
@@ -124,9 +138,9 @@ def main() -> int:
         result["model_flops_per_token"] = flops_per_token
         result["peak_tflops_per_device"] = peak
         for side in ("on", "off"):
-            achieved = flops_per_token * result[f"median_tokens_per_s_ntl_{side}"] / 1e12
-            result[f"model_tflops_per_s_ntl_{side}"] = achieved
-            result[f"mfu_ntl_{side}"] = achieved / (peak * trainer.layout.world_size) if peak else None
+            achieved = flops_per_token * result[f"median_tokens_per_s_{name}_{side}"] / 1e12
+            result[f"model_tflops_per_s_{name}_{side}"] = achieved
+            result[f"mfu_{name}_{side}"] = achieved / (peak * trainer.layout.world_size) if peak else None
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
             write_json_atomic(args.out, result, indent=1)

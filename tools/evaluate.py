@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from ntl_pretrain.config.parsing import parse_override  # noqa: E402
 from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, SharedSettings,  # noqa: E402
-                                      eval_config_from_dict, load_eval_settings, validate_eval_inputs)
+                                      eval_config_from_dict, load_eval_settings, trained_document_mask,
+                                      validate_eval_inputs)
 
 
 def settings_help() -> str:
@@ -172,8 +173,9 @@ def _checkpoint_tag(run_dir: str, tag: str | None) -> str:
     return tag
 
 
-def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalConfig, str, Any]:
-    """(engine, tokenizer, description, the run's eval settings, tag, model config) for a training checkpoint.
+def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalConfig, str, Any, bool]:
+    """(engine, tokenizer, description, the run's eval settings, tag, model config, whether it trained with
+    data.document_mask: `run_document_mask`) for a training checkpoint.
 
     Built as the trainer builds a resume: the run's config.yaml resolved for the processes launched, the
     checkpoint verified (sizes and hashes of its files, no unsafe pickles), then the run's tokenizer, model
@@ -210,7 +212,17 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
                          distributed.layout(cfg.parallel), resume_tag=tag)
     built.checkpoints.load(built.engine, built.load_tag)
     description = f"{os.path.join(args.run, tag)} ({world} processes, tp={cfg.parallel.tp_size})"
-    return built.engine, tokenizer, description, cfg.eval, tag, checked.model_config
+    return built.engine, tokenizer, description, cfg.eval, tag, checked.model_config, run_document_mask(config_path, cfg)
+
+
+def run_document_mask(config_path: str, cfg: Any) -> bool:
+    """Whether the run trained with attention inside each packed document: its data.document_mask, false for a
+    run whose config.yaml predates the key (attention then spanned the packed row)."""
+    import yaml
+
+    with open(config_path, encoding="utf-8") as handle:
+        saved = yaml.safe_load(handle) or {}
+    return cfg.data.document_mask if "document_mask" in (saved.get("data") or {}) else False
 
 
 def format_table(metrics: dict[str, float]) -> str:
@@ -261,12 +273,15 @@ def _evaluate(args: argparse.Namespace) -> int:
             _notice(is_main, f"evaluation settings: {settings_source}")
             _notice(is_main, f"loading {args.model} on {_world_size()} process(es) ...")
             model, tokenizer, description = load_hf_model(args, cfg)
+            # how the model trained decides how "document" prompts are encoded: a training run's export says
+            # (ntl_eval.json), any other model is taken to have trained across documents (docs/evaluation.md)
+            document_mask = os.path.isdir(args.model) and trained_document_mask(args.model)
             step = args.step if args.step is not None else 0
             output_dir = args.output_dir or default_output_dir(args.model)
         else:
             _notice(is_main, f"loading the checkpoint of {args.run} ({args.tag or 'latest'}) on {_world_size()} "
                              f"process(es): checking its files, building the model and engine ...")
-            model, tokenizer, description, run_eval_cfg, tag, model_config = load_run_checkpoint(args)
+            model, tokenizer, description, run_eval_cfg, tag, model_config, document_mask = load_run_checkpoint(args)
             settings_source = f"the training run's, from {os.path.join(args.run, 'config.yaml')}{overridden}"
             cfg = eval_config(run_eval_cfg, args.overrides)
             validate_eval_inputs(cfg, max_position_embeddings=max_positions(model_config), read_hub=True)
@@ -279,7 +294,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         return 2
     _notice(is_main, f"loaded {description} in {time.monotonic() - started:.1f} s; predictions go to "
                      f"{os.path.join(output_dir, 'eval')}")
-    metrics = run_evaluation(model, tokenizer, cfg, step=step, output_dir=output_dir, final=True, show_progress=True)
+    metrics = run_evaluation(model, tokenizer, cfg, step=step, output_dir=output_dir, final=True, show_progress=True,
+                             document_mask=document_mask)
     if is_main:
         json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")
         # NaN (e.g. MAE with no parseable answer) is not JSON: write null.

@@ -92,6 +92,26 @@ def describe_changes(saved: Any, current: Any, prefix: str) -> str:
     return "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
 
 
+DOCUMENT_MASK = "document_mask"  # the data description's key of data.document_mask
+
+
+def check_document_mask(saved: dict, current: dict, where: str, allow_change: bool) -> None:
+    """Refuse a resume that switches data.document_mask (the model continues under attention it was not trained
+    with), unless checkpoint.allow_data_change (logged). A checkpoint that does not record it was written before
+    the key existed, when attention spanned the whole packed row: it counts as false."""
+    trained, now = bool(saved.get(DOCUMENT_MASK, False)), bool(current.get(DOCUMENT_MASK, False))
+    if trained == now:
+        return
+    recorded = "" if DOCUMENT_MASK in saved else " (it predates the key: attention then spanned the packed row)"
+    if not allow_change:
+        raise CheckpointError(
+            f"checkpoint {where} was trained with data.document_mask={str(trained).lower()}{recorded}, this run sets "
+            f"data.document_mask={str(now).lower()}: resume with data.document_mask={str(trained).lower()}, or set "
+            f"checkpoint.allow_data_change=true to switch the attention mode from here on")
+    logger.warning("checkpoint %s was trained with data.document_mask=%s; continuing with %s because "
+                   "checkpoint.allow_data_change=true", where, str(trained).lower(), str(now).lower())
+
+
 def stages_of(description: dict) -> list[list]:
     """A data description's stages as [start step, weights]: its recorded data.stages, or one stage from step 1
     by the sources' weights (a run without stages, and checkpoints written before them)."""
@@ -116,6 +136,8 @@ def check_data(saved: dict | None, current: dict, where: str, allow_change: bool
         logger.warning("checkpoint %s records no data configuration (saved before format 2): the data sources are "
                        "not compared, only data.seed and data.seq_len", where)
         return
+    check_document_mask(saved, current, where, allow_change)
+    saved, current = ({k: v for k, v in d.items() if k != DOCUMENT_MASK} for d in (saved, current))
     if saved == current:
         return
     trained, kept = ([stage for stage in stages_of(d) if stage[0] <= step] for d in (saved, current))

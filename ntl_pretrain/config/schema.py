@@ -180,6 +180,10 @@ class DataConfig:
     validation_documents: int = _doc("documents of each source held out for validation", default=200)
     mask_document_start: bool = _doc(
         "no loss on the first token of a document (predicted from the previous document's EOS)", default=True)
+    document_mask: bool = _doc(
+        "attention stays inside each packed document: position ids restart after every EOS and no token attends "
+        "to an earlier document (false: attention spans the whole packed row, as before; docs/training.md)",
+        default=True)
     seed: int = _doc("seed of the document split, shuffling and mixture", default=1234)
     num_proc: int = _doc("processes for tokenization (datasets.map num_proc)", default=1)
     max_document_chars: int = _doc(

@@ -32,7 +32,8 @@ to resume without repeating, skipping or re-reading a sample.
 Modules: `sources` (files, documents, bad rows, templates, packing), `stream` (mixture, order,
 micro-batches, state), `streamed` (a streamed source: packing as it reads, its position, per-rank shares),
 `reader` (rows of local files or a hub stream with their positions), `prepared` (corpora tokenized once by
-tools/prepare_data.py), `description` (what a resume must find unchanged about the data).
+tools/prepare_data.py), `description` (what a resume must find unchanged about the data), `documents` (position
+ids that restart at each document: `data.document_mask`).
 """
 
 from __future__ import annotations
@@ -52,4 +53,5 @@ from .sources import (  # noqa: F401 (the package's API)
     text_columns,
 )
 from .description import data_description  # noqa: F401
+from .documents import document_position_ids  # noqa: F401
 from .stream import Mixture, MicroBatch, PretrainingData, StagedMixture  # noqa: F401

@@ -18,7 +18,8 @@ SOURCE_KEYS_NOT_RECORDED = ("label",)  # a name only: the stages are recorded by
 def data_description(data_cfg: Any) -> dict:
     """What a resume must find unchanged about the data: every key that decides which samples the stream
     holds (sources with their weights and the files they resolve to, held-out documents, seq_len, seed),
-    not those that only decide how it is read (batch sizes, num_proc, cache_dir)."""
+    not those that only decide how it is read (batch sizes, num_proc, cache_dir); and whether attention stays
+    inside documents (`document_mask`: a checkpoint that does not record it was trained across them)."""
     sources = []
     for index, source in enumerate(data_cfg.sources):
         defaults = {f.name: f.default for f in dataclasses.fields(source)}
@@ -35,7 +36,9 @@ def data_description(data_cfg: Any) -> dict:
             entry["files"] = {"count": len(files), "bytes": sum(size for _, size in files), "names_and_sizes": short_sha(files)}
         sources.append(entry)
     described = {"sources": sources, "seq_len": data_cfg.seq_len, "validation_documents": data_cfg.validation_documents,
-                 "mask_document_start": data_cfg.mask_document_start, "seed": data_cfg.seed}
+                 "mask_document_start": data_cfg.mask_document_start, "seed": data_cfg.seed,
+                 # not the samples but what the model saw of them: a change is refused apart (check_data)
+                 "document_mask": data_cfg.document_mask}
     # which documents are left out as too long decides the samples too (recorded when not the default)
     limit = next(f.default for f in dataclasses.fields(data_cfg) if f.name == "max_document_chars")
     if data_cfg.max_document_chars != limit:

@@ -135,9 +135,26 @@ def eval_config_from_dict(values: dict[str, Any], where: str = "eval") -> EvalCo
     return build_dataclass(EvalConfig, dict(values), "eval.")
 
 
-def save_eval_settings(folder: str, cfg: EvalConfig) -> str:
-    """Write `cfg` as FOLDER/ntl_eval.json (atomically); returns the path."""
-    return write_json_atomic(os.path.join(folder, EVAL_SETTINGS_FILE), dataclasses.asdict(cfg), indent=1)
+# ntl_eval.json's one key that is no setting: whether the run trained with attention inside each packed document
+# (data.document_mask), which decides how a "document" prompt is encoded (EvalContext.document_mask)
+TRAINED_DOCUMENT_MASK = "trained_with_document_mask"
+
+
+def save_eval_settings(folder: str, cfg: EvalConfig, document_mask: bool = False) -> str:
+    """Write `cfg` and the run's data.document_mask as FOLDER/ntl_eval.json (atomically); returns the path."""
+    return write_json_atomic(os.path.join(folder, EVAL_SETTINGS_FILE),
+                             {**dataclasses.asdict(cfg), TRAINED_DOCUMENT_MASK: document_mask}, indent=1)
+
+
+def trained_document_mask(folder: str) -> bool:
+    """Whether the run whose FOLDER/ntl_eval.json this is trained with data.document_mask; false without the file
+    or the key (written before it: attention then spanned the packed row)."""
+    try:
+        with open(os.path.join(folder, EVAL_SETTINGS_FILE), encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(values, dict) and values.get(TRAINED_DOCUMENT_MASK) is True
 
 
 def load_eval_settings(folder: str) -> EvalConfig | None:
@@ -152,6 +169,7 @@ def load_eval_settings(folder: str) -> EvalConfig | None:
         raise ValueError(f"{path} is not valid JSON ({error}); delete it to evaluate with default settings") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a mapping of evaluation settings")
+    values.pop(TRAINED_DOCUMENT_MASK, None)  # not a setting (trained_document_mask)
     try:
         return eval_config_from_dict(values, where=path)
     except ValueError as error:

@@ -59,8 +59,11 @@ def check_eval_tokenizer(cfg: EvalConfig, tokenizer: Any) -> None:
 
 def run_evaluation(model_engine_or_module: Any, tokenizer: Any, cfg: EvalConfig, *, step: int, output_dir: str,
                    writer: Any = None, tp_group: Any = None, dp_group: Any = None,
-                   final: bool = False, show_progress: bool = False) -> dict[str, float]:
+                   final: bool = False, show_progress: bool = False, document_mask: bool = False) -> dict[str, float]:
     """Run the configured benchmarks on every rank; rank 0 writes predictions and TensorBoard logs.
+
+    `document_mask`: the model was trained with attention inside each packed document (data.document_mask), so a
+    prompt presented as a document starts alone, not after an EOS (`EvalContext.document_mask`).
 
     `final`: the evaluation after the last step (GSM8K then asks `cfg.gsm8k_final_limit` questions, the full test
     set by default, instead of `cfg.gsm8k_limit`).
@@ -72,7 +75,7 @@ def run_evaluation(model_engine_or_module: Any, tokenizer: Any, cfg: EvalConfig,
     check_eval_tokenizer(cfg, tokenizer)
     context = EvalContext(batch_size=cfg.batch_size, max_length=cfg.max_length,
                           add_special_tokens=cfg.add_special_tokens, final=final, dp_group=dp_group,
-                          tp_group=tp_group, show_progress=show_progress)
+                          tp_group=tp_group, show_progress=show_progress, document_mask=document_mask)
     metrics: dict[str, float] = {}
     records: list[dict[str, Any]] = []
     tokens, generation_seconds, truncated = 0, 0.0, 0

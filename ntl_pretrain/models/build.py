@@ -56,11 +56,14 @@ def load_run_tokenizer(tokenizer_cfg: TokenizerConfig, model_cfg: ModelConfig) -
 
 
 # ---------------------------------------------------------------------------------------------- model
-def choose_attention(requested: str) -> str:
-    """flash_attention_2 when flash-attn imports and CUDA is present, else sdpa (for "auto")."""
+def choose_attention(requested: str, document_rows: int = 0) -> str:
+    """flash_attention_2 when flash-attn imports and CUDA is present, else sdpa (for "auto"). `document_rows`: the
+    rows of a micro-batch when attention stays inside packed documents (data.document_mask), else 0; transformers
+    separates documents for flash attention in a batch of one row only, so auto picks sdpa for more."""
     if requested != "auto":
         return requested
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+    if (torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+            and document_rows <= 1):
         return "flash_attention_2"
     return "sdpa"
 
@@ -196,8 +199,8 @@ def check_sequence_length(config: Any, seq_len: int) -> None:
                          f"(RoPE scaling) if you mean to train longer contexts")
 
 
-def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
-                ds_config: dict | None = None) -> tuple[torch.nn.Module, ModelReport]:
+def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int, ds_config: dict | None = None,
+                document_rows: int = 0) -> tuple[torch.nn.Module, ModelReport]:
     """The causal LM on CPU, ready for `deepspeed.initialize`. Under ZeRO-3 (`model.partitioned_load`) a
     loaded model is built partitioned, each rank reading only its ZeRO share (T=1) or its AutoTP slices (T>1,
     read inside `deepspeed.initialize`) of the weights, and one built from scratch with T=1 is built
@@ -209,6 +212,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
         tokenizer: the run's tokenizer; a model built from scratch gets its (padded) vocabulary.
         tp_size: tensor-parallel size; the vocabulary of a new or resized model is padded so it divides.
         ds_config: the DeepSpeed config of the run (None: the full model on every rank).
+        document_rows: rows of a micro-batch when attention stays inside documents, else 0 (`choose_attention`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -217,7 +221,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, tp_size: int,
 
     if tp_size > 1:  # before deepspeed.initialize shards the embedding (Gemma2's scaled embedding)
         families.accept_scaled_embeddings()
-    attn = choose_attention(cfg.attn_implementation)
+    attn = choose_attention(cfg.attn_implementation, document_rows)
     dtype = DTYPES[cfg.dtype]
     config = load_model_config(cfg)
     if tp_size > 1 and ds_config is not None:  # read by deepspeed.initialize's AutoTP

@@ -6,7 +6,9 @@ slice of `S / sp` positions (`SequenceShard`). DeepSpeed's `UlyssesSPAttentionHF
 `runtime/sequence_parallel/ulysses_sp.py`), registered in place of the model's sdpa/flash attention, trades
 the sequence slices for head slices with one all-to-all before attention and one after, so attention sees the
 whole sequence for `heads / sp` heads. It drops the attention mask and needs the GLOBAL position ids of the
-slice (gathered over the group, they must read 0..S-1 per row, as the unsharded model computes them).
+slice: gathered over the group, they must read as the unsharded model's (0..S-1 per row, or per document with
+`data.document_mask`, `model_inputs`); flash attention runs packed documents from them, sdpa gets their
+block-causal mask here (`document_masked_attention`).
 
 DeepSpeed builds its groups itself (`parallel_state_sp.initialize_sequence_parallel`, once per process):
 sequence-parallel groups of `sp` CONSECUTIVE ranks, so global rank g has sp rank g % sp and data-parallel rank
@@ -26,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import ConfigError
+from ..data.documents import document_position_ids
 from ..loss.sequence_shard import SequenceShard
 
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -116,11 +119,17 @@ def release_ulysses_attention() -> None:
         parallel_state_sp._release_sequence_parallel_groups()
 
 
-def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) -> UlyssesAttention:
+def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int,
+                               document_mask: bool = False) -> UlyssesAttention:
     """Put DeepSpeed's Ulysses attention in place of `model`'s attention backend (process-wide: transformers'
     attention table) and create DeepSpeed's sequence-parallel groups (a collective: every rank calls it), before
     `deepspeed.initialize` (pass it the returned `mpu`). A second call (another engine in the same process)
-    first undoes the previous one: DeepSpeed keeps one set of groups per process and bakes the micro batch in."""
+    first undoes the previous one: DeepSpeed keeps one set of groups per process and bakes the micro batch in.
+
+    `document_mask` (data.document_mask): the inputs carry per-document position ids (`model_inputs`); flash
+    attention reads the gathered ones itself (variable-length sequences), sdpa gets the whole rows' block-causal
+    mask from them (`document_masked_attention`); DeepSpeed rebuilds flex attention's mask plainly causal, so
+    flex is refused."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -134,10 +143,21 @@ def register_ulysses_attention(model: Any, sp_size: int, micro_batch_size: int) 
     text = model.config.get_text_config()
     check_sequence_split(sp_size, None, text.num_attention_heads,
                          getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    if document_mask and attention == "flex_attention":
+        raise ValueError(f"parallel.sp_size={sp_size} with data.document_mask=true needs sdpa or flash attention "
+                         f"(DeepSpeed's Ulysses rebuilds flex attention's mask plainly causal, across documents): set "
+                         f"model.attn_implementation=sdpa")
     plain = ALL_ATTENTION_FUNCTIONS[attention]
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=sp_size,
-        micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+    if document_mask and not attention.startswith("flash_attention"):
+        # DeepSpeed wraps the function it finds in the table: the masked one, for the core attention
+        ALL_ATTENTION_FUNCTIONS[attention] = document_masked_attention(plain)
+    try:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=sp_size,
+            micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+    except BaseException:
+        ALL_ATTENTION_FUNCTIONS[attention] = plain
+        raise
     _registered.append(UlyssesAttention(mpu=mpu, shard=sequence_shard(mpu), implementation=attention, plain=plain))
     return _registered[-1]
 
@@ -156,17 +176,66 @@ class ShardInputs:
     """What one rank's forward of a sequence-sharded micro-batch takes."""
 
     input_ids: torch.Tensor  # [B, S / sp] this rank's slice
-    position_ids: torch.Tensor  # [B, S / sp] the slice's global positions (start .. stop - 1 in every row)
+    position_ids: torch.Tensor  # [B, S / sp] the slice of the whole rows' position ids (global, not from 0)
 
     def as_kwargs(self) -> dict[str, torch.Tensor]:
         """The model's keyword arguments."""
         return {"input_ids": self.input_ids, "position_ids": self.position_ids}
 
 
-def shard_inputs(input_ids: torch.Tensor, shard: SequenceShard) -> ShardInputs:
-    """This rank's slice of the packed `[B, S]` rows and its global position ids (the unsharded model's
-    default `arange(S)`: the trainer packs documents without resetting positions). The labels stay whole:
-    the loss slices them itself (`loss/sequence_shard.py`), since number spans are found on whole rows."""
-    start, stop = shard.bounds(input_ids.shape[1])
-    positions = torch.arange(start, stop, device=input_ids.device).unsqueeze(0).expand(input_ids.shape[0], -1)
+def shard_inputs(input_ids: torch.Tensor, shard: SequenceShard, position_ids: torch.Tensor | None = None) -> ShardInputs:
+    """This rank's slice of the packed `[B, S]` rows and of their position ids: `position_ids` `[B, S]` of the
+    whole rows (per document: `data.documents.document_position_ids`), None: the unsharded model's default
+    `arange(S)`. The labels stay whole: the loss slices them itself (`loss/sequence_shard.py`), since number
+    spans are found on whole rows."""
+    if position_ids is None:
+        start, stop = shard.bounds(input_ids.shape[1])
+        positions = torch.arange(start, stop, device=input_ids.device).unsqueeze(0).expand(input_ids.shape[0], -1)
+    else:
+        positions = shard.split(position_ids)
     return ShardInputs(input_ids=shard.split(input_ids), position_ids=positions)
+
+
+def model_inputs(input_ids: torch.Tensor, shard: SequenceShard, document_eos_id: int | None) -> dict[str, Any]:
+    """The model's keyword arguments for a micro-batch of packed rows `[B, S]` on this rank (its slice under
+    sequence parallelism). With `document_eos_id` (data.document_mask) the position ids restart after each EOS and
+    attention stays inside each document: transformers builds the block-causal mask from such position ids when
+    there is neither an attention mask nor a cache (hence `use_cache=False`: a cache would hide them), and runs
+    flash attention as variable-length sequences; under Ulysses the attention after the all-to-all gets the
+    gathered position ids (`register_ulysses_attention`). None: positions 0..S-1, attention over the whole row."""
+    positions = None if document_eos_id is None else document_position_ids(input_ids, document_eos_id)
+    if shard.size > 1:
+        inputs: dict[str, Any] = shard_inputs(input_ids, shard, positions).as_kwargs()
+    elif positions is None:
+        return {"input_ids": input_ids}
+    else:
+        inputs = {"input_ids": input_ids, "position_ids": positions}
+    if positions is not None:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def document_block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """`[B, 1, S, S]` boolean mask (True: may attend) of whole packed rows from their per-document position ids
+    `[B, S]`: causal, and never across a document (a new document where the positions do not go up by one, as
+    transformers' `find_packed_sequence_indices`)."""
+    steps = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1)
+    document = (steps != 1).cumsum(dim=-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return (causal & (document.unsqueeze(-1) == document.unsqueeze(-2))).unsqueeze(1)
+
+
+def document_masked_attention(attention: Callable) -> Callable:
+    """`attention` (transformers' sdpa) given the block-causal mask of the whole rows when it is called without a
+    mask but with their position ids: what DeepSpeed's Ulysses wrapper does after its all-to-all (it drops the
+    slice's mask and passes the gathered position ids, which only flash attention reads)."""
+
+    def masked(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+               *args: Any, **kwargs: Any) -> Any:
+        positions = kwargs.get("position_ids")
+        if attention_mask is None and positions is not None and query.shape[2] == positions.shape[-1] > 1:
+            attention_mask = document_block_causal_mask(positions)
+        return attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return masked

@@ -29,7 +29,8 @@ def save_checkpoint(trainer: Any, asynchronous: bool = False) -> str:
     tag = trainer.checkpoints.save(
         trainer.engine, trainer.step, client_state,
         lambda folder: (write_hf_assets(folder, trainer.engine.module.config, trainer.tokenizer, trainer.number_vocab),
-                        save_eval_settings(folder, trainer.cfg.eval)),  # the export evaluates as the run
+                        # the export evaluates as the run, its prompts encoded as the run trained
+                        save_eval_settings(folder, trainer.cfg.eval, trainer.cfg.data.document_mask)),
         asynchronous=asynchronous)
     timing = trainer.checkpoints.last_save
     if asynchronous:

@@ -40,7 +40,8 @@ def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: Num
     (manifest, fingerprint of model, tokenizer and number vocabulary; `data` and `lr_schedule`: the
     descriptions a resume must match, None: not checked) and plans its load (its universal form when the
     layout changed)."""
-    model, report = build_model(cfg.model, tokenizer, cfg.parallel.tp_size, ds_config)
+    model, report = build_model(cfg.model, tokenizer, cfg.parallel.tp_size, ds_config,
+                                document_rows=cfg.data.micro_batch_size if cfg.data.document_mask else 0)
     number_vocab = number_vocab.with_vocab_size(report.vocab_size)
     logger.info("model %s: %.1fM parameters, vocabulary %d (tokenizer %d), attention %s, %s", report.source,
                 report.parameters / 1e6, report.vocab_size, report.tokenizer_size, report.attn_implementation,
@@ -59,7 +60,8 @@ def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: Num
 
     ulysses = None
     if cfg.parallel.sp_size > 1:  # Ulysses attention and DeepSpeed's sequence-parallel groups, before the engine
-        ulysses = register_ulysses_attention(model, cfg.parallel.sp_size, cfg.data.micro_batch_size)
+        ulysses = register_ulysses_attention(model, cfg.parallel.sp_size, cfg.data.micro_batch_size,
+                                             document_mask=cfg.data.document_mask)
     else:
         release_ulysses_attention()  # an earlier engine's, in this process (tests build several)
     with (watchdog.waiting("every rank to set up the DeepSpeed engine (deepspeed.initialize)") if watchdog

@@ -49,7 +49,8 @@ def evaluate(trainer: Any, final: bool) -> None:
     with unsharded:
         results = run_evaluation(trainer.engine, trainer.tokenizer, trainer.cfg.eval, step=trainer.step,
                                  output_dir=trainer.cfg.train.output_dir, writer=trainer.monitor.writer,
-                                 tp_group=trainer.groups.tp_group, dp_group=prompts_group, final=final)
+                                 tp_group=trainer.groups.tp_group, dp_group=prompts_group, final=final,
+                                 document_mask=trainer.cfg.data.document_mask)
     headline = {k: v for k, v in results.items()
                 if isinstance(v, (int, float)) and k.rsplit("/", 1)[-1] in ("accuracy", "mae", "time_s")
                 and k.count("/") <= 3}  # the headline figures; TensorBoard and the predictions file have all

@@ -18,7 +18,7 @@ from ..data import MicroBatch
 from ..loss.objective import SUMS_WIDTH
 from ..loss.sequence_shard import shard_number_spans
 from ..observability.monitor import memory_gib
-from ..parallel.ulysses import shard_inputs
+from ..parallel.ulysses import model_inputs
 from .step_guard import describe_figures, finite_step, nan_gradient_if_nonfinite, unpartitioned_grad_norm, update_skipped
 from .training_objective import StepFigures
 
@@ -67,11 +67,12 @@ def forward_sums(trainer: Any, batch: MicroBatch, with_ntl: bool) -> Any:
     # micro-batch; on every one only to debug (loss.check_every_step)
     check = trainer.cfg.loss.check_every_step or not trainer._inputs_checked
     trainer._inputs_checked = True
-    inputs, spans = {"input_ids": input_ids}, None
+    # position ids per document when attention stays inside documents (data.document_mask); under sequence
+    # parallelism this rank's slice with its global positions (parallel/ulysses.py)
+    inputs, spans = model_inputs(input_ids, trainer.sequence, trainer.document_eos_id), None
     if trainer.sequence.size > 1:
-        # sequence parallelism: this rank's slice with its global positions; the labels' slice, and the
-        # whole rows' number spans for the variants that read them (parallel/ulysses.py, loss/sequence_shard.py)
-        inputs = shard_inputs(input_ids, trainer.sequence).as_kwargs()
+        # the labels' slice, and the whole rows' number spans for the variants that read them
+        # (loss/sequence_shard.py)
         if with_ntl and trainer.objective.settings.ntl_variant.needs_spans:
             spans = shard_number_spans(labels, trainer.sequence, trainer.number_vocab, trainer.objective.settings)
         labels = trainer.sequence.split(labels)

@@ -57,6 +57,7 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
     if sp_size > 1 and run.cfg.model.attn_implementation == "eager":
         raise ConfigError(f"parallel.sp_size={sp_size} needs model.attn_implementation sdpa, flash_attention_2 or "
                           f"auto: DeepSpeed's Ulysses attention wraps those (eager materialises the [S, S] mask)")
+    check_document_mask(run.cfg)
     objective = Objective.from_config(run.cfg.loss)
     try:
         model_config = load_model_config(run.cfg.model, local_files_only=local_files_only)
@@ -237,6 +238,26 @@ def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> Numbe
                              f"the trainer's number-token figures need at least one number token") from None
 
 
+def check_document_mask(cfg: Config) -> None:
+    """Raise (ConfigError) when attention cannot stay inside documents in this layout: transformers runs flash
+    attention on packed documents (variable-length sequences from the position ids) for one row at a time only;
+    with several it would attend across documents (model.attn_implementation=auto then picks sdpa)."""
+    attention = cfg.model.attn_implementation
+    if cfg.data.document_mask and attention.startswith("flash_attention") and cfg.data.micro_batch_size > 1:
+        raise ConfigError(f"data.document_mask=true with model.attn_implementation={attention} needs "
+                          f"data.micro_batch_size=1 (transformers separates packed documents for flash attention in a "
+                          f"batch of one row only), got {cfg.data.micro_batch_size}: set data.micro_batch_size=1 and "
+                          f"raise train.grad_accum_steps, or set model.attn_implementation=auto or sdpa")
+
+
+def attention_mode(cfg: Config) -> str:
+    """One line for the log and the dry run: how far attention reaches in a packed row."""
+    if cfg.data.document_mask:
+        return ("attention: within each packed document (data.document_mask=true: position ids restart after each "
+                "EOS)")
+    return "attention: the whole packed row, across documents (data.document_mask=false)"
+
+
 def dry_run(cfg: Config, world_size: int | None) -> None:
     """Validate a configuration without loading data or weights (the model's config.json is read when it
     is local or cached); print it and its DeepSpeed config. Runs the trainer's own pre-build checks."""
@@ -264,6 +285,7 @@ def dry_run(cfg: Config, world_size: int | None) -> None:
     for line in checked.warnings:
         print(f"warning: {line}", file=sys.stderr)
     print(f"# {checked.objective.describe()}")
+    print(f"# {attention_mode(resolved)}")
     print(f"# layout: {layout.describe()}")
     if resolved.data.stages:
         for line in stage_table_text(resolved):

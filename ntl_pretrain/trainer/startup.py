@@ -35,8 +35,8 @@ from ..tokenizer.run import needs_training, tokenizer_source, train_digit_bpe
 from . import checkpointing
 from .engine import build_engine
 from .preemption import PreemptionHandler
-from .preflight import (check_data_files, check_eval_inputs, check_output_dir, number_vocab_for, output_problems, preflight,
-                        stage_table_text)
+from .preflight import (attention_mode, check_data_files, check_eval_inputs, check_output_dir, number_vocab_for,
+                        output_problems, preflight, stage_table_text)
 from .step_guard import NonfiniteGuard
 
 logger = logging.getLogger("ntl_pretrain")
@@ -106,6 +106,7 @@ def start(trainer: Any, cfg: Config) -> None:
     for line in checked.warnings:
         logger.warning(line)
     logger.info(trainer.objective.describe())
+    logger.info(attention_mode(cfg))
     if cfg.data.stages:
         logger.info("\n".join(stage_table_text(cfg)))
     # installed first: a stop signal during start-up ends the process at once (no step to save), later it saves
@@ -158,6 +159,8 @@ def build(trainer: Any, cfg: Config) -> None:
     trainer.checkpoints, trainer.ds_config = built.checkpoints, built.ds_config
     trainer.ulysses = built.ulysses  # None without sequence parallelism
     trainer.sequence = built.ulysses.shard if built.ulysses else SequenceShard()  # this rank's slice of every row
+    # the EOS that ends each packed document when attention stays inside documents (data.document_mask)
+    trainer.document_eos_id = trainer.tokenizer.eos_token_id if cfg.data.document_mask else None
     derived = (trainer.engine.train_micro_batch_size_per_gpu(), trainer.engine.gradient_accumulation_steps())
     if derived != (cfg.data.micro_batch_size, cfg.train.grad_accum_steps):  # resolved as DeepSpeed does
         raise RuntimeError(f"DeepSpeed derived (micro batch, accumulation) = {derived}, the resolved config "

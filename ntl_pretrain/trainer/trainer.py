@@ -34,7 +34,7 @@ __all__ = ["Trainer", "TrainingDiverged", "collective_call"]
 
 class Trainer:
     """One training run on this process (every rank builds one). Its parts (`startup` sets them): cfg, layout,
-    groups, engine, objective, data, tokenizer, number_vocab, vocab_shard, sequence, checkpoints, nonfinite (the
+    groups, engine, objective, data, tokenizer, number_vocab, vocab_shard, sequence, document_eos_id, checkpoints, nonfinite (the
     step guard), preemption, lock, monitor, window (throughput); its state: step, tokens_seen."""
 
     def __init__(self, cfg: Config) -> None:

@@ -7,6 +7,7 @@
 - `helpers.tensorboard`: scalars read back from a run's event files with TensorBoard's own reader;
 - `helpers.models`: tiny Llama models and the tokenizer stand-ins (word-level, byte-level BPE, one per character);
 - `helpers.numeric`: relative error of a tensor (norm-wise);
+- `helpers.documents`: packed rows of 3 documents and the plain model's results on each document alone;
 - `helpers.multinode`: timed launcher runs and the clean-up of the multi-node tests (ssh, Slurm);
 - `helpers.sync_counter`: counts the calls that force a device-to-host sync.
 """

@@ -41,9 +41,9 @@ class ArithmeticSettings:
     arithmetic_seed: int = setting("seed of the arithmetic problems (same seed, same benchmark)", default=1234)
     arithmetic_max_new_tokens: int = setting("tokens generated at most per arithmetic answer", default=16)
     arithmetic_prompt_format: ArithmeticPromptFormat = setting(
-        "document: each prompt as the training stream presents a document, after the EOS that ends the one "
-        "before it and without the tokenizer's special tokens; plain: the prompt alone, encoded as "
-        "add_special_tokens says", default="document")
+        "document: each prompt as the training stream presents a document, without the tokenizer's special tokens "
+        "and after the EOS that ends the one before it (not with data.document_mask: a document then starts "
+        "alone); plain: the prompt alone, encoded as add_special_tokens says", default="document")
 
     def __post_init__(self) -> None:
         self.arithmetic_splits = list(self.arithmetic_splits)
@@ -113,15 +113,17 @@ class ArithmeticBenchmark(Benchmark):
                                              extrapolation_digits=tuple(settings.arithmetic_extrapolation_digits)):
                 problems.append((split, problem))
         # Packed training puts every document right after the previous one's EOS and adds no special tokens
-        # (data.sources), so "document" prompts are encoded that way: the model sees what it was trained on.
+        # (data.sources), so "document" prompts are encoded that way: the model sees what it was trained on. With
+        # attention inside documents (data.document_mask) a document never sees that EOS: the prompt starts alone.
         as_document = settings.arithmetic_prompt_format == "document"
+        after_eos = as_document and not context.document_mask
         generation = context.generate(
             model, tokenizer, [p.prompt for _, p in problems], label=self.name,
             what=f"{len(problems)} problems ({', '.join(settings.arithmetic_splits)}), batch size {context.batch_size}, "
                  f"up to {settings.arithmetic_max_new_tokens} new tokens each",
             max_new_tokens=settings.arithmetic_max_new_tokens, stop=ARITHMETIC_STOP,
             add_special_tokens=False if as_document else context.add_special_tokens,
-            prefix_ids=[tokenizer.eos_token_id] if as_document else ())
+            prefix_ids=[tokenizer.eos_token_id] if after_eos else ())
         records = []
         for (split, problem), output in zip(problems, generation.texts):
             prediction = parse_integer_answer(output)

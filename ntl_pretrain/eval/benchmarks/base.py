@@ -48,6 +48,9 @@ class EvalContext:
     dp_group: Any = None  # the group prompts are split over (None: found on the engine)
     tp_group: Any = None  # the group of a vocabulary-parallel head (None: the head's own)
     show_progress: bool = False  # rank 0 prints what is evaluated and the generation's progress (tools/evaluate.py)
+    # the model was trained with attention inside each packed document (data.document_mask): a document starts
+    # alone at position 0, not after the previous document's EOS
+    document_mask: bool = False
 
     def generate(self, model: Any, tokenizer: Any, prompts: Sequence[str], *, label: str, what: str,
                  max_new_tokens: int, stop: Sequence[str], add_special_tokens: bool | None,
