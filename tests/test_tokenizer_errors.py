@@ -201,16 +201,31 @@ def test_command_line_errors_exit_2_with_a_message(tool, gpt2_style, tmp_path, c
     assert "--vocab-size" in capsys.readouterr().err
 
 
+def test_number_vocab_refuses_a_tokenizer_inspect_calls_not_digit_level(tool, shared_data, tmp_path, capsys):
+    """Issue 36 item 5: `number-vocab` on GPT-2 (inspect: NOT digit-level) wrote a digit-level vocabulary silently."""
+    gpt2, out = shared_data / "tokenizers" / "gpt2", tmp_path / "nv.json"
+    assert tool["main"](["inspect", str(gpt2)]) == 0 and "verdict: NOT digit-level" in capsys.readouterr().out
+    assert tool["main"](["number-vocab", str(gpt2), "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "is NOT digit-level" in error and "split-digits" in error and "--allow-non-digit-level" in error
+    assert error.count("\n") == 1 and not out.exists()
+    assert tool["main"](["number-vocab", str(gpt2), "--out", str(out), "--allow-non-digit-level"]) == 0
+    assert json.loads(out.read_text())["digit_level"] is True
+
+
 def test_number_vocab_command(tool, gpt2_style, tmp_path, capsys):
     out = tmp_path / "vocab.json"
-    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(out), "--json"]) == 0
+    # the toy GPT-2-style tokenizer keeps some digits together: its ten digits are written only when asked
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(out), "--json"]) == 2
+    assert "is NOT digit-level" in capsys.readouterr().err
+    assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(out), "--json", "--allow-non-digit-level"]) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads(out.read_text())
     tokenizer = load_tokenizer(gpt2_style)
     assert saved["tokens"] == printed["tokens"] and sorted(saved["tokens"]) == list("0123456789")
     assert saved["token_ids"] == sorted(tokenizer.get_vocab()[d] for d in "0123456789")
     assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "small.json"),
-                         "--vocab-size", "10"]) == 2
+                         "--vocab-size", "10", "--allow-non-digit-level"]) == 2
     assert "is smaller than the tokenizer's vocabulary" in capsys.readouterr().err
     assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "multi.json"),
                          "--multi-digit"]) == 0
@@ -427,7 +442,7 @@ def test_number_vocab_writes_over_an_earlier_vocabulary_only(gpt2_style, tmp_pat
     assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "link.json")]) == 2
     assert "exists and is a symbolic link" in capsys.readouterr().err and (tmp_path / "link.json").is_symlink()
     for _ in range(2):  # a new file, then the same vocabulary written again
-        assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "nv.json")]) == 0
+        assert tool["main"](["number-vocab", str(gpt2_style), "--out", str(tmp_path / "nv.json"), "--allow-non-digit-level"]) == 0
     assert json.loads((tmp_path / "nv.json").read_text())["tokens"] == [str(d) for d in range(10)]
 
 

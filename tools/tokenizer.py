@@ -96,9 +96,18 @@ def _cmd_number_vocab(args: argparse.Namespace) -> int:
         if not source.exists():
             raise ValueError(f"{args.tokenizer!r} is not a local tokenizer; say where to write with --out FILE")
         out = str(source if source.is_dir() else source.parent)
+    _check_replaceable_vocab(os.path.join(out, NUMBER_VOCAB_FILENAME) if os.path.isdir(out) else out)
+    if vocab.digit_level and not args.allow_non_digit_level:
+        # the verdict `inspect` prints: a digit-level vocabulary of a tokenizer that keeps digits together gives NTL
+        # only the numbers that happen to be one digit (the trainer refuses that pairing at start-up too)
+        report = inspect_tokenizer(tokenizer, source=args.tokenizer)
+        if not report.digit_level:
+            raise ValueError(f"{args.tokenizer} is NOT digit-level ({report.problems[0]}): a digit-level number "
+                             f"vocabulary would leave most numbers out of NTL; run tools/tokenizer.py split-digits "
+                             f"{args.tokenizer} OUT first, or write every number token with --multi-digit, or pass "
+                             f"--allow-non-digit-level to write the ten digits anyway")
     if os.path.isdir(out) or out.endswith(os.sep):
         os.makedirs(out, exist_ok=True)
-    _check_replaceable_vocab(os.path.join(out, NUMBER_VOCAB_FILENAME) if os.path.isdir(out) else out)
     path = vocab.save(out)
     if args.json:
         print(json.dumps({**vocab.to_dict(), "path": path}, indent=1, ensure_ascii=False))
@@ -170,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--multi-digit", action="store_true",
                      help="every token that parses as a number, not just '0'..'9'")
     sub.add_argument("--vocab-size", type=int, help="the model's (padded) vocabulary size; default len(tokenizer)")
+    sub.add_argument("--allow-non-digit-level", action="store_true",
+                     help="write the ten digits although `inspect` finds the tokenizer NOT digit-level (refused "
+                          "otherwise; the trainer's tokenizer.allow_non_digit_level is the same override)")
     add_common(sub)
     sub.set_defaults(run=_cmd_number_vocab)
     return parser
