@@ -102,3 +102,20 @@ def test_a_broken_tiktoken_file_is_named_with_its_line(tmp_path):
     _write(model, {bytes([b]): b for b in range(255)})
     with pytest.raises(TokenizerLoadError, match="lacks some of the 256 single bytes"):
         load_tokenizer(model)
+
+
+def test_split_digits_of_a_tiktoken_file_says_each_phase_as_it_starts(bpe_tokenizer, tmp_path, capsys):
+    """Issue 36 item 5: split-digits on a large tiktoken file ran a minute without a line; each phase is now one
+    stderr line with the seconds since the start (stdout keeps the report)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import tokenizer as tool
+
+    model = _write(tmp_path / "cl.tiktoken", _trained_ranks(bpe_tokenizer))
+    assert tool.main(["split-digits", str(model), str(tmp_path / "out"), "--json"]) == 0
+    captured = capsys.readouterr()
+    phases = [line.split("] ", 1)[1] for line in captured.err.splitlines() if line.startswith("[")]
+    assert [phase.split(" ")[0] for phase in phases] == ["loading", "loaded", "writing", "verifying"], captured.err
+    assert "a tiktoken file: its merges are derived from its ranks first" in phases[0]
+    assert json.loads(captured.out)["verification"]["passed"] is True

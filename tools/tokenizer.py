@@ -33,10 +33,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_line():
+    """Print each phase of a long command on stderr with the seconds since the command started (stdout keeps the
+    report, or the JSON)."""
+    import time
+
+    start = time.monotonic()
+    return lambda message: print(f"[{time.monotonic() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def _cmd_split_digits(args: argparse.Namespace) -> int:
     try:
         report = split_digits(args.tokenizer, args.out, corpus=args.corpus, force=args.force,
-                              trust_remote_code=args.trust_remote_code)
+                              trust_remote_code=args.trust_remote_code, progress=_progress_line())
     except ConversionCheckError as error:
         if args.json:
             print(json.dumps({"passed": False, "verification": error.report.to_dict()}, indent=1, ensure_ascii=False))

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from tokenizers import Tokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -37,6 +39,7 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from ntl_pretrain.core.numbers import DIGITS, NumberVocab
 from ntl_pretrain.tokenizer.analysis import VerificationReport, digit_split_problems, verify_conversion
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS, read_corpus
+from ntl_pretrain.tokenizer.tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe
 from ntl_pretrain.tokenizer.loading import (atomic_output_dir, check_output_dir, load_tokenizer, save_verbatim,
                                             without_encoding_settings)
 
@@ -262,27 +265,41 @@ def is_digit_level(tokenizer: TokenizersBackend, texts: tuple[str, ...] | list[s
     return all(d in vocab for d in DIGITS) and not any(digit_split_problems(tokenizer, t) for t in texts)
 
 
+def _is_tiktoken_file(source: str | os.PathLike) -> bool:
+    """What `load_tokenizer` reads as a tiktoken file (a folder or a hub id is not one)."""
+    path = Path(source)
+    return path.is_file() and path.suffix in TIKTOKEN_SUFFIXES and is_tiktoken_bpe(path)
+
+
 def split_digits(source: str | os.PathLike, out_dir: str | os.PathLike, corpus: str | os.PathLike | None = None,
-                 force: bool = False, trust_remote_code: bool = False) -> SplitDigitsReport:
+                 force: bool = False, trust_remote_code: bool = False,
+                 progress: Callable[[str], None] | None = None) -> SplitDigitsReport:
     """Convert the tokenizer at `source` to one digit per token, verify it, and save it to `out_dir`.
 
     `out_dir` receives the tokenizer files, `number_vocab.json` (read by the trainer) and
     `split_digits.json` (this report). Nothing is written if a check fails (`ConversionCheckError`).
+    `progress` is told each phase as it starts (deriving the merges of a large tiktoken file is the longest).
     """
+    say = progress or (lambda _message: None)
     check_output_dir(out_dir, force, sources=(source,))
     texts = read_corpus(corpus) if corpus is not None else list(SAMPLE_CORPUS)
+    say(f"loading {source}" + (" (a tiktoken file: its merges are derived from its ranks first, the longest phase for a "
+                               "large vocabulary)" if _is_tiktoken_file(source) else ""))
     original = load_tokenizer(source, trust_remote_code=trust_remote_code)
+    say(f"loaded {len(original)} tokens; planning the digit split")
     # already digit-level on the built-in sample and the corpus: the pipeline is kept as it is (the copy is
     # still verified and gets its number_vocab.json)
     digit_level_before = is_digit_level(original, list(SAMPLE_CORPUS) + list(texts))
     plan = plan_digit_split(original, isolate_digits=not digit_level_before)
     with atomic_output_dir(out_dir, force) as staging:
+        say("writing the converted tokenizer and loading it back")
         save_split_tokenizer(original, plan, staging)
         converted = load_tokenizer(staging)  # verify exactly what the trainer will load
         loaded_pre = json.loads(converted.backend_tokenizer.to_str()).get("pre_tokenizer")
         if loaded_pre != plan.backend_json["pre_tokenizer"]:
             raise RuntimeError("transformers did not load the rewritten pre-tokenizer back from tokenizer.json; "
                                f"got {loaded_pre}")
+        say(f"verifying on {len(texts)} texts")
         verification = verify_conversion(original, converted, texts)
         if not verification.passed:
             raise ConversionCheckError(verification)
