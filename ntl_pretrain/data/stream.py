@@ -208,6 +208,7 @@ class PretrainingData:
         self.validation = validation
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.stages = cfg.stage_table()
+        self._stage_starts = [stage.start_step for stage in self.stages]
         self.position = 0  # global samples consumed
         self.steps_done = 0  # optimizer steps drawn (the stage of the next one is that of steps_done + 1)
         self._shares_from = 0  # the position `stage_figures` last counted the sources from
@@ -226,7 +227,7 @@ class PretrainingData:
 
     def stage_of(self, step: int) -> int:
         """The index in data.stages of the stage optimizer step `step` (from 1) trains in."""
-        return bisect.bisect_right([stage.start_step for stage in self.stages], step) - 1
+        return bisect.bisect_right(self._stage_starts, step) - 1
 
     def _enter(self, step: int) -> None:
         """Open a segment with step's stage's weights when the stream is not in it yet (its first step, or a

@@ -218,7 +218,9 @@ def model_inputs(input_ids: torch.Tensor, shard: SequenceShard, document_eos_id:
 def document_block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """`[B, 1, S, S]` boolean mask (True: may attend) of whole packed rows from their per-document position ids
     `[B, S]`: causal, and never across a document (a new document where the positions do not go up by one, as
-    transformers' `find_packed_sequence_indices`)."""
+    transformers' `find_packed_sequence_indices`, which is not called: its check for unpacked rows reads the
+    device, a host sync in every attention layer). Built once per layer call, since DeepSpeed gathers the positions
+    per layer: O(B S^2) booleans, small beside the attention's O(B H S^2 D)."""
     steps = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1)
     document = (steps != 1).cumsum(dim=-1)
     length = position_ids.shape[-1]
