@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import subprocess
 import sys
 import warnings
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import free_port
+from helpers.distributed import REPO, free_port
 from ntl_pretrain.runtime import log_filter
 from ntl_pretrain.checkpoint.format import STAGING_SUFFIX
 
@@ -151,3 +153,29 @@ def test_the_runner_and_autotp_notes_of_every_run_are_dropped_and_datasets_bars_
     assert os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS") == "1"  # pytest's stderr is not a terminal
     assert "log_filter.install" in log_filter.RUNNER_WITH_FILTER and "deepspeed.launcher.runner" in \
         log_filter.RUNNER_WITH_FILTER
+
+
+@pytest.mark.parametrize("body, code, stderr", [
+    ("print('done')", 0, ""), ("sys.exit(3)", 3, ""), ("sys.exit(None)", 0, ""),
+    ("sys.exit('the runner says no')", 1, "the runner says no\n")])
+def test_the_runners_wrapper_exits_with_the_runners_status_and_its_output_flushed(body, code, stderr):
+    """`run_and_leave` (what the supervisor's runner process ends with) gives the status the interpreter would,
+    and nothing written before the exit is lost although the interpreter's teardown is skipped."""
+    program = (f"import sys; from ntl_pretrain.runtime.log_filter import run_and_leave; sys.stdout.write('out ');"
+               f"run_and_leave(lambda: exec({body!r}))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="0"))
+    assert (done.returncode, done.stderr) == (code, stderr)
+    assert done.stdout == ("out done\n" if body.startswith("print") else "out ")
+
+
+def test_deepspeeds_autotuner_does_not_import_mlflow_and_everyone_else_still_can():
+    """ntl_pretrain/core/deepspeed_imports.py: importing ntl_pretrain first keeps DeepSpeed's autotuner from importing
+    mlflow (1.5 s a process); the trainer's MLflow tracker imports it afterwards as usual."""
+    pytest.importorskip("mlflow")
+    program = ("import sys, ntl_pretrain, deepspeed; from deepspeed.autotuning import autotuner; "
+               "assert not autotuner.has_mlflow and 'mlflow' not in sys.modules, 'mlflow imported'; "
+               "import mlflow; print(mlflow.__name__)")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu"))
+    assert done.returncode == 0 and done.stdout.strip() == "mlflow", done.stderr[-2000:]
