@@ -144,3 +144,23 @@ def test_added_tokens_that_hide_digits_are_refused_at_start_up(tmp_path, caplog)
     assert "'07'" in caplog.text
     assert vocab_for("loss.enabled=false").tokens  # CE only: nothing to hide from
     assert "07" in vocab_for("tokenizer.digit_level=false").tokens  # multi-digit NTL: a number token itself
+
+
+@pytest.mark.parametrize("rule, word", [("seven", "seven"), ("every digit", "0")])
+def test_a_tokenizer_whose_normalizer_rewrites_digits_is_refused(rule, word):
+    """A normalizer that turns '7' into 'seven' (or every digit into '0', as some corpora mask numbers) leaves the ten
+    digit tokens in the vocabulary but no digit ever reaches them: NTL would act on nothing. Refused, naming the
+    digit and the tokenizer.json rule; the same tokenizer without the rule is accepted."""
+    from tokenizers import Regex, normalizers
+
+    from helpers.models import char_tokenizer
+    from ntl_pretrain.core.numbers import DigitsNotKeptError
+
+    tokenizer = char_tokenizer("abcdefghijklmnopqrstuvwxyz 0123456789")
+    NumberVocab.from_tokenizer(tokenizer)  # the digits survive: accepted
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = (normalizers.Replace("7", word) if rule == "seven"
+                          else normalizers.Replace(Regex("[1-9]"), word))
+    with pytest.raises(DigitsNotKeptError, match=r"does not keep digits: 'a [17] b' .* decodes to 'a ?(seven|0) ?b'.* "
+                                               r"rewrites or drops '[17]'.*normalizer / pre_tokenizer"):
+        NumberVocab.from_tokenizer(tokenizer)

@@ -54,6 +54,11 @@ def digit_hiding_added_tokens(tokenizer: Any) -> list[str]:
                   and (token.content[0] in DIGITS or token.content[-1] in DIGITS))
 
 
+class DigitsNotKeptError(ValueError):
+    """The tokenizer has digit tokens but its normalizer or pre-tokenizer rewrites or drops the text's digits, so
+    they never reach them; the message names the digit, what it became and the fix."""
+
+
 class NumberTokenError(ValueError):
     """The tokenizer's number tokens cannot stand for numbers as they are (two share an id, or they are special
     tokens that decoding drops); the message names them and the fix to the tokenizer."""
@@ -77,6 +82,50 @@ def _check_number_tokens(tokenizer: Any, by_id: Mapping[int, list[str]], name: s
             f"the number tokens {special[:10]}{' ...' if len(special) > 10 else ''} of tokenizer {name!r} are special "
             f"added tokens, which decoding with skip_special_tokens=True (as evaluation decodes) drops: '12+3=15' "
             f"would read '+='; set \"special\": false for them in the added_tokens of its tokenizer.json")
+
+
+def encode_plain(tokenizer: Any, text: str) -> Any:
+    """The backend's encoding (a `tokenizers.Encoding`) of the whole text of a fast tokenizer, without special tokens,
+    truncation or padding.
+
+    A `tokenizer.json` may carry its own `truncation`/`padding` (e.g. `max_length: 128`), which the
+    backend applies to every direct `encode`; the transformers wrapper clears them on its first call,
+    so honouring them here would make every check depend on what ran before. They are switched off for
+    this call and restored after it, so the caller's tokenizer is left as it was.
+    """
+    backend = tokenizer.backend_tokenizer
+    truncation, padding = backend.truncation, backend.padding
+    if truncation is None and padding is None:
+        return backend.encode(text, add_special_tokens=False)
+    backend.no_truncation()
+    backend.no_padding()
+    try:
+        return backend.encode(text, add_special_tokens=False)
+    finally:
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
+        if padding is not None:
+            backend.enable_padding(**padding)
+
+
+def check_digits_kept(tokenizer: Any, name: str) -> None:
+    """Refuse a tokenizer whose normalizer or pre-tokenizer rewrites or drops digits ("7" -> "seven", every digit ->
+    "0"): its digit tokens exist but the text's digits never reach them, so NTL would silently act on nothing.
+    Only digits that have a bare token are checked. A digit encoded into another token that still spells it ("Ġ7",
+    "▁7") is left to the training data's digit-level check (tokenizer/coverage.py). Slow tokenizers and bare
+    vocabularies (no `backend_tokenizer`) are not checked."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # a slow tokenizer or a bare vocabulary
+        return
+    vocab = tokenizer.get_vocab()
+    for digit in (d for d in DIGITS if d in vocab):  # a digit without a token is what split-digits adds
+        text = f"a {digit} b"
+        ids = encode_plain(tokenizer, text).ids  # the transformers call would clear the file's truncation/padding
+        round_trip = tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=False)
+        if digit not in round_trip:
+            raise DigitsNotKeptError(
+                f"tokenizer {name!r} does not keep digits: {text!r} encodes to {ids} and decodes to {round_trip!r} "
+                f"(its normalizer or pre-tokenizer rewrites or drops '{digit}'), so NTL would never see a digit token; "
+                f"remove that rule from the normalizer / pre_tokenizer of its tokenizer.json, or use another tokenizer")
 
 
 def _is_bare_digit(token: str) -> bool:
@@ -129,7 +178,8 @@ class NumberVocab:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, digit_level: bool = True, vocab_size: int | None = None) -> "NumberVocab":
+    def from_tokenizer(cls, tokenizer: Any, digit_level: bool = True, vocab_size: int | None = None,
+                       require_digits_kept: bool = True) -> "NumberVocab":
         """Build the number vocabulary of a Hugging Face tokenizer.
 
         Args:
@@ -138,6 +188,9 @@ class NumberVocab:
                 finite number (False).
             vocab_size: width of the logits (the model's vocabulary, possibly padded); defaults to
                 `len(tokenizer)`. Must not be smaller than the tokenizer's vocabulary.
+            require_digits_kept: refuse (`DigitsNotKeptError`) a tokenizer whose normalizer or pre-tokenizer rewrites
+                or drops digits ("7" -> "seven"), so that its digit tokens never occur; off for a CE-only run, whose
+                number tokens are only monitored.
         """
         vocab: Mapping[str, int] = tokenizer.get_vocab()
         tokenizer_size = max(len(tokenizer), max(vocab.values()) + 1)
@@ -167,6 +220,8 @@ class NumberVocab:
                 raise ValueError(
                     f"digit-level NTL needs the ten tokens '0'..'9' in tokenizer {name!r}; missing {missing}. "
                     f"Add them with: python tools/tokenizer.py split-digits {name} OUT_DIR")
+        if require_digits_kept and any(_is_bare_digit(token) for token, _ in found.values()):
+            check_digits_kept(tokenizer, name)
         if len(found) >= vocab_size or len(found) == len(vocab):
             raise ValueError(f"every token of tokenizer {name!r} is a number; NTL needs non-number tokens too")
         ids = sorted(found)

@@ -21,10 +21,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from tokenizers import Encoding
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ntl_pretrain.core.numbers import DIGITS
+from ntl_pretrain.core.numbers import DIGITS, encode_plain
 
 ASCII_DIGITS = frozenset(DIGITS)
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -43,29 +42,6 @@ def token_digits(token: str) -> str:
 
 def has_digit(text: str) -> bool:
     return any(char in ASCII_DIGITS for char in text)
-
-
-def encode_plain(tokenizer: TokenizersBackend, text: str) -> Encoding:
-    """The backend's encoding of the whole text, without special tokens, truncation or padding.
-
-    A `tokenizer.json` may carry its own `truncation`/`padding` (e.g. `max_length: 128`), which the
-    backend applies to every direct `encode`; the transformers wrapper clears them on its first call,
-    so honouring them here would make every check depend on what ran before. They are switched off for
-    this call and restored after it, so the caller's tokenizer is left as it was.
-    """
-    backend = tokenizer.backend_tokenizer
-    truncation, padding = backend.truncation, backend.padding
-    if truncation is None and padding is None:
-        return backend.encode(text, add_special_tokens=False)
-    backend.no_truncation()
-    backend.no_padding()
-    try:
-        return backend.encode(text, add_special_tokens=False)
-    finally:
-        if truncation is not None:
-            backend.enable_truncation(**truncation)
-        if padding is not None:
-            backend.enable_padding(**padding)
 
 
 def normalize(tokenizer: TokenizersBackend, text: str) -> str:
@@ -89,6 +65,11 @@ def digit_split_problems(tokenizer: TokenizersBackend, text: str) -> list[str]:
     expected = "".join(char for char in normalize(tokenizer, text) if char in ASCII_DIGITS)
     if "".join(found) != expected:
         problems.append(f"the text's digits {expected!r} come out of the digit tokens as {''.join(found)!r}")
+    written = "".join(char for char in text if char in ASCII_DIGITS)
+    remaining = iter(expected)  # the normalizer may add digits (fullwidth '７' -> '7'), never rewrite or drop them
+    if not all(digit in remaining for digit in written):
+        problems.append(f"the normalizer turns the text's digits {written!r} into {expected!r} "
+                        f"({normalize(tokenizer, text)!r}): NTL would never see them")
     return problems
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from ntl_pretrain.core.numbers import DIGITS, NumberVocab
+from ntl_pretrain.core.numbers import DIGITS, NumberVocab, check_digits_kept
 from ntl_pretrain.tokenizer.analysis import VerificationReport, digit_split_problems, verify_conversion
 from ntl_pretrain.tokenizer.corpus import SAMPLE_CORPUS, read_corpus
 from ntl_pretrain.tokenizer.tiktoken_bpe import TIKTOKEN_SUFFIXES, is_tiktoken_bpe
@@ -286,6 +286,7 @@ def split_digits(source: str | os.PathLike, out_dir: str | os.PathLike, corpus: 
     say(f"loading {source}" + (" (a tiktoken file: its merges are derived from its ranks first, the longest phase for a "
                                "large vocabulary)" if _is_tiktoken_file(source) else ""))
     original = load_tokenizer(source, trust_remote_code=trust_remote_code)
+    check_digits_kept(original, str(source))  # a normalizer rewriting digits is not something a digit split fixes
     say(f"loaded {len(original)} tokens; planning the digit split")
     # already digit-level on the built-in sample and the corpus: the pipeline is kept as it is (the copy is
     # still verified and gets its number_vocab.json)

@@ -15,7 +15,7 @@ from ..checkpoint import resolve_resume
 from ..config import Config, ConfigError, to_yaml
 from ..core.agreement import AgreedError
 from ..core.fs import writable_problem
-from ..core.numbers import NumberTokenError, NumberVocab, digit_hiding_added_tokens
+from ..core.numbers import DigitsNotKeptError, NumberTokenError, NumberVocab, digit_hiding_added_tokens
 from ..data import DataError, resolve_files
 from ..eval.config import validate_eval_inputs
 from ..models.build import check_sequence_length, load_model_config, max_positions
@@ -227,6 +227,12 @@ def number_vocab_for(cfg: Config, objective: Objective, tokenizer: Any) -> Numbe
         return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level)
     except NumberTokenError:  # a broken tokenizer, with NTL on or off: its message names the fix
         raise
+    except DigitsNotKeptError as error:
+        if objective.ntl_on:
+            raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "
+                             f"Or train with CE only: loss.enabled=false") from None
+        logger.warning("%s; the number-token figures will stay empty (CE only: training anyway)", error)
+        return NumberVocab.from_tokenizer(tokenizer, digit_level=cfg.tokenizer.digit_level, require_digits_kept=False)
     except ValueError as error:
         if objective.ntl_on:
             raise ValueError(f"NTL is on (loss.enabled=true, loss.ntl_weight={cfg.loss.ntl_weight}) but {error}. "
