@@ -429,6 +429,35 @@ def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(gpt2_style
     assert _leftovers(tmp_path) == [".OUT.tmp-mine", ".OUT.tmp-running"] and (mine / "notes").is_dir()
 
 
+def test_a_replacement_killed_after_moving_the_old_folder_aside_is_cleaned_by_the_next(gpt2_style, tmp_path, tool):
+    """`split-digits --force IN OUT` killed between moving the old OUT aside (`.OUT.old-*`) and renaming its new
+    folder onto OUT left both folders forever. Each holds the marker from before the move, so the next run for OUT
+    removes both and writes OUT; a user's `.OUT.old-*` without the marker stays."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "OUT"
+    assert tool["main"](["split-digits", str(gpt2_style), str(out)]) == 0
+    killed = subprocess.run(  # killed right after the old OUT moved aside (commit_directory with replace)
+        [sys.executable, "-c", "import os, signal, sys\nfrom ntl_pretrain.core.fs import atomic_directory\n"
+         "rename = os.rename\n"
+         "def rename_then_die(source, target):\n"
+         "    rename(source, target)\n"
+         "    if '.OUT.old-' in target:\n"
+         "        os.kill(os.getpid(), signal.SIGKILL)\n"
+         "os.rename = rename_then_die\n"
+         "with atomic_directory(sys.argv[1], replace=True) as staging:\n"
+         "    open(os.path.join(staging, 'tokenizer.json'), 'w').write('{}')\n", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    assert not out.exists() and [name[:9] for name in _leftovers(tmp_path)] == [".OUT.old-", ".OUT.tmp-"]
+    (tmp_path / ".OUT.old-users").mkdir()  # not ours: no marker
+    assert tool["main"](["split-digits", str(gpt2_style), str(out)]) == 0
+    assert (out / "tokenizer.json").is_file() and _leftovers(tmp_path) == [".OUT.old-users"]
+
+
 def test_number_vocab_writes_over_an_earlier_vocabulary_only(gpt2_style, tmp_path, tool, capsys):
     """Issue 40, go-beyond round: `number-vocab TOK --out model/config.json` replaced the model's config.json
     without a word, and an --out that was a symbolic link was replaced by a file."""
@@ -463,3 +492,38 @@ def test_a_write_that_fails_for_size_is_one_line_and_leaves_nothing(gpt2_style, 
     assert code == 2 and [line for line in err.splitlines() if not line.startswith("[")] == [err.splitlines()[-1]], err
     assert f"cannot write {str(tmp_path / 'OUT')!r}: File too large (nothing was written" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_normalizer_that_rewrites_digits_is_refused_by_every_tool_and_at_start_up(shared_data, tmp_path, tool,
+                                                                                      capsys):
+    """GPT-2 with a normalizer rule "7" -> "seven": its digit tokens exist, but no '7' of the text ever reaches one,
+    so NTL would silently act on fewer digits (none at all for a rule on every digit). inspect says so, number-vocab
+    and split-digits refuse in one line and write nothing (a digit split cannot undo a normalizer), NTL refuses at
+    start-up, a CE-only run trains (its number-token figures are only monitored)."""
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.trainer.preflight import number_vocab_for
+    from ntl_pretrain.trainer.training_objective import Objective
+
+    pipeline = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text())
+    pipeline["normalizer"] = {"type": "Replace", "pattern": {"String": "7"}, "content": "seven"}
+    (tmp_path / "sevens").mkdir()
+    path = tmp_path / "sevens" / "tokenizer.json"
+    path.write_text(json.dumps(pipeline))
+    expected = "does not keep digits: 'a 7 b'"
+    assert tool["main"](["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: NOT digit-level" in out and expected in out and "split-digits" not in out.split("verdict")[1]
+    for command in (["number-vocab", str(path), "--out", str(tmp_path / "nv.json")],
+                    ["split-digits", str(path), str(tmp_path / "split")]):
+        assert tool["main"](command) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and expected in errors[0] and "normalizer" in errors[0], errors
+    assert not (tmp_path / "nv.json").exists() and not (tmp_path / "split").exists()
+    tokenizer = load_tokenizer(path)
+    cfg = load_config(None, ["model.architecture.model_type=llama", f"tokenizer.name_or_path={path}",
+                             "data.sources.0.path=c.jsonl", "tokenizer.digit_level=false"])
+    with pytest.raises(ValueError, match=r"NTL is on .* does not keep digits.*Or train with CE only"):
+        number_vocab_for(cfg, Objective.from_config(cfg.loss), tokenizer)
+    cfg = load_config(None, ["model.architecture.model_type=llama", f"tokenizer.name_or_path={path}",
+                             "data.sources.0.path=c.jsonl", "loss.enabled=false"])
+    assert number_vocab_for(cfg, Objective.from_config(cfg.loss), tokenizer).digit_level

@@ -113,6 +113,15 @@ def _staging_prefix(path: str) -> str:
     return f".{os.path.basename(path)}.tmp-"
 
 
+def _retired_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.old-"
+
+
+def _write_marker(folder: str) -> None:
+    with open(os.path.join(folder, STAGING_MARKER), "x", encoding="utf-8") as handle:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "written_by": "ntl_pretrain"}, handle)
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -124,15 +133,16 @@ def _process_alive(pid: int) -> bool:
 
 
 def remove_stale_staging(path: str | os.PathLike) -> list[str]:
-    """Remove the staging folders of `atomic_directory` for `path` that a killed process left beside it.
+    """Remove the staging folders of `atomic_directory` for `path` that a killed process left beside it, and the
+    folders a replacement moved the previous `path` into (`commit_directory` with `replace`) before it was killed.
 
-    Only folders named `.NAME.tmp-*` that hold our `STAGING_MARKER` naming a process of this host that no
-    longer runs are removed: a folder without the marker (not ours), a link, or one whose writer is alive or on
-    another host (a shared file system: its process cannot be seen from here) is left alone. Returns the removed."""
+    Only folders named `.NAME.tmp-*` or `.NAME.old-*` that hold our `STAGING_MARKER` naming a process of this host
+    that no longer runs are removed: a folder without the marker (not ours), a link, or one whose writer is alive or
+    on another host (a shared file system: its process cannot be seen from here) is left alone. Returns the removed."""
     path = os.path.abspath(os.fspath(path))
-    parent, prefix = os.path.dirname(path), _staging_prefix(path)
+    parent, prefixes = os.path.dirname(path), (_staging_prefix(path), _retired_prefix(path))
     try:
-        names = [name for name in os.listdir(parent) if name.startswith(prefix)]
+        names = [name for name in os.listdir(parent) if name.startswith(prefixes)]
     except OSError:
         return []
     removed = []
@@ -172,36 +182,40 @@ def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator
     remove_stale_staging(path)
     staging = tempfile.mkdtemp(prefix=_staging_prefix(path), dir=parent)
     try:
-        with open(os.path.join(staging, STAGING_MARKER), "x", encoding="utf-8") as handle:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "written_by": "ntl_pretrain"}, handle)
+        _write_marker(staging)
         yield staging
-        os.remove(os.path.join(staging, STAGING_MARKER))
         apply_umask_modes(staging)
-        commit_directory(staging, path, replace=replace)
+        commit_directory(staging, path, replace=replace, staging_marker=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def commit_directory(staging: str | os.PathLike, path: str | os.PathLike, replace: bool = False) -> None:
+def commit_directory(staging: str | os.PathLike, path: str | os.PathLike, replace: bool = False,
+                     staging_marker: bool = False) -> None:
     """The last step of writing a folder under a temporary name: fsync it, rename it onto `path` and fsync
     the parent, so the rename is durable. An empty folder at `path` is replaced; a non-empty one raises
-    FileExistsError (`staging` stays), or with `replace` is moved aside, replaced and then deleted.
-    For staging folders with a fixed name (a checkpoint's `.partial`, which every rank writes into);
-    `atomic_directory` makes and commits one itself."""
+    FileExistsError (`staging` stays), or with `replace` is moved aside (into `.NAME.old-*`, which holds
+    `STAGING_MARKER` first), replaced and then deleted. With `staging_marker`, `staging`'s own marker is removed
+    only once the old folder is aside, so a process killed in between leaves two marked folders that the next
+    `atomic_directory` for `path` removes. For staging folders with a fixed name (a checkpoint's `.partial`,
+    which every rank writes into); `atomic_directory` makes and commits one itself."""
     staging, path = os.fspath(staging), os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
-    fsync_dir(staging)
     retired = None
     if replace and os.path.isdir(path) and os.listdir(path):
-        retired = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+        retired = tempfile.mkdtemp(prefix=_retired_prefix(path), dir=parent)
+        _write_marker(retired)  # first: killed from here on, the next writer of `path` removes it
         os.rename(path, os.path.join(retired, os.path.basename(path)))
+    if staging_marker:
+        os.remove(os.path.join(staging, STAGING_MARKER))
+    fsync_dir(staging)
     try:
         os.rename(staging, path)  # replaces an empty folder; fails on a non-empty one
     except OSError as error:
         if retired is not None:  # put the old folder back
             os.rename(os.path.join(retired, os.path.basename(path)), path)
-            os.rmdir(retired)
+            shutil.rmtree(retired, ignore_errors=True)
         if os.path.isdir(path) and os.listdir(path):
             raise FileExistsError(f"{path!r} already exists and is not empty") from error
         raise
