@@ -12,6 +12,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = REPO / "tests" / "workers"
+SITE = Path(__file__).resolve().parent / "site"  # sitecustomize.py: DeepSpeed's mlflow import skipped in every process
+
+
+def pythonpath() -> str:
+    """PYTHONPATH for the processes a test starts: this checkout first, then `SITE` (unless another sitecustomize is
+    installed, which it would hide), then the test's own PYTHONPATH."""
+    import importlib.util
+
+    site = [] if importlib.util.find_spec("sitecustomize") else [str(SITE)]
+    return os.pathsep.join([str(REPO), *site, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 # Ports handed out in this test process: DeepSpeed's CPU all-reduce names its /dev/shm buffers
@@ -35,8 +45,7 @@ def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, s
     rendezvous at 127.0.0.1:port), CPU accelerator, one thread, this checkout first on PYTHONPATH; `extra` overrides."""
     env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath())
     return {**env, **extra}
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers.distributed import REPO, free_port
+from helpers.distributed import REPO, free_port, pythonpath
 
 DEMO = "configs/demo.yaml"
 TIMEOUT = 420.0  # seconds; generous: 2 cores shared with other jobs
@@ -16,9 +16,10 @@ TIMEOUT = 420.0  # seconds; generous: 2 cores shared with other jobs
 
 def launch_env(**extra: str) -> dict[str, str]:
     """os.environ for a launched run: CPU accelerator, one thread per process, unbuffered output, this
-    checkout first on PYTHONPATH; `extra` last (e.g. NTL_CPU_PROCS, NTL_DEEPSPEED_ARGS)."""
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    checkout first on PYTHONPATH (`helpers.distributed.pythonpath`); `extra` last (e.g. NTL_CPU_PROCS,
+    NTL_DEEPSPEED_ARGS)."""
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath(),
+                **extra)
 
 
 def demo_overrides(assets: Path, out: Path, *extra: str) -> list[str]:
