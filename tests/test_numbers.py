@@ -161,6 +161,6 @@ def test_a_tokenizer_whose_normalizer_rewrites_digits_is_refused(rule, word):
     backend = tokenizer.backend_tokenizer
     backend.normalizer = (normalizers.Replace("7", word) if rule == "seven"
                           else normalizers.Replace(Regex("[1-9]"), word))
-    with pytest.raises(DigitsNotKeptError, match=r"does not keep digits: 'a [17] b' .* decodes to 'a ?(seven|0) ?b'.* "
+    with pytest.raises(DigitsNotKeptError, match=r"does not keep digits: '[17]' .* decodes to '(seven|0)'.* "
                                                r"rewrites or drops '[17]'.*normalizer / pre_tokenizer"):
         NumberVocab.from_tokenizer(tokenizer)
