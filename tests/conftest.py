@@ -17,6 +17,21 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+
+def _add_site_to_pythonpath() -> None:
+    """Every process a test starts skips DeepSpeed's autotuner `import mlflow`, DeepSpeed's own runner and launch.py
+    too (1.5 s a process; tests/helpers/site/sitecustomize.py): how fast a test starts, nothing it checks. Not when
+    another sitecustomize is installed, which it would hide."""
+    import importlib.util
+
+    site = Path(__file__).resolve().parent / "helpers" / "site"
+    parts = [part for part in os.environ.get("PYTHONPATH", "").split(os.pathsep) if part]
+    if site.is_dir() and str(site) not in parts and importlib.util.find_spec("sitecustomize") is None:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *parts])
+
+
+_add_site_to_pythonpath()
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 

@@ -12,16 +12,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = REPO / "tests" / "workers"
-SITE = Path(__file__).resolve().parent / "site"  # sitecustomize.py: DeepSpeed's mlflow import skipped in every process
-
-
 def pythonpath() -> str:
-    """PYTHONPATH for the processes a test starts: this checkout first, then `SITE` (unless another sitecustomize is
-    installed, which it would hide), then the test's own PYTHONPATH."""
-    import importlib.util
-
-    site = [] if importlib.util.find_spec("sitecustomize") else [str(SITE)]
-    return os.pathsep.join([str(REPO), *site, *filter(None, [os.environ.get("PYTHONPATH")])])
+    """PYTHONPATH for the processes a launch or a worker starts: this checkout first, then the test's own."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 # Ports handed out in this test process: DeepSpeed's CPU all-reduce names its /dev/shm buffers
