@@ -8,7 +8,6 @@ The layout itself (which rank holds what, and which group each reduction uses) i
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import re
 import sys
@@ -20,6 +19,7 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..core.process_exit import exit_status, leave
 from ..config import ConfigError, ParallelConfig
 from ..models import families
 from .layout import ParallelLayout
@@ -216,19 +216,13 @@ def run_process(main: Callable[[], int | None], lost_peer_hint: str = "") -> NoR
         else:
             traceback.print_exc()
         code = 1
-    if not isinstance(code, int):
-        if code is not None:
-            print(code, file=sys.stderr)
-        code = 0 if code is None else 1
+    code = exit_status(code)
     try:
         shutdown_distributed()
     except Exception:  # noqa: BLE001 - the run's own result stands; a failed teardown is reported
         traceback.print_exc()
         code = code or 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
+    leave(code)
 
 
 def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:

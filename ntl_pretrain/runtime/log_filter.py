@@ -37,6 +37,8 @@ from typing import Callable, NoReturn, TextIO
 
 import tqdm
 
+from ..core.process_exit import exit_status, leave
+
 VERBOSE_FLAG = "--verbose"
 
 
@@ -189,11 +191,5 @@ def run_and_leave(run: Callable[[], object]) -> NoReturn:
         run()
         code = 0
     except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        code = exit_status(stop.code)
+    leave(code)
