@@ -20,8 +20,13 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --dev) extras="[dev]"; shift ;;
         --latest) latest=1; shift ;;
-        --wheelhouse) wheelhouse="${2:?--wheelhouse needs a folder of wheels; $usage}"; shift 2 ;;
-        --wheelhouse=*) wheelhouse="${1#*=}"; shift ;;
+        # an empty value (--wheelhouse=$WH with WH unset) must not fall through to an online install
+        --wheelhouse|--wheelhouse=*)
+            if [[ "$1" == --wheelhouse ]]; then wheelhouse="${2:-}"; shift $(( $# > 1 ? 2 : 1 )); else wheelhouse="${1#*=}"; shift; fi
+            if [[ -z "$wheelhouse" ]]; then
+                echo "error: --wheelhouse needs a folder of wheels (got none or an empty one, e.g. --wheelhouse=\$WH with WH unset); $usage" >&2
+                exit 2
+            fi ;;
         *) echo "error: unknown argument '$1'; $usage" >&2; exit 2 ;;
     esac
 done
@@ -40,7 +45,11 @@ if [[ -n "$wheelhouse" ]]; then
     fi
     offline=(--no-index --find-links "$(cd "$wheelhouse" && pwd)")
     # the editable install's build backend comes from the wheelhouse (or the environment), never an index
-    pip install -q "${offline[@]}" "${constraints[@]}" "setuptools>=68"
+    if ! pip install -q "${offline[@]}" "${constraints[@]}" "setuptools>=68"; then
+        echo "error: the build backend setuptools>=68 is neither in this environment nor in --wheelhouse $wheelhouse;" \
+             "add its wheel there as docs/training.md (Installing without internet) shows" >&2
+        exit 2
+    fi
     pip install -q "${offline[@]}" "${constraints[@]}" --no-build-isolation -e ".${extras}"
     exit 0
 fi
