@@ -207,3 +207,12 @@ def test_settings_and_vocabulary_it_refuses():
 def test_vocabulary_shards_equal_the_reference(tp_size):
     outputs = run_workers("del_shards.py", tp_size, ["--tp", str(tp_size)], timeout=240)
     assert all("OK" in out for out in outputs), outputs
+
+
+@pytest.mark.fast
+def test_a_config_with_del_passes_the_dry_run_and_names_its_weight(dry_run_here):
+    result = dry_run_here("--config", "configs/demo.yaml", "--world-size", "1", "loss.variant=del",
+                          "loss.ntl_weight=1", "loss.del_scale=0.1")
+    assert result.returncode == 0, result.stderr
+    assert "# objective: CE + 1 x NTL (variant=del, reweigh=False, del_scale=0.1, del_runs=batch; constant)" in (
+        result.stdout)
