@@ -183,6 +183,25 @@ def test_sequence_slices_with_the_whole_batch_spans_add_up_to_the_reference(runs
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("variant", ["del", "digit_entropy"])
+def test_no_host_sync_in_a_training_call(variant):
+    # what the trainer calls after its first micro-batch (check_inputs=False): the runs, places and terms, forward
+    # and backward, and a sequence shard's spans, read nothing on the host (counted as on a GPU)
+    from helpers.sync_counter import SyncCounter
+
+    settings = NTLSettings(variant=variant)
+    logits, labels, _ = _batch(seed=5, dtype=torch.float32)
+    logits.requires_grad_()
+    with SyncCounter() as counter:
+        sums = ce_ntl_sums(logits, labels, _vocab(), settings, check_inputs=False)
+        (sums.ce_sum + sums.ntl_sum).backward()
+        shard = SequenceShard(rank=1, size=2)
+        ce_ntl_sums(shard.split(logits.detach()), shard.split(labels), _vocab(), settings, check_inputs=False,
+                    spans=shard_number_spans(labels, shard, _vocab(), settings))
+    assert not counter.by_package, counter.summary()
+
+
+@pytest.mark.fast
 def test_settings_and_vocabulary_it_refuses():
     with pytest.raises(ValueError, match="reweigh does not apply to variant 'del'"):
         NTLSettings(variant="del", reweigh=True)

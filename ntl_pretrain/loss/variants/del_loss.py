@@ -108,7 +108,8 @@ class DigitEntropyLoss(NTLVariant):
     def terms(self, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
         digits = inputs.slot >= 0
         logits = torch.where(digits[:, None], inputs.number_logits, 0.0)
-        target = F.one_hot(inputs.slot.clamp_min(0), logits.shape[-1]).to(logits.dtype)
+        # the one-hot target by comparison: F.one_hot reads its input's range on the host
+        target = (inputs.slot[:, None] == torch.arange(logits.shape[-1], device=logits.device)).to(logits.dtype)
         bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
         entropy = (torch.softmax(logits, dim=-1) * bce).sum(-1)
         weight = place_weight(inputs.number_spans().place, logits.dtype)
