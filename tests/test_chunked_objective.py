@@ -40,7 +40,7 @@ def make_labels(seed: int = 0, rows: int = 2, length: int = 13) -> torch.Tensor:
     digits = torch.rand(rows, length, generator=generator) < 0.5
     labels[digits] = torch.tensor(NUMBER_IDS)[torch.randint(0, 10, (int(digits.sum()),), generator=generator)]
     labels[0, :5] = torch.tensor([0, 1, 2, 4, 61])  # the first chunks hold no number token
-    labels[0, 7:12] = torch.tensor(NUMBER_IDS[:2] + [DOT_ID] + NUMBER_IDS[2:4])  # a decimal across chunk boundaries
+    labels[0, 6:11] = torch.tensor(NUMBER_IDS[:2] + [DOT_ID] + NUMBER_IDS[2:4])  # a decimal across chunk boundaries
     labels[1, :3] = -100
     return labels
 
