@@ -2,7 +2,7 @@
 does not change the step. CE and NTL are each normalised by the token counts of the whole global batch
 (`trainer/training_objective.py`), so 1 micro-batch of 4 sequences and 4 micro-batches of 1 give the same
 loss, CE, NTL and gradient norm at step 1, and the same at step 2 (after the same update), for the
-token-level (was) and the number-level variant, on 2 data-parallel ranks and under Ulysses sp=2
+token-level (was), the number-level variant and del, on 2 data-parallel ranks and under Ulysses sp=2
 (issue 35 item 2; the Hugging Face Trainer's counterpart is tests/test_loss_hf_trainer.py)."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 STEPS = 2
 SPLITS = {"micro4_accum1": ["data.micro_batch_size=4", "train.grad_accum_steps=1"],
           "micro1_accum4": ["data.micro_batch_size=1", "train.grad_accum_steps=4"]}
-VARIANTS = ("was", "number_level")
+# variant: its overrides; del with its runs per row (the authors' runs over the flattened micro-batch join the rows
+# of a micro-batch, which the two splits group differently), weight 1 as its authors add it and c = 1 to matter
+VARIANTS = {"was": [], "number_level": [], "del": ["loss.ntl_weight=1", "loss.del_scale=1", "loss.del_runs=rows"]}
 TAGS = ("train/loss", "train/ce", "train/ntl", "train/grad_norm")
 
 
@@ -32,7 +34,7 @@ def split_runs(assets, tmp_path_factory) -> Path:
         cases = [{"name": f"sp{sp}_{variant}_{split}", "overrides": demo_overrides(
             assets, root / f"run_sp{sp}_{variant}_{split}", "data.seq_len=64", "train.max_steps=10",
             "parallel.tp_size=1", f"parallel.sp_size={sp}", f"loss.variant={variant}", "checkpoint.save_final=false",
-            *overrides)} for variant in VARIANTS for split, overrides in SPLITS.items()]
+            *VARIANTS[variant], *overrides)} for variant in VARIANTS for split, overrides in SPLITS.items()]
         (root / f"cases_sp{sp}.json").write_text(json.dumps(cases))
         run_workers("trainer_accumulation.py", 2, [str(root), str(STEPS), DEMO, str(root / f"cases_sp{sp}.json")],
                     timeout=800)
@@ -40,7 +42,7 @@ def split_runs(assets, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("sp", [1, 2])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_split_of_the_global_batch_does_not_change_the_step(split_runs, sp, variant):
     runs = {split: json.loads((split_runs / f"sp{sp}_{variant}_{split}.json").read_text())["figures"]
             for split in SPLITS}

@@ -224,7 +224,7 @@ def test_choices_live_in_their_types():
 
 
 @pytest.mark.parametrize("override, allowed", [
-    ("loss.variant=wass", "loss.variant='wass' is not one of was, mse, mae, huber, number_level, digit_entropy"),
+    ("loss.variant=wass", "loss.variant='wass' is not one of was, mse, mae, huber, number_level, del, digit_entropy"),
     ("parallel.zero_stage=4", "parallel.zero_stage=4 is not one of 0, 1, 2, 3"),
     ("eval.gsm8k_variant=gsm8k_cott", "eval.gsm8k_variant='gsm8k_cott' is not one of gsm8k, gsm8k_cot"),
     ("parallel.tp_size=most", "parallel.tp_size must be an integer or one of auto, got str 'most'"),

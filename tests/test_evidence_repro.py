@@ -23,16 +23,20 @@ import run_repro  # noqa: E402
 from ntl_pretrain.config import load_config  # noqa: E402
 
 REPRO_CONFIGS = ("ce", "ntl_was", "ntl_mse", "ntl_mse015")
+ISSUE49_CONFIGS = ("del", "digit_entropy")  # the arms beside the four: CE + DEL (its authors' weight), digit_entropy
 pytestmark = pytest.mark.slow  # tools/run_repro.py launches runs
 
 
 def test_repro_configs_differ_only_in_the_loss_and_output_dir():
     assert tuple(run_repro.DEFAULT_CONFIGS) == REPRO_CONFIGS and len(run_repro.DEFAULT_SEEDS) >= 3
-    configs = {name: asdict(load_config(REPO_ROOT / "configs" / "repro" / f"{name}.yaml")) for name in REPRO_CONFIGS}
+    configs = {name: asdict(load_config(REPO_ROOT / "configs" / "repro" / f"{name}.yaml"))
+               for name in REPRO_CONFIGS + ISSUE49_CONFIGS}
     assert configs["ce"]["loss"]["enabled"] is False
     losses = {name: (c["loss"]["enabled"], c["loss"]["variant"], c["loss"]["ntl_weight"]) for name, c in configs.items()
               if name != "ce"}
-    assert losses == {"ntl_was": (True, "was", 0.3), "ntl_mse": (True, "mse", 0.3), "ntl_mse015": (True, "mse", 0.15)}
+    assert losses == {"ntl_was": (True, "was", 0.3), "ntl_mse": (True, "mse", 0.3), "ntl_mse015": (True, "mse", 0.15),
+                      "del": (True, "del", 1.0), "digit_entropy": (True, "digit_entropy", 0.3)}
+    assert (configs["del"]["loss"]["del_scale"], configs["del"]["loss"]["del_runs"]) == (0.01, "rows")
     for config in configs.values():
         config.pop("loss")
         config["train"].pop("output_dir")

@@ -29,14 +29,14 @@ def test_the_objective_chooses_the_head_once_from_the_loss_section():
     assert chunked.describe().endswith(", chunked LM head (64 tokens a chunk, vocab_blocks backward)")
 
 
-@pytest.mark.parametrize("variant", ["was", "number_level", "digit_entropy"])
+@pytest.mark.parametrize("variant", ["was", "number_level", "del", "digit_entropy"])
 def test_full_and_chunked_heads_agree_on_a_model(variant):
     model = tiny_llama(48, seed=3).double()
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, 48, (2, 12), generator=generator)
     labels = torch.cat([input_ids[:, 1:], torch.full((2, 1), -100)], dim=1)
-    vocab = NumberVocab(tuple(range(20, 30)), tuple(float(v) for v in range(10)), 48)
-    labels[0, 2:6] = torch.tensor([21, 23, 29, 20])  # a four-digit number
+    vocab = NumberVocab(tuple(range(20, 30)), tuple(float(v) for v in range(10)), 48, decimal_point_id=30)
+    labels[0, 2:7] = torch.tensor([21, 23, 29, 30, 20])  # a decimal number
     settings = NTLSettings(variant=variant)
     results = []
     for head in (FullLogitsHead(), ChunkedHead(5, "rows"), ChunkedHead(5, "vocab_blocks")):

@@ -97,7 +97,7 @@ def test_without_num_items_is_the_batch_mean_of_shifted_labels(tokenizer):
 
 
 def _one_step_update(tokenizer, tmp_path, micro_batch: int, accumulation: int, attach: bool,
-                     variant: str) -> tuple[float, dict]:
+                     settings: NTLSettings) -> tuple[float, dict]:
     """One optimizer step of a real Trainer over the same 8 padded rows of different number densities, as
     `micro_batch` x `accumulation`: (the logged loss, every parameter's change). Plain SGD at lr 1, no clipping:
     the change is minus the step's gradient."""
@@ -115,8 +115,7 @@ def _one_step_update(tokenizer, tmp_path, micro_batch: int, accumulation: int, a
                              per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
                              max_steps=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
                              disable_tqdm=True)
-    loss = HFTrainerLoss(NumberVocab.from_tokenizer(tokenizer), model=model, ntl_weight=0.5,
-                         settings=NTLSettings(variant=variant))
+    loss = HFTrainerLoss(NumberVocab.from_tokenizer(tokenizer), model=model, ntl_weight=0.5, settings=settings)
     trainer = Trainer(model=model, args=args, train_dataset=data, compute_loss_func=loss,
                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
     if attach:
@@ -126,16 +125,20 @@ def _one_step_update(tokenizer, tmp_path, micro_batch: int, accumulation: int, a
     return float(logged), {name: (p.detach() - before[name]) for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("variant", ["was", "number_level"])
-def test_attached_loss_does_not_change_with_gradient_accumulation(tokenizer, tmp_path, variant):
+@pytest.mark.parametrize("settings", [
+    NTLSettings(variant="was"), NTLSettings(variant="number_level"),
+    # del's runs per row: the rows end and start with digits, which its default (the authors' runs over the
+    # flattened micro-batch) would join differently in 8 x 1 and 2 x 4; c = 1 so that the term moves the update
+    NTLSettings(variant="del", del_runs="rows", del_scale=1.0)], ids=["was", "number_level", "del"])
+def test_attached_loss_does_not_change_with_gradient_accumulation(tokenizer, tmp_path, settings):
     """Issue 35: 8 rows as 8 x 1 and as 2 x 4 micro-batches give the same loss and update (1e-6) once the loss is
     attached (the step's NTL terms count). Not attached, each micro-batch's NTL mean is weighted by its label
     tokens and the update differs (the rows' number densities differ): the comparison can fail."""
-    whole_loss, whole = _one_step_update(tokenizer, tmp_path, 8, 1, True, variant)
-    split_loss, split = _one_step_update(tokenizer, tmp_path, 2, 4, True, variant)
+    whole_loss, whole = _one_step_update(tokenizer, tmp_path, 8, 1, True, settings)
+    split_loss, split = _one_step_update(tokenizer, tmp_path, 2, 4, True, settings)
     assert split_loss == pytest.approx(whole_loss, rel=1e-6, abs=1e-6)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
-    _, unattached = _one_step_update(tokenizer, tmp_path, 2, 4, False, variant)
+    _, unattached = _one_step_update(tokenizer, tmp_path, 2, 4, False, settings)
     worst = max(float((unattached[n] - whole[n]).abs().max() / whole[n].abs().max().clamp_min(1e-12)) for n in whole)
     assert worst > 1e-3, worst

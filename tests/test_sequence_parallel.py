@@ -59,7 +59,7 @@ def test_slices_of_the_spans_tile_the_whole_row(word_tokenizer):
         assert (views[0].combine is None) == (size == 1)
 
 
-SP_CASES = ["ce", "was", "mse", "mae", "huber", "number_level", "number_level_float", "number_level_chunked"]
+SP_CASES = ["ce", "was", "mse", "mae", "huber", "number_level", "number_level_float", "number_level_chunked", "del"]
 
 
 @pytest.mark.multiprocess

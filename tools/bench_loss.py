@@ -50,7 +50,14 @@ def digit_ids_start(vocab_size: int) -> int:
     """Number tokens sit in the middle of the vocabulary, so with TP=2 they straddle both shards."""
     return vocab_size // 2 - 5
 
+
+def decimal_point_id(vocab_size: int) -> int:
+    """The '.' token: just before the digits (del reads decimals after it)."""
+    return digit_ids_start(vocab_size) - 1
+
+
 NUMBER_SHARE = 0.2  # share of label positions that are number tokens
+DOT_SHARE = 0.1  # share of those that are a '.' instead of a digit
 HEAD_PREFIXES = ("head_", "chunked_", "ds_fused")  # methods that start from the hidden states and the head weight
 
 
@@ -139,10 +146,10 @@ def build_methods(tp: int, names: list[str]):
     table = {"ce": ce, "ds_fused_ce": deepspeed_fused_ce, "ours_ce_only": ours(None), "ours_was": ours("was"),
              "ours_was_reweigh": ours("was", True),
              "ours_mse": ours("mse"), "ours_number_level": ours("number_level"),
-             "ours_digit_entropy": ours("digit_entropy")}
+             "ours_digit_entropy": ours("digit_entropy"), "ours_del": ours("del")}
     objectives = {"ce_only": (None, False), "was": ("was", False), "was_reweigh": ("was", True), "mse": ("mse", False),
                   "number_level": ("number_level", False), "number_level_reweigh": ("number_level", True),
-                  "digit_entropy": ("digit_entropy", False)}
+                  "digit_entropy": ("digit_entropy", False), "del": ("del", False)}
     for objective, (variant, reweigh) in objectives.items():
         table[f"head_{objective}"] = head(variant, reweigh)
         table[f"chunked_{objective}"] = chunked(variant, reweigh)  # backward="auto"
@@ -217,6 +224,7 @@ def child(args) -> None:
     labels = torch.randint(0, vocab_size, (n,), generator=generator)
     numbers = torch.rand(n, generator=generator) < NUMBER_SHARE
     labels[numbers] = digit_ids_start(vocab_size) + torch.randint(0, 10, (int(numbers.sum()),), generator=generator)
+    labels[numbers & (torch.rand(n, generator=generator) < DOT_SHARE)] = decimal_point_id(vocab_size)  # decimals
     leaves = []  # tensors whose gradient each run recomputes
     logits = head_inputs = None
     if not all(is_head_method(name) for name in args.methods):
@@ -234,7 +242,8 @@ def child(args) -> None:
         leaves += [hidden, module.weight]
     first_digit = digit_ids_start(vocab_size)
     ctx = {"vocab": NumberVocab(tuple(range(first_digit, first_digit + 10)),
-                                tuple(float(d) for d in range(10)), vocab_size),
+                                tuple(float(d) for d in range(10)), vocab_size,
+                                decimal_point_id=decimal_point_id(vocab_size)),
            "group": group, "start": start, "shard": VocabShard(group, start), "vocab_size": vocab_size,
            "ds_chunk_tokens": args.ds_chunk_tokens,
            "chunk_tokens": args.chunk_tokens or deepspeed_default_chunk_rows(n, vocab_size, args.tp, args.hidden)}

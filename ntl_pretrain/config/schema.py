@@ -15,6 +15,7 @@ DType = Literal["bf16", "fp16", "fp32"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
 NTLScheduleName = Literal["constant", "linear_warmup"]
 NTLVariantName = Literal[VARIANTS]  # the registered NTL variants (ntl_pretrain/loss/variants/)
+DelRuns = Literal["batch", "rows"]  # ntl_pretrain.loss.variants.del_loss.DEL_RUNS
 ChunkBackward = Literal["auto", "rows", "vocab_blocks"]  # ntl_pretrain.loss.chunked.CHUNK_BACKWARDS
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -220,12 +221,16 @@ class LossConfig:
     ntl_schedule: NTLScheduleName = _doc("constant | linear_warmup (lambda rises from 0 over ntl_warmup_steps)",
                              default="constant")
     ntl_warmup_steps: int = _doc("steps of the linear lambda warm-up", default=0)
-    variant: NTLVariantName = _doc("the NTL variant (docs/loss.md); number_level and digit_entropy need "
+    variant: NTLVariantName = _doc("the NTL variant (docs/loss.md); number_level, del and digit_entropy need "
                                    "tokenizer.digit_level=true", default="was")
     reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
     squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
     smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)
     float_level: bool = _doc("number_level: a '.' between digits joins them into one number", default=False)
+    del_scale: float = _doc("del: c, the DEL term's factor (the authors': 0.01 Qwen/DeepSeek, 0.1 CodeLlama/Mistral, "
+                            "with ntl_weight=1)", default=0.01)
+    del_runs: DelRuns = _doc("del: batch (runs of digits and '.' over the flattened micro-batch, the authors') | "
+                             "rows (within a row, broken by ignored labels: packed rows)", default="batch")
     chunk_tokens: int = _doc("compute LM head + loss over chunks of this many tokens, never the full logits "
                              "(docs/chunked.md; 0 = off)", default=0)
     chunk_backward: ChunkBackward = _doc(

@@ -257,8 +257,10 @@ def ntl_settings(loss: LossConfig) -> NTLSettings:
         raise ConfigError(f"loss.{error}") from None
     try:
         return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
-                           smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
+                           smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level,
+                           del_scale=loss.del_scale, del_runs=loss.del_runs)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
-                          f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}) do not "
+                          f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}, "
+                          f"loss.del_scale={loss.del_scale}, loss.del_runs={loss.del_runs!r}) do not "
                           f"fit together: {error}") from None

@@ -207,7 +207,8 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
                       variant: str = "was", reweigh: bool = False, squash_factor: float | None = None,
                       loss_weights: torch.Tensor | None = None, reduction: str = "mean", ignore_index: int = -100,
                       smoothing_sigma: float = 0.0, float_level: bool = False, max_number_digits: int = 20,
-                      shard: VocabShard = VocabShard(), check_inputs: bool = True) -> torch.Tensor:
+                      del_scale: float = 0.01, del_runs: str = "batch", shard: VocabShard = VocabShard(),
+                      check_inputs: bool = True) -> torch.Tensor:
     """The Number Token Loss alone.
 
     Args:
@@ -215,7 +216,8 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
             computed in max(float32, their dtype).
         labels: `[...]` target ids aligned with the logits; `ignore_index` positions are skipped.
         number_vocab: `NumberVocab.from_tokenizer(tokenizer)`.
-        variant: a registered variant (`VARIANTS`): "was", "mse", "mae", "huber", "number_level", "digit_entropy".
+        variant: a registered variant (`VARIANTS`): "was", "mse", "mae", "huber", "number_level", "del",
+            "digit_entropy".
         reweigh: scale each term by the probability mass on number tokens over the full vocabulary.
         squash_factor: "was" only; how many times the farthest wrong number costs the nearest one.
         loss_weights: `[...]` non-negative per-token weights.
@@ -224,6 +226,8 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
         smoothing_sigma: "was" only; Gaussian label smoothing over number values (Wasserstein-1 form).
         float_level: "number_level" only; "1.5" is one number (15) instead of two.
         max_number_digits: "number_level" and "digit_entropy" only; longest number with distinct place values.
+        del_scale: "del" only; c, the factor of its mean over the N x 10 (digit, class) entries (the authors' 0.01).
+        del_runs: "del" only; "batch" (runs over the flattened labels, the authors') or "rows".
         shard: where this rank's logits sit in the vocabulary (default: all of it, one device).
         check_inputs: check the shard layout (on every path, reweigh or not), labels and loss weights,
             reading values on the host; False for a hot loop whose layout was checked once
@@ -233,7 +237,7 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
     """
     settings = NTLSettings(variant=variant, reweigh=reweigh, squash_factor=squash_factor,
                            smoothing_sigma=smoothing_sigma, float_level=float_level, ignore_index=ignore_index,
-                           max_number_digits=max_number_digits)
+                           max_number_digits=max_number_digits, del_scale=del_scale, del_runs=del_runs)
     return ntl_with_settings(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
                              reduction=reduction, check_inputs=check_inputs)
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, NumberSpans, term_positions
-from .variants.base import label_spans
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,9 @@ def shard_number_spans(labels: torch.Tensor, shard: SequenceShard, number_vocab:
         raise ValueError(f"labels must be [batch, sequence] rows, got shape {tuple(labels.shape)}")
     rows, seq_len = labels.shape
     start, stop = shard.bounds(seq_len)
-    whole = label_spans(number_vocab.index_of(labels.reshape(-1), settings.ignore_index), labels, number_vocab, settings)
+    # the variant's spans of the whole micro-batch (`NTLVariant.spans`: runs may depend on other rows, e.g. "del")
+    whole = settings.ntl_variant.spans(number_vocab.index_of(labels.reshape(-1), settings.ignore_index), labels,
+                                       number_vocab, settings)
     is_start, segment, place, n_segments = whole.is_start, whole.segment, whole.place, whole.n_segments
 
     def local(values: torch.Tensor) -> torch.Tensor:

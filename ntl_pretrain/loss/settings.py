@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .variants import REGISTRY, NTLVariant, variant_of
+from .variants.del_loss import DEL_RUNS
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class NTLSettings:
     smoothing_sigma: float = 0.0  # "was": Gaussian label smoothing of the target over number values
     float_level: bool = False  # "number_level": a "." between digits joins them into one number
     max_number_digits: int = 20  # "number_level", "digit_entropy": digits beyond this many share the highest place
+    # "del": c, the factor of the mean over the N x 10 (digit, class) entries: the authors' 0.01 (Qwen, DeepSeek; 0.1
+    # for CodeLlama, Mistral), added to CE with ntl_weight=1
+    del_scale: float = 0.01
+    del_runs: str = "batch"  # "del": runs of number labels over the flattened batch (the authors') or "rows"
     ignore_index: int = -100  # label that marks positions without a target
 
     def __post_init__(self) -> None:
@@ -32,6 +37,11 @@ class NTLSettings:
         check_whole_number(self.max_number_digits, "max_number_digits", low=1)
         check_whole_number(self.ignore_index, "ignore_index")
         check_number(self.smoothing_sigma, "smoothing_sigma", "0 turns label smoothing off")
+        check_number(self.del_scale, "del_scale", "0 would turn the term off; set ntl_weight=0 for that", low=0.0,
+                     low_allowed=False)
+        if self.del_runs not in DEL_RUNS:
+            raise ValueError(f"del_runs must be one of {', '.join(DEL_RUNS)} (how runs of number labels are read), "
+                             f"got {self.del_runs!r}")
         if self.squash_factor is not None:
             check_number(self.squash_factor, "squash_factor", "1 would turn NTL into CE", low=1.0, low_allowed=False)
         defaults = {field.name: field.default for field in dataclasses.fields(self)}

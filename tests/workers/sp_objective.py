@@ -52,7 +52,9 @@ CASES = {"ce": None, "was": NTLSettings(variant="was"), "mse": NTLSettings(varia
          "mae": NTLSettings(variant="mae"), "huber": NTLSettings(variant="huber", reweigh=True),
          "number_level": NTLSettings(variant="number_level"),
          "number_level_float": NTLSettings(variant="number_level", float_level=True, reweigh=True),
-         "number_level_chunked": NTLSettings(variant="number_level", float_level=True)}
+         "number_level_chunked": NTLSettings(variant="number_level", float_level=True),
+         "del": NTLSettings(variant="del", del_scale=1.0)}  # runs over the flattened batch (the authors')
+
 PROMPTS = ["1+2=", "12+345=", "7", "98-76=1"]  # several lengths: a left-padded batch
 CHUNK_TOKENS = {"number_level_chunked": 7}  # the chunked head (loss.chunk_tokens), chunks not aligned with shards
 
@@ -117,7 +119,7 @@ def sharded(model, input_ids, labels, vocab, settings, sp: int, ulysses, chunk_t
     ntl = settings or NTLSettings()
     row_labels = labels[mine]
     inputs = shard_inputs(input_ids[mine], shard)
-    spans = shard_number_spans(row_labels, shard, vocab, ntl) if ntl.variant == "number_level" else None
+    spans = shard_number_spans(row_labels, shard, vocab, ntl) if ntl.ntl_variant.needs_spans else None
     if chunk_tokens:
         sums = chunked_model_ce_ntl_sums(engine, engine.module.get_output_embeddings(), inputs.as_kwargs(),
                                          shard.split(row_labels), vocab, ntl, chunk_tokens=chunk_tokens,

@@ -44,7 +44,7 @@ class TermInputs:
         """Where the numbers sit: the given spans, or those of `labels`."""
         if self.spans is not None:
             return self.spans
-        return label_spans(self.slot, self.labels, self.number_vocab, self.settings)
+        return self.settings.ntl_variant.spans(self.slot, self.labels, self.number_vocab, self.settings)
 
 
 def label_spans(slot: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
@@ -85,6 +85,12 @@ class NTLVariant(abc.ABC):
                  dtype: torch.dtype) -> torch.Tensor:
         """The largest per-term loss a number prediction can cost (the reweigh penalty's base)."""
         raise ValueError(f"variant {self.name!r} has no largest per-term loss, so reweigh does not apply to it")
+
+    def spans(self, slot: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
+              settings: NTLSettings) -> NumberSpans:
+        """Where the numbers of the whole `labels` sit, for a variant that reads them (`needs_spans`); a sequence
+        shard slices these (default: the runs of number tokens in each row, `label_spans`)."""
+        return label_spans(slot, labels, number_vocab, settings)
 
     def term_positions(self, slot: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
                        settings: NTLSettings) -> torch.Tensor:

@@ -47,7 +47,8 @@ class DigitEntropy(NTLVariant):
         log_q = torch.log_softmax(torch.where(positions[:, None], inputs.number_logits, 0.0), dim=-1)
         # log(1 - q) from log q: -expm1 keeps 1 - q precise where q is close to 1
         log_not_q = torch.log((-torch.expm1(log_q)).clamp_min(math.exp(LOG_FLOOR)))
-        target = torch.nn.functional.one_hot(inputs.slot.clamp_min(0), log_q.shape[-1]).bool()
+        # the one-hot target by comparison: F.one_hot reads its input's range on the host (a sync per call)
+        target = inputs.slot[:, None] == torch.arange(log_q.shape[-1], device=log_q.device)
         bce = -torch.where(target, log_q.clamp_min(LOG_FLOOR), log_not_q).sum(-1)
         place_weight = 1 + inputs.number_spans().place.to(log_q.dtype)
         return place_weight * inputs.number_mass().detach() * bce, positions
