@@ -268,9 +268,12 @@ class OptimConfig:
                                        "(warmup-stable-decay: the peak held, decay_fraction of the steps decaying at "
                                        "the end)", default="cosine")
     warmup_steps: int = _doc("learning-rate warm-up steps", default=100)
-    min_lr_ratio: float = _doc("cosine, wsd: final lr as a fraction of lr", default=0.1)
-    decay_fraction: float = _doc("wsd: share of train.max_steps spent decaying, at the end", default=0.1)
-    decay_shape: DecayShapeName = _doc("wsd: linear | cosine | 1-sqrt (most of the drop near the end)",
+    min_lr_ratio: float = _doc("cosine, wsd: the floor of the decay as a fraction of lr, reached one step after "
+                               "train.max_steps (the last step trains above it)", default=0.1)
+    decay_fraction: float = _doc("wsd: share of train.max_steps spent decaying, at the end (0 = no decay)",
+                                 default=0.1)
+    decay_shape: DecayShapeName = _doc("wsd: linear | cosine | 1-sqrt (Hagele et al. 2024: 1 - sqrt(x) of the "
+                                       "drop left at x of the decay, so half the drop in its first quarter)",
                                        default="linear")
     warmup_start_lr_ratio: float = _doc("the warm-up starts at this fraction of lr (re-warming a model whose "
                                         "earlier run ended at a lower lr, e.g. its min_lr_ratio); 0 = from 0",
