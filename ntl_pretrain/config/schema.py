@@ -292,7 +292,8 @@ class TrainConfig:
                                  default=1)
     seed: int = _doc("seed of dropout and other runtime randomness", default=1234)
     log_every_n_steps: int = _doc("steps between log lines / TensorBoard points", default=1)
-    val_every_n_steps: int = _doc("steps between validation losses (0 = only at the end, -1 = never)",
+    val_every_n_steps: int = _doc("steps between validation losses, and one after the last step (0 or -1 = no "
+                                  "validation; train.max_steps or more = only after the last step)",
                                   default=200)
     val_batches: int = _doc("micro-batches per data-parallel rank in one validation", default=8)
     resume: str = _doc("none | auto (newest complete checkpoint in output_dir, or a fresh start) | a checkpoint "
@@ -306,6 +307,16 @@ class TrainConfig:
         "each start-up wait (rendezvous, first collective, rank 0 preparing data or the tokenizer while the "
         "others wait, the engine's set-up) fails after this many seconds with a message naming it",
         default=1800.0)
+
+    def validates_after(self, step: int) -> bool:
+        """Whether validation runs after optimizer step `step`: every val_every_n_steps and after the last step;
+        never with val_every_n_steps 0 or -1."""
+        every = self.val_every_n_steps
+        return every > 0 and (step % every == 0 or step == self.max_steps)
+
+    @property
+    def validation_on(self) -> bool:
+        return self.val_every_n_steps > 0
 
 
 @dataclass

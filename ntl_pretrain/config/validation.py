@@ -74,9 +74,9 @@ def validate(config: Config) -> None:
         raise ConfigError(str(error)) from None
     if config.data.validation_documents < 0:
         raise ConfigError("data.validation_documents must be >= 0")
-    if config.train.val_every_n_steps >= 0 and config.data.validation_documents == 0:
-        raise ConfigError("validation is on (train.val_every_n_steps >= 0) but data.validation_documents=0; "
-                          "hold out documents or set train.val_every_n_steps=-1")
+    if config.train.validation_on and config.data.validation_documents == 0:
+        raise ConfigError(f"validation is on (train.val_every_n_steps={config.train.val_every_n_steps}) but "
+                          f"data.validation_documents=0; hold out documents or set train.val_every_n_steps=0 (off)")
     _check_ranges(config)
     if config.train.max_steps > MAX_STEPS_LIMIT:
         raise ConfigError(f"train.max_steps={config.train.max_steps} is more than {MAX_STEPS_LIMIT:.0e} steps (decades "

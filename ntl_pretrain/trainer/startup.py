@@ -149,7 +149,7 @@ def build(trainer: Any, cfg: Config) -> None:
         trainer.tokenizer, number_vocab, trainer.data, source=tokenizer_source(cfg.tokenizer, cfg.model),
         ntl_on=trainer.objective.ntl_on and cfg.tokenizer.digit_level,
         allow=cfg.tokenizer.allow_non_digit_level), first=True)
-    if cfg.train.val_every_n_steps >= 0:
+    if cfg.train.validation_on:
         trainer.data.check_validation(cfg.train.val_batches)
 
     built = build_engine(cfg, trainer.ds_config, trainer.tokenizer, number_vocab, trainer.layout, trainer.resume_tag,
