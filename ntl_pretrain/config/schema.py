@@ -290,7 +290,8 @@ class TrainConfig:
     max_steps: int = _doc("optimizer steps to train", default=1000)
     grad_accum_steps: int = _doc("micro-batches per optimizer step (DeepSpeed gradient_accumulation_steps)",
                                  default=1)
-    seed: int = _doc("seed of dropout and other runtime randomness", default=1234)
+    seed: int = _doc("seeds Python's random, NumPy's and torch's generators on every rank at start-up (dropout and "
+                     "other runtime randomness)", default=1234)
     log_every_n_steps: int = _doc("steps between log lines / TensorBoard points", default=1)
     val_every_n_steps: int = _doc("steps between validation losses, and one after the last step (0 or -1 = no "
                                   "validation; train.max_steps or more = only after the last step)",
