@@ -186,3 +186,15 @@ def test_a_wsd_decay_of_0_is_allowed_on_purpose_and_one_step_is_enough():
     for fraction, decay_steps in (("0", 0), ("0.006", 1)):  # 0.6 of a step of 100 rounds to 1
         cfg = load_config(DEMO, ["optim.lr_schedule=wsd", "train.max_steps=100", f"optim.decay_fraction={fraction}"])
         assert lr_scheduler_section(cfg)["params"]["decay_num_steps"] == decay_steps
+
+
+def test_a_wsd_decay_cut_short_by_the_warmup_is_said():
+    from ntl_pretrain.trainer.preflight import config_warnings
+
+    cfg = load_config(DEMO, ["optim.lr_schedule=wsd", "train.max_steps=100", "optim.warmup_steps=95",
+                             "optim.decay_fraction=0.2"])
+    assert lr_scheduler_section(cfg)["params"]["decay_num_steps"] == 5
+    assert ("optim.decay_fraction=0.2 asks for 20 decay steps but only 5 follow optim.warmup_steps=95 in "
+            "train.max_steps=100: the decay is 5 steps; lower optim.warmup_steps or optim.decay_fraction") in \
+        config_warnings(cfg)
+    assert not config_warnings(load_config(DEMO, ["optim.lr_schedule=wsd", "train.max_steps=100"]))
