@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                           Trainer, TrainingArguments)
 
-from ntl_pretrain.loss import HFTrainerLoss, NTLSettings
+from ntl_pretrain.loss import HFTrainerLoss, NTLSettings, without_targets_after_padding
 from ntl_pretrain.numbers import NumberVocab
 
 
@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
                                      per_device_train_batch_size=16, gradient_accumulation_steps=args.grad_accum,
                                      learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=5,
                                      save_strategy="no", report_to=[], use_cpu=True, seed=0)
-        trainer = Trainer(model=model, args=training, train_dataset=data,
-                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        # with tokenizer.padding_side="left" the collator would keep each padded row's first token as a target
+        # predicted from a pad, and accumulation would change the gradient: the wrapper drops those targets
+        collator = without_targets_after_padding(DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        trainer = Trainer(model=model, args=training, train_dataset=data, data_collator=collator,
                           compute_loss_func=loss)  # NTL
         loss.attach(trainer)  # NTL: its mean over the whole accumulated step (gradient accumulation invariant)
         result = trainer.train()

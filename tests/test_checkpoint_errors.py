@@ -677,3 +677,33 @@ def test_reshard_of_a_run_folder_names_its_checkpoints(tmp_path, capsys):
     assert err == (f"error: {str(run)!r} is a run folder, not a checkpoint; pass one of its checkpoints, e.g. "
                    f"{run / 'global_step2'} (complete: global_step1, global_step2)\n")
     assert _snapshot(run) == before
+
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("seed", [0, 1234, 2**63 - 1])  # the range train.seed allows; NumPy's legacy seed is 32 bits
+def test_the_runs_seed_fixes_every_generator_a_checkpoint_saves(seed):
+    """Start-up seeds Python's, NumPy's and torch's generators from train.seed (checkpoint.seed_generators), so a
+    checkpoint's rng_state_<rank>.pt is the same for two runs with the same seed whatever state the process had:
+    each generator drawn from after the seeding, the saved state as the checkpoint writes it (torch.save bytes)."""
+    import random
+
+    import numpy as np
+
+    from ntl_pretrain.checkpoint import seed_generators
+    from ntl_pretrain.checkpoint.safe_loading import rng_state
+
+    def seeded_run() -> tuple[tuple, bytes]:
+        random.seed(os.urandom(8))  # another process's state before start-up
+        np.random.seed(int.from_bytes(os.urandom(4), "little"))
+        torch.seed()
+        seed_generators(seed)
+        draws = (random.random(), float(np.random.random()), float(torch.rand(1)))
+        buffer = io.BytesIO()
+        torch.save(rng_state(), buffer)
+        return draws, buffer.getvalue()
+
+    first = seeded_run()
+    assert seeded_run() == first
+    seed_generators(seed ^ 1)
+    assert random.random() != first[0][0] and float(np.random.random()) != first[0][1]  # another seed, another sequence

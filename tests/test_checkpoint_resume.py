@@ -180,6 +180,8 @@ def test_resumed_run_matches_the_uninterrupted_one_bitwise(interrupted, referenc
     assert resumed.keys() == uninterrupted.keys() and len(resumed) == 2
     for name in resumed:
         assert all(torch.equal(a, b) for a, b in zip(resumed[name], uninterrupted[name])), name
+    for name in ("rng_state_0.pt", "rng_state_1.pt"):  # train.seed seeds Python's, NumPy's and torch's: the same file
+        assert (out / "global_step6" / name).read_bytes() == (reference / "global_step6" / name).read_bytes(), name
     # TensorBoard: every step once (the killed run's points after its checkpoint are purged), same values
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 

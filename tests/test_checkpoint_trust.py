@@ -52,11 +52,12 @@ def _lr_scalars(tensorboard_dir: Path) -> dict[int, float]:
 
 def _deepspeed_lr(total_steps: int, step: int) -> float:
     """The lr DeepSpeed's WarmupCosineLR gives optimizer step `step` (from 1) of the demo's schedule: its
-    iteration `step` (the trainer starts the scheduler at 1; DeepSpeed's own start, -1 and 0, has lr 0)."""
+    iteration `step` (the trainer starts the scheduler at 1; DeepSpeed's own start, -1 and 0, has lr 0), with the
+    floor one step past the last (the trainer gives DeepSpeed total_num_steps = max_steps + 2)."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
-    scheduler = WarmupCosineLR(optimizer, total_num_steps=max(total_steps, 2), warmup_num_steps=1,
+    scheduler = WarmupCosineLR(optimizer, total_num_steps=max(total_steps, 2) + 2, warmup_num_steps=1,
                                warmup_min_ratio=0.0, cos_min_ratio=MIN_RATIO, warmup_type="linear",
                                last_batch_iteration=step)
     return scheduler.get_lr()[0]
@@ -211,7 +212,7 @@ def test_another_max_steps_stops_unless_the_schedule_choice_is_given(run, assets
 
     assert manager("train.max_steps=3").resume_lr_schedule("global_step3") is None  # unchanged
     with pytest.raises(CheckpointError, match=r"another learning-rate schedule than this run's \(deepspeed.scheduler."
-                                              r"params.total_num_steps: 3 -> 6\): lr of step 4 is .* Choose: "
+                                              r"params.total_num_steps: 5 -> 8\): lr of step 4 is .* Choose: "
                                               r"checkpoint.resume_lr_schedule=keep .* or =replan"):
         manager("train.max_steps=6").resume_lr_schedule("global_step3")
     assert manager("train.max_steps=6", "checkpoint.resume_lr_schedule=replan").resume_lr_schedule("global_step3") is None

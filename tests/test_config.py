@@ -359,3 +359,19 @@ def test_deepspeed_json_is_checked_with_deepspeeds_own_config_classes(tmp_path):
     cfg = load_config(None, MINIMAL + [f"deepspeed.config={path}"])
     with pytest.raises(ConfigError, match="key 'stage' is given twice in one object"):
         resolve_run(cfg, on_cpu=True, world_size=2)
+
+
+@pytest.mark.parametrize("every,validated", [
+    (0, []), (-1, []),  # off: 0 as -1 (0 used to mean "only after the last step")
+    (3, [3, 6, 9, 10]),  # every 3 steps and after the last
+    (10, [10]), (25, [10]),  # train.max_steps or more: only after the last
+])
+def test_val_every_n_steps_0_turns_validation_off(every, validated):
+    held_out = "data.validation_documents=0" if every <= 0 else "data.validation_documents=5"
+    cfg = load_config(None, MINIMAL + ["train.max_steps=10", f"train.val_every_n_steps={every}", held_out])
+    assert cfg.train.validation_on == bool(validated)
+    assert [step for step in range(1, 11) if cfg.train.validates_after(step)] == validated
+    if every > 0:
+        with pytest.raises(ConfigError, match=rf"validation is on \(train.val_every_n_steps={every}\) but "
+                                              r"data.validation_documents=0; .* train.val_every_n_steps=0 \(off\)"):
+            load_config(None, MINIMAL + [f"train.val_every_n_steps={every}", "data.validation_documents=0"])

@@ -147,3 +147,24 @@ def test_every_rank_refuses_and_none_hangs(tmp_path):
     assert len(errors) == 1 and "is not digit-level on the training data" in errors[0], results[0][1][-3000:]
     assert "split-digits" in results[0][1]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.fast
+def test_a_streamed_corpus_shorter_than_the_check_counts_each_sample_once(tmp_path):
+    """A streamed source restarts when it ends: the check reads it over and over up to its 4096 samples, and counts
+    what it read, each sample once: as many samples as the same corpus read whole (packed apart, so the windows and
+    their digits differ a little; issue 47: it reported "the first 4096 training samples" of a corpus of 35)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in number_corpus(200)), encoding="utf-8")
+    train_digit_bpe(number_corpus(400), vocab_size=400, out_dir=str(tmp_path / "digit_bpe"))
+    measured, sizes = {}, {}
+    for streaming in ("false", "true"):
+        tokenizer, number_vocab, data = _data(tmp_path / "digit_bpe", corpus, tmp_path / "cache",
+                                              f"data.sources.0.streaming={streaming}")
+        sizes[streaming] = getattr(data.sources[0], "size", None)
+        measured[streaming] = check_training_digits(tokenizer, number_vocab, data, source="x", ntl_on=True, allow=False)
+    whole, streamed = measured["false"], measured["true"]
+    assert sizes["true"] is None and 0 < whole.samples == sizes["false"] < 100  # every sample of the corpus read whole
+    assert (streamed.samples, streamed.tokens) == (whole.samples, whole.tokens)
+    assert streamed.digits == pytest.approx(whole.digits, rel=0.01)  # not 4096 samples' digits
+    assert f"in the first {whole.samples} distinct training samples ({whole.tokens} tokens)" in streamed.describe()

@@ -142,3 +142,49 @@ def test_attached_loss_does_not_change_with_gradient_accumulation(tokenizer, tmp
     _, unattached = _one_step_update(tokenizer, tmp_path, 2, 4, False, settings)
     worst = max(float((unattached[n] - whole[n]).abs().max() / whole[n].abs().max().clamp_min(1e-12)) for n in whole)
     assert worst > 1e-3, worst
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_left_padding_targets_are_masked_so_accumulation_keeps_the_gradient(tokenizer, side):
+    """Issue 47: with LEFT padding, transformers' collator keeps each padded row's first real token as a target
+    predicted from a pad position, so the step's targets and gradient depend on how its rows are split into
+    micro-batches (8 rows as 1 x 8 against 8 x 1: one more target per padded row); `without_targets_after_padding`
+    removes them, and changes nothing with right padding. CE normalised by the step's targets, as the Trainer does."""
+    import copy
+
+    from helpers.models import tiny_llama
+    from transformers import DataCollatorForLanguageModeling
+
+    from ntl_pretrain.loss import without_targets_after_padding
+
+    padded = copy.deepcopy(tokenizer)
+    padded.padding_side = side
+    rows = [padded(text) for text in _texts()[:8]]
+    model = tiny_llama(len(padded), seed=0, pad_token_id=padded.pad_token_id)
+
+    def step(collate, micro_batches: int) -> tuple[int, torch.Tensor]:
+        model.zero_grad()
+        size = len(rows) // micro_batches
+        batches = [collate(rows[i:i + size]) for i in range(0, len(rows), size)]
+        targets = sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in batches)  # num_items_in_batch
+        for batch in batches:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum",
+                            ignore_index=-100).div(targets).backward()
+        return targets, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    collator = DataCollatorForLanguageModeling(padded, mlm=False)
+    masked = without_targets_after_padding(collator)
+    (whole_targets, whole), (split_targets, split) = step(masked, 1), step(masked, 8)
+    assert whole_targets == split_targets == sum(len(row["input_ids"]) - 1 for row in rows)
+    torch.testing.assert_close(whole, split, rtol=1e-4, atol=1e-6)
+    plain_targets, plain = step(collator, 1)
+    lengths = [len(row["input_ids"]) for row in rows]
+    padded_rows = sum(length < max(lengths) for length in lengths)
+    if side == "left":  # each padded row's first token became a target; the gradient is another
+        assert plain_targets == whole_targets + padded_rows and padded_rows > 0
+        assert float((plain - split).norm() / split.norm()) > 1e-2
+    else:
+        assert plain_targets == whole_targets
+        torch.testing.assert_close(plain, whole, rtol=1e-4, atol=1e-6)

@@ -23,12 +23,13 @@ DEMO = "configs/demo.yaml"
 
 def reference_lr(step: int, peak: float, warmup: int, total: int, decay: int, start: float, final: float,
                  shape: str) -> float:
-    """Warmup-stable-decay as the literature states it (MiniCPM; Hagele et al. 2024 for 1-sqrt)."""
+    """Warmup-stable-decay as the literature states it (MiniCPM; Hagele et al. 2024 for 1-sqrt), reaching the floor
+    at step total + 1, one past the last (torchtitan's virtual last step)."""
     if step <= warmup:
         return start + (peak - start) * step / warmup
     if step <= total - decay:
         return peak
-    x = min(1.0, (step - (total - decay)) / decay)
+    x = min(1.0, (step - (total - decay)) / (decay + 1))
     factor = {"linear": 1 - x, "cosine": (1 + math.cos(math.pi * x)) / 2, "1-sqrt": 1 - math.sqrt(x)}[shape]
     return final + (peak - final) * factor
 
@@ -94,6 +95,7 @@ def test_wsd_follows_the_closed_form_and_resumes_mid_decay(shape):
     expected = [reference_lr(s, peak, 5, 40, 10, 0.2 * peak, 0.1 * peak, shape) for s in range(1, 45)]
     assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert max(lrs) == pytest.approx(peak) and lrs[-1] == pytest.approx(0.1 * peak)  # held at the end past max_steps
+    assert lrs[39] > lrs[40] == pytest.approx(0.1 * peak)  # step 40, the last, above the floor; step 41 at it
     assert _engine_lrs(overrides, 44, resume_at=33) == lrs  # a checkpoint's state, mid-decay
 
 
@@ -112,7 +114,8 @@ def test_a_resume_message_computes_the_wsd_lr():
                              "optim.decay_fraction=0.5"])
     schedule = lr_schedule_description({"scheduler": lr_scheduler_section(cfg), "optimizer": {"params": {
         "lr": cfg.optim.lr}}})
-    assert lr_text(schedule, 9) == f"{cfg.optim.min_lr_ratio * cfg.optim.lr:.3e}"  # step 10: the end of the decay
+    # step 11, one past the last: the end of the decay
+    assert lr_text(schedule, 10) == f"{cfg.optim.min_lr_ratio * cfg.optim.lr:.3e}"
 
 
 @pytest.mark.parametrize("override,message", [
@@ -123,3 +126,75 @@ def test_a_resume_message_computes_the_wsd_lr():
 def test_wsd_settings_are_checked_at_load(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(DEMO, ["optim.lr_schedule=wsd", override])
+
+
+def test_1_sqrt_makes_half_the_drop_in_the_first_quarter_of_the_decay():
+    # 39 decay steps: decay step j trains at j/40 of the decay, so step 10 is at a quarter (Hagele et al. 2024)
+    overrides = ["optim.lr_schedule=wsd", "train.max_steps=40", "optim.warmup_steps=1", "optim.decay_fraction=0.975",
+                 "optim.decay_shape=1-sqrt", "optim.min_lr_ratio=0.1"]
+    cfg = load_config(DEMO, overrides)
+    assert lr_scheduler_section(cfg)["params"]["decay_num_steps"] == 39
+    lrs = _engine_lrs(overrides, 40)
+    peak, floor = cfg.optim.lr, 0.1 * cfg.optim.lr
+    assert lrs[0] == pytest.approx(peak)  # step 1: the warm-up's end, the decay's start
+    assert lrs[10] == pytest.approx(floor + 0.5 * (peak - floor))  # step 11, 10 of 40 decay iterations: half the drop
+    assert lrs[30] == pytest.approx(floor + (1 - math.sqrt(0.75)) * (peak - floor))  # 3/4 of the way: 13% left
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd"])
+def test_every_step_trains_with_min_lr_ratio_0(schedule):
+    """The decay reaches its floor one step after the last: with optim.min_lr_ratio=0 no step runs at lr 0."""
+    max_steps, warmup = 12, 3
+    overrides = [f"optim.lr_schedule={schedule}", f"train.max_steps={max_steps}", f"optim.warmup_steps={warmup}"]
+    overrides += [] if schedule == "linear" else ["optim.min_lr_ratio=0"]
+    overrides += ["optim.decay_fraction=0.5"] if schedule == "wsd" else []
+    peak = load_config(DEMO, overrides).optim.lr
+    lrs = _engine_lrs(overrides, max_steps + 2)
+    assert min(lrs[:max_steps]) > 0 and lrs[max_steps] == lrs[max_steps + 1] == 0.0, lrs
+    if schedule == "cosine":
+        # DeepSpeed's WarmupCosineLR counts its cosine from 1 at the step after the warm-up's last: step W is already
+        # past the peak (never trained exactly); the floor at max_steps + 1 (total_num_steps = max_steps + 2)
+        decay = max_steps + 2 - warmup
+        expected = [peak * s / warmup for s in range(1, warmup)] + [
+            peak * (1 + math.cos(math.pi * min(1.0, (s - warmup + 1) / decay))) / 2 for s in range(warmup, max_steps + 3)]
+        assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-18) and max(lrs) < peak
+    if schedule == "linear":  # the peak at step W, then straight down to 0 at max_steps + 1
+        expected = [peak * s / warmup for s in range(1, warmup)] + [
+            peak * max(0.0, (max_steps + 1 - s) / (max_steps + 1 - warmup)) for s in range(warmup, max_steps + 3)]
+        assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-18) and max(lrs) == pytest.approx(peak)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.decay_shape=1-sqrt"], "optim.decay_shape=1-sqrt has no effect with optim.lr_schedule=cosine (it applies "
+                                   "to wsd only): remove it or set optim.lr_schedule=wsd"),
+    (["optim.lr_schedule=constant", "optim.decay_fraction=0.2"],
+     "optim.decay_fraction=0.2 has no effect with optim.lr_schedule=constant (it applies to wsd only)"),
+    (["optim.lr_schedule=linear", "optim.min_lr_ratio=0"],
+     "optim.min_lr_ratio=0.0 has no effect with optim.lr_schedule=linear (it applies to cosine and wsd only): remove it "
+     "or set optim.lr_schedule=cosine"),
+    (["optim.lr_schedule=wsd", "train.max_steps=100", "optim.decay_fraction=0.004"],
+     "optim.decay_fraction=0.004 of train.max_steps=100 rounds to 0 decay steps: the lr would never decay; set "
+     "optim.decay_fraction >= 0.01 (one step), or optim.decay_fraction=0 to hold the peak to the end"),
+])
+def test_a_schedule_key_that_would_change_nothing_is_refused(overrides, message):
+    with pytest.raises(ConfigError) as raised:
+        load_config(DEMO, overrides)
+    assert message in str(raised.value)
+
+
+def test_a_wsd_decay_of_0_is_allowed_on_purpose_and_one_step_is_enough():
+    for fraction, decay_steps in (("0", 0), ("0.006", 1)):  # 0.6 of a step of 100 rounds to 1
+        cfg = load_config(DEMO, ["optim.lr_schedule=wsd", "train.max_steps=100", f"optim.decay_fraction={fraction}"])
+        assert lr_scheduler_section(cfg)["params"]["decay_num_steps"] == decay_steps
+
+
+def test_a_wsd_decay_cut_short_by_the_warmup_is_said():
+    from ntl_pretrain.trainer.preflight import config_warnings
+
+    cfg = load_config(DEMO, ["optim.lr_schedule=wsd", "train.max_steps=100", "optim.warmup_steps=95",
+                             "optim.decay_fraction=0.2"])
+    assert lr_scheduler_section(cfg)["params"]["decay_num_steps"] == 5
+    assert ("optim.decay_fraction=0.2 asks for 20 decay steps but only 5 follow optim.warmup_steps=95 in "
+            "train.max_steps=100: the decay is 5 steps; lower optim.warmup_steps or optim.decay_fraction") in \
+        config_warnings(cfg)
+    assert not config_warnings(load_config(DEMO, ["optim.lr_schedule=wsd", "train.max_steps=100"]))

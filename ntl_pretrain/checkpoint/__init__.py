@@ -48,7 +48,7 @@ from .format import (HF_DIR, LATEST_NAME, MANIFEST_NAME, AgreedCheckpointError, 
                      SavedLayout, UnsafeCheckpointError, folder_bytes, read_manifest, step_of_tag, tag_for_step)
 from .integrity import HASH_ALGORITHM, file_digest, hash_files, verify_checkpoint
 from .manager import CheckpointManager, list_checkpoints, resolve_resume
-from .safe_loading import load_rng_state, safe_load, weights_only_loads
+from .safe_loading import load_rng_state, safe_load, seed_generators, weights_only_loads
 from .staging import make_staging, remove_interrupted_saves, remove_staging
 from .universal import convert_to_universal, universal_path
 
@@ -57,6 +57,6 @@ __all__ = [
     "CheckpointInfo", "CheckpointManager", "SavedLayout", "UnsafeCheckpointError", "convert_to_universal",
     "export_hf", "file_digest", "fingerprint", "folder_bytes", "hash_files", "list_checkpoints",
     "load_rng_state", "lr_schedule_description", "make_staging", "read_manifest", "remove_interrupted_saves",
-    "remove_staging", "resolve_resume", "run_on_main", "safe_load", "step_of_tag", "tag_for_step", "universal_path",
-    "verify_checkpoint", "weights_only_loads", "write_hf_assets",
+    "remove_staging", "resolve_resume", "run_on_main", "safe_load", "seed_generators", "step_of_tag", "tag_for_step",
+    "universal_path", "verify_checkpoint", "weights_only_loads", "write_hf_assets",
 ]

@@ -145,9 +145,13 @@ def _numpy_reconstruct() -> Any:
     return _reconstruct
 
 
+def seed_generators(value: int) -> None:
+    """Seed every generator a checkpoint's `rng_state_<rank>.pt` holds: Python's, NumPy's and torch's (each device's)."""
+    random.seed(value)
+    np.random.seed(value % 2**32)  # NumPy's legacy seed is 32 bits
+    torch.manual_seed(value)
+
+
 def reseed(seed: int, step: int, rank: int) -> None:
     """RNG states for a resume whose world differs from the saved one (each rank's own, reproducible)."""
-    value = (seed * 1_000_003 + step * 7919 + rank) % 2**31
-    random.seed(value)
-    np.random.seed(value)
-    torch.manual_seed(value)
+    seed_generators((seed * 1_000_003 + step * 7919 + rank) % 2**31)

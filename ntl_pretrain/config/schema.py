@@ -273,9 +273,12 @@ class OptimConfig:
                                        "(warmup-stable-decay: the peak held, decay_fraction of the steps decaying at "
                                        "the end)", default="cosine")
     warmup_steps: int = _doc("learning-rate warm-up steps", default=100)
-    min_lr_ratio: float = _doc("cosine, wsd: final lr as a fraction of lr", default=0.1)
-    decay_fraction: float = _doc("wsd: share of train.max_steps spent decaying, at the end", default=0.1)
-    decay_shape: DecayShapeName = _doc("wsd: linear | cosine | 1-sqrt (most of the drop near the end)",
+    min_lr_ratio: float = _doc("cosine, wsd: the floor of the decay as a fraction of lr, reached one step after "
+                               "train.max_steps (the last step trains above it)", default=0.1)
+    decay_fraction: float = _doc("wsd: share of train.max_steps spent decaying, at the end (0 = no decay)",
+                                 default=0.1)
+    decay_shape: DecayShapeName = _doc("wsd: linear | cosine | 1-sqrt (Hagele et al. 2024: 1 - sqrt(x) of the "
+                                       "drop left at x of the decay, so half the drop in its first quarter)",
                                        default="linear")
     warmup_start_lr_ratio: float = _doc("the warm-up starts at this fraction of lr (re-warming a model whose "
                                         "earlier run ended at a lower lr, e.g. its min_lr_ratio); 0 = from 0",
@@ -292,9 +295,11 @@ class TrainConfig:
     max_steps: int = _doc("optimizer steps to train", default=1000)
     grad_accum_steps: int = _doc("micro-batches per optimizer step (DeepSpeed gradient_accumulation_steps)",
                                  default=1)
-    seed: int = _doc("seed of dropout and other runtime randomness", default=1234)
+    seed: int = _doc("seeds Python's random, NumPy's and torch's generators on every rank at start-up (dropout and "
+                     "other runtime randomness)", default=1234)
     log_every_n_steps: int = _doc("steps between log lines / TensorBoard points", default=1)
-    val_every_n_steps: int = _doc("steps between validation losses (0 = only at the end, -1 = never)",
+    val_every_n_steps: int = _doc("steps between validation losses, and one after the last step (0 or -1 = no "
+                                  "validation; train.max_steps or more = only after the last step)",
                                   default=200)
     val_batches: int = _doc("micro-batches per data-parallel rank in one validation", default=8)
     resume: str = _doc("none | auto (newest complete checkpoint in output_dir, or a fresh start) | a checkpoint "
@@ -308,6 +313,16 @@ class TrainConfig:
         "each start-up wait (rendezvous, first collective, rank 0 preparing data or the tokenizer while the "
         "others wait, the engine's set-up) fails after this many seconds with a message naming it",
         default=1800.0)
+
+    def validates_after(self, step: int) -> bool:
+        """Whether validation runs after optimizer step `step`: every val_every_n_steps and after the last step;
+        never with val_every_n_steps 0 or -1."""
+        every = self.val_every_n_steps
+        return every > 0 and (step % every == 0 or step == self.max_steps)
+
+    @property
+    def validation_on(self) -> bool:
+        return self.val_every_n_steps > 0
 
 
 @dataclass

@@ -15,7 +15,8 @@ from ..eval.config import check_corpus_digits
 from ..loss.settings import NTLSettings, check_ntl_weight
 from ..loss.variants import any_vocabulary_variants, variant_of
 from .parsing import get_key
-from .schema import Config, ConfigError, DataConfig, LossConfig, check_prompt_template
+from ..core.lr_schedules import schedule_lengths, wsd_decay_num_steps
+from .schema import Config, ConfigError, DataConfig, LossConfig, OptimConfig, check_prompt_template
 
 
 def validate(config: Config) -> None:
@@ -73,9 +74,9 @@ def validate(config: Config) -> None:
         raise ConfigError(str(error)) from None
     if config.data.validation_documents < 0:
         raise ConfigError("data.validation_documents must be >= 0")
-    if config.train.val_every_n_steps >= 0 and config.data.validation_documents == 0:
-        raise ConfigError("validation is on (train.val_every_n_steps >= 0) but data.validation_documents=0; "
-                          "hold out documents or set train.val_every_n_steps=-1")
+    if config.train.validation_on and config.data.validation_documents == 0:
+        raise ConfigError(f"validation is on (train.val_every_n_steps={config.train.val_every_n_steps}) but "
+                          f"data.validation_documents=0; hold out documents or set train.val_every_n_steps=0 (off)")
     _check_ranges(config)
     if config.train.max_steps > MAX_STEPS_LIMIT:
         raise ConfigError(f"train.max_steps={config.train.max_steps} is more than {MAX_STEPS_LIMIT:.0e} steps (decades "
@@ -96,6 +97,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"optim.betas must be two numbers, got {config.optim.betas}")
     if config.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps must be >= 0, got {config.optim.warmup_steps}")
+    _check_lr_schedule(config)
     if config.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0")
     if config.checkpoint.keep_last < 0 or config.checkpoint.keep_every_n_steps < 0:
@@ -228,6 +230,29 @@ _FLOAT_RANGES = [
     ("loss.smoothing_sigma", 0.0, None, True, None, "0 turns label smoothing off"),
     ("checkpoint.preempt_grace_s", 0.0, None, False, None, "seconds from the signal to the exit"),
 ]
+
+
+# the optim keys that only some schedules read: set to anything but the default with another schedule, they would
+# change nothing
+_SCHEDULE_KEYS = {"optim.decay_fraction": ("wsd",), "optim.decay_shape": ("wsd",),
+                  "optim.min_lr_ratio": ("cosine", "wsd")}
+
+
+def _check_lr_schedule(config: Config) -> None:
+    """The schedule's keys apply to it, and a wsd decay has at least one step unless decay_fraction is 0."""
+    optim, defaults = config.optim, OptimConfig()
+    for key, schedules in _SCHEDULE_KEYS.items():
+        name = key.split(".")[1]
+        value = getattr(optim, name)
+        if optim.lr_schedule not in schedules and value != getattr(defaults, name):
+            raise ConfigError(f"{key}={value} has no effect with optim.lr_schedule={optim.lr_schedule} (it applies to "
+                              f"{' and '.join(schedules)} only): remove it or set optim.lr_schedule={schedules[0]}")
+    if optim.lr_schedule == "wsd" and optim.decay_fraction > 0:
+        warmup, total = schedule_lengths(optim.warmup_steps, config.train.max_steps)
+        if wsd_decay_num_steps(optim.decay_fraction, total, warmup) == 0:
+            raise ConfigError(f"optim.decay_fraction={optim.decay_fraction:g} of train.max_steps={config.train.max_steps} "
+                              f"rounds to 0 decay steps: the lr would never decay; set optim.decay_fraction >= "
+                              f"{1 / total:.3g} (one step), or optim.decay_fraction=0 to hold the peak to the end")
 
 
 def _check_ranges(config: Config) -> None:

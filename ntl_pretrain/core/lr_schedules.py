@@ -3,9 +3,12 @@ config section (`{"scheduler": {"type": NAME, "params": {...}}}`).
 
 `WarmupStableDecayLR` (warmup-stable-decay, as in MiniCPM and torchtitan): linear warm-up from `warmup_min_lr` to
 `warmup_max_lr` over `warmup_num_steps`, the peak held, then a decay to `min_lr` over the last `decay_num_steps`
-of `total_num_steps` (linear, cosine or 1-sqrt). A `warmup_min_lr` above 0 re-warms from the lr an earlier run
-ended at (continued pretraining: arXiv 2403.08763, re-warming and re-decaying). Past `total_num_steps` the lr stays
-at `min_lr`.
+of `total_num_steps`: linear, cosine or 1-sqrt (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
+Beyond Fixed Training Durations": the lr falls by 1 - sqrt(x) of the drop at x of the decay, so half the drop comes
+in the first quarter of the decay and the lr flattens towards the end). The decay reaches `min_lr` one iteration
+after `total_num_steps` (a virtual last step, as torchtitan's): the last step still trains, also at `min_lr=0`.
+A `warmup_min_lr` above 0 re-warms from the lr an earlier run ended at (continued pretraining: arXiv 2403.08763,
+re-warming and re-decaying). Past `total_num_steps` the lr goes to `min_lr` and stays there.
 
 DeepSpeed 0.19.8 builds a config's scheduler by looking its type up in `deepspeed.runtime.lr_schedules`
 (`DeepSpeedEngine._scheduler_from_config`): `register_with_deepspeed` adds ours there (new names only, nothing of
@@ -21,6 +24,18 @@ from typing import Any
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
+def schedule_lengths(warmup_steps: int, max_steps: int) -> tuple[int, int]:
+    """(warmup_num_steps, total_num_steps) of a run's schedule: DeepSpeed's warm-ups need at least one step, and a
+    schedule at least one step past its warm-up."""
+    warmup = max(1, warmup_steps)
+    return warmup, max(max_steps, warmup + 1)
+
+
+def wsd_decay_num_steps(decay_fraction: float, total_num_steps: int, warmup_num_steps: int) -> int:
+    """The decaying steps of warmup-stable-decay: `decay_fraction` of the steps, rounded, after the warm-up."""
+    return min(round(decay_fraction * total_num_steps), total_num_steps - warmup_num_steps)
+
+
 def wsd_lr(step: int, *, total_num_steps: int, warmup_num_steps: int, decay_num_steps: int, warmup_min_lr: float,
            warmup_max_lr: float, min_lr: float, decay_type: str = "linear") -> float:
     """The closed form: the lr at scheduler iteration `step` (the trainer runs optimizer step k at iteration k)."""
@@ -31,12 +46,13 @@ def wsd_lr(step: int, *, total_num_steps: int, warmup_num_steps: int, decay_num_
     decay_start = total_num_steps - decay_num_steps
     if step < decay_start or decay_num_steps == 0:
         return warmup_max_lr
-    done = min(1.0, (step - decay_start) / decay_num_steps)
+    # the floor one iteration past the last step: decay step j of D trains at j / (D + 1) of the decay
+    done = min(1.0, (step - decay_start) / (decay_num_steps + 1))
     if decay_type == "linear":
         left = 1.0 - done
     elif decay_type == "cosine":
         left = 0.5 * (1.0 + math.cos(math.pi * done))
-    else:  # 1-sqrt (MiniCPM's: most of the drop at the end)
+    else:  # 1-sqrt (Hägele et al. 2024): half the drop in the first quarter of the decay
         left = 1.0 - math.sqrt(done)
     return min_lr + (warmup_max_lr - min_lr) * left
 

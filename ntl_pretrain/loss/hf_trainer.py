@@ -129,3 +129,23 @@ class HFTrainerLoss:
             step_terms = self._step_terms.to(device=logits.device, dtype=sums.ce_sum.dtype)
             return sums.ce_sum / items + self.ntl_weight * sums.ntl_sum / step_terms.clamp_min(1.0)
         return (sums.ce_sum + self.ntl_weight * ntl_mean * sums.token_count) / items
+
+
+def without_targets_after_padding(collator: Any) -> Any:
+    """A data collator whose batches have no target right after a pad position: with LEFT padding (decoder models'
+    usual side for generation), transformers' `DataCollatorForLanguageModeling` ignores the pads' labels but keeps
+    each padded row's first real token as a target, predicted from a pad position. Whether a row is padded depends
+    on the micro-batch it lands in, so those targets, `num_items_in_batch` and the update change with gradient
+    accumulation (and teach nothing). This sets the labels after a pad (`attention_mask` 0) to -100; with right
+    padding (transformers' default) or padding-free packing there are none and nothing changes."""
+
+    def collate(features: Any) -> Any:
+        batch = collator(features)
+        mask = batch.get("attention_mask")
+        if mask is not None and "labels" in batch:
+            after_pad = torch.zeros_like(mask, dtype=torch.bool)
+            after_pad[:, 1:] = mask[:, :-1] == 0
+            batch["labels"] = batch["labels"].masked_fill(after_pad, -100)
+        return batch
+
+    return collate

@@ -10,6 +10,7 @@ otherwise (`tokenizer.allow_non_digit_level=true`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -48,8 +49,8 @@ class DigitCoverage:
 
     def describe(self) -> str:
         if self.share is None:
-            return f"no digits in the first {self.samples} training samples ({self.tokens} tokens)"
-        return (f"{100 * self.share:.1f}% of the {self.digits} digits in the first {self.samples} training samples "
+            return f"no digits in the first {self.samples} distinct training samples ({self.tokens} tokens)"
+        return (f"{100 * self.share:.1f}% of the {self.digits} digits in the first {self.samples} distinct training samples "
                 f"({self.tokens} tokens) sit in number tokens")
 
 
@@ -83,13 +84,19 @@ def digit_coverage(tokenizer: Any, number_vocab: Any, samples: list[np.ndarray])
 
 
 def first_samples(sample: Callable[[int], np.ndarray], available: int | None) -> list[np.ndarray]:
-    """The first training samples `sample(0), sample(1), ...`, up to MAX_SAMPLES / MAX_SAMPLE_TOKENS."""
+    """The distinct samples among the first training samples `sample(0), sample(1), ...` read, up to MAX_SAMPLES /
+    MAX_SAMPLE_TOKENS: a streamed corpus shorter than that restarts, and its samples count once, as what was read."""
     limit = MAX_SAMPLES if available is None else min(MAX_SAMPLES, available)
     out: list[np.ndarray] = []
+    seen: set[bytes] = set()
     tokens = 0
     for g in range(limit):
-        out.append(sample(g))
-        tokens += int(out[-1].size)
+        ids = np.ascontiguousarray(sample(g))
+        key = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+        if key not in seen:
+            seen.add(key)
+            out.append(ids)
+        tokens += int(ids.size)
         if tokens >= MAX_SAMPLE_TOKENS:
             break
     return out

@@ -62,6 +62,11 @@ def _report_saved(trainer: Any, tag: str) -> None:
 def resume(trainer: Any, load_tag: str) -> None:
     """The engine, step, tokens seen and data position of checkpoint `load_tag`."""
     client_state = trainer.checkpoints.load(trainer.engine, load_tag)
+    scheduler = trainer.engine.lr_scheduler
+    if scheduler is not None:
+        # the optimizer's restored lr is the saved schedule's for the next step; this run's schedule
+        # (checkpoint.resume_lr_schedule=replan) sets it from the restored iteration on (the same value otherwise)
+        scheduler.step(scheduler.last_batch_iteration)
     trainer.step = int(client_state["step"])
     trainer.tokens_seen = int(client_state.get("tokens_seen", 0))
     trainer.data.load_state_dict(client_state["data"], steps_done=trainer.step)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config, ConfigError
+from ..core.lr_schedules import schedule_lengths, wsd_decay_num_steps
 from ..parallel import distributed
 
 
@@ -28,28 +29,33 @@ class ResolvedRun:
 
 
 def lr_scheduler_section(cfg: Config) -> dict[str, Any]:
-    """DeepSpeed's `scheduler` section of optim.lr_schedule (a type of DeepSpeed's, or of core/lr_schedules.py)."""
+    """DeepSpeed's `scheduler` section of optim.lr_schedule (a type of DeepSpeed's, or of core/lr_schedules.py).
+
+    Optimizer step k runs at the scheduler's iteration k (trainer/startup.py). Each decay reaches its floor one
+    iteration after the last step (a virtual last step, as torchtitan's), so the last step trains, also with
+    `optim.min_lr_ratio=0`: DeepSpeed's WarmupCosineLR is at its floor from iteration total_num_steps - 1 on (its
+    cosine counts from the iteration after the warm-up's last as 1), WarmupDecayLR from total_num_steps."""
     optim = cfg.optim
-    warmup = max(1, optim.warmup_steps)
-    total = max(cfg.train.max_steps, warmup + 1)
+    warmup, total = schedule_lengths(optim.warmup_steps, cfg.train.max_steps)
     start = optim.warmup_start_lr_ratio
     if optim.lr_schedule == "cosine":
         return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": total, "warmup_num_steps": warmup, "warmup_min_ratio": start,
+            "total_num_steps": total + 2, "warmup_num_steps": warmup, "warmup_min_ratio": start,
             "cos_min_ratio": optim.min_lr_ratio, "warmup_type": "linear"}}
     if optim.lr_schedule == "linear":
         return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": total, "warmup_num_steps": warmup, "warmup_min_lr": start * optim.lr,
+            "total_num_steps": total + 1, "warmup_num_steps": warmup, "warmup_min_lr": start * optim.lr,
             "warmup_max_lr": optim.lr, "warmup_type": "linear"}}
-    if optim.lr_schedule == "wsd":
+    if optim.lr_schedule == "wsd":  # WarmupStableDecayLR reaches min_lr at total_num_steps + 1 itself
         return {"type": "WarmupStableDecayLR", "params": {
             "total_num_steps": total, "warmup_num_steps": warmup,
-            "decay_num_steps": min(round(optim.decay_fraction * total), total - warmup),
+            "decay_num_steps": wsd_decay_num_steps(optim.decay_fraction, total, warmup),
             "warmup_min_lr": start * optim.lr, "warmup_max_lr": optim.lr, "min_lr": optim.min_lr_ratio * optim.lr,
             "decay_type": optim.decay_shape}}
     return {"type": "WarmupLR", "params": {
         "warmup_num_steps": warmup, "warmup_min_lr": start * optim.lr, "warmup_max_lr": optim.lr,
         "warmup_type": "linear"}}
+
 
 def generated_deepspeed_config(cfg: Config, on_cpu: bool) -> dict:
     """The DeepSpeed config implied by the YAML (DeepSpeed's own key names and meaning)."""

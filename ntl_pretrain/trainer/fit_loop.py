@@ -20,7 +20,6 @@ logger = logging.getLogger("ntl_pretrain")
 
 def fit(trainer: Any) -> None:
     cfg = trainer.cfg
-    val_every = cfg.train.val_every_n_steps
     ckpt_every = cfg.checkpoint.every_n_steps
     if trainer.step >= cfg.train.max_steps:
         trainer.monitor.message(f"nothing to do: the run is at step {trainer.step} and train.max_steps={cfg.train.max_steps}")
@@ -49,13 +48,13 @@ def fit(trainer: Any) -> None:
         last = trainer.step == cfg.train.max_steps
         with trainer.window.paused():  # not training steps: kept out of the logged step time and tokens/s
             trainer.commit_pending_checkpoint(wait=False)  # a background save every rank has written
-            if val_every > 0 and trainer.step % val_every == 0 and not last:
+            if cfg.train.validates_after(trainer.step) and not last:  # the last step's comes after the save
                 log_validation(trainer)
             if ckpt_every > 0 and trainer.step % ckpt_every == 0:
                 saved_at = trainer.save_checkpoint(asynchronous=cfg.checkpoint.async_save)
             if not last:
                 trainer.evaluate(final=False)
-    if val_every >= 0:
+    if cfg.train.validates_after(trainer.step):
         log_validation(trainer)  # overlaps the writing of a background save of the last step
     trainer.commit_pending_checkpoint(wait=True)
     if cfg.checkpoint.save_final and saved_at != f"global_step{trainer.step}":

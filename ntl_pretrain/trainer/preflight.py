@@ -15,6 +15,7 @@ from ..checkpoint import resolve_resume
 from ..config import Config, ConfigError, to_yaml
 from ..core.agreement import AgreedError
 from ..core.fs import writable_problem
+from ..core.lr_schedules import schedule_lengths, wsd_decay_num_steps
 from ..core.numbers import DigitsNotKeptError, NumberTokenError, NumberVocab, digit_hiding_added_tokens
 from ..data import DataError, resolve_files
 from ..eval.config import validate_eval_inputs
@@ -113,6 +114,14 @@ def config_warnings(cfg: Config) -> list[str]:
                      f"learning rate never reaches optim.lr={cfg.optim.lr:g} (it peaks at "
                      f"{cfg.train.max_steps / max(cfg.optim.warmup_steps, 1):.1%} of it); set optim.warmup_steps "
                      f"below train.max_steps")
+    optim = cfg.optim
+    if optim.lr_schedule == "wsd":
+        warmup, total = schedule_lengths(optim.warmup_steps, cfg.train.max_steps)
+        asked, decay = round(optim.decay_fraction * total), wsd_decay_num_steps(optim.decay_fraction, total, warmup)
+        if decay < asked:
+            found.append(f"optim.decay_fraction={optim.decay_fraction:g} asks for {asked} decay steps but only {decay} "
+                         f"follow optim.warmup_steps={optim.warmup_steps} in train.max_steps={cfg.train.max_steps}: the "
+                         f"decay is {decay} steps; lower optim.warmup_steps or optim.decay_fraction")
     if cfg.loss.ntl_on and cfg.loss.ntl_weight > NTL_WEIGHT_WARN:
         found.append(f"loss.ntl_weight={cfg.loss.ntl_weight:g} is far above the paper's 0.1-1: the number-token "
                      f"loss outweighs cross-entropy; set loss.ntl_weight to about 0.3")

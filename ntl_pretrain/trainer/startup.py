@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from ..checkpoint import AgreedCheckpointError, CheckpointError, lr_schedule_description
+from ..checkpoint import AgreedCheckpointError, CheckpointError, lr_schedule_description, seed_generators
 from ..config import Config, to_dict, to_yaml, write_resolved
 from ..core.agreement import agree_on_error, run_agreed
 from ..core.fs import write_json_atomic
@@ -132,7 +132,7 @@ def build(trainer: Any, cfg: Config) -> None:
     # every rank reads the folder; a refusal (another run's checkpoints, a bad resume) is printed once
     trainer.resume_tag = run_agreed(lambda: check_output_dir(cfg), True, AgreedCheckpointError,
                                     plain=(CheckpointError,))
-    torch.manual_seed(cfg.train.seed)
+    seed_generators(cfg.train.seed)  # Python's, NumPy's and torch's: a checkpoint's RNG files then repeat too
     main_first = trainer.layout.is_main
     with trainer.watchdog.waiting("global rank 0 to prepare the generated corpus and the tokenizer"):
         collective_call(lambda: prepare_assets(cfg), first=main_first)
@@ -149,7 +149,7 @@ def build(trainer: Any, cfg: Config) -> None:
         trainer.tokenizer, number_vocab, trainer.data, source=tokenizer_source(cfg.tokenizer, cfg.model),
         ntl_on=trainer.objective.ntl_on and cfg.tokenizer.digit_level,
         allow=cfg.tokenizer.allow_non_digit_level), first=True)
-    if cfg.train.val_every_n_steps >= 0:
+    if cfg.train.validation_on:
         trainer.data.check_validation(cfg.train.val_batches)
 
     built = build_engine(cfg, trainer.ds_config, trainer.tokenizer, number_vocab, trainer.layout, trainer.resume_tag,
