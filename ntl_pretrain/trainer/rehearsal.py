@@ -104,6 +104,7 @@ class Rehearsal:
 
     world_size: int
     local_world_size: int
+    focus_rank: int  # the rank the summary shows
     layout: str  # ParallelLayout.describe() of rank 0
     tp_size: int
     sp_size: int
@@ -123,7 +124,7 @@ class Rehearsal:
 
     def summary(self) -> list[str]:
         """A one-screen report."""
-        focus = self.shares[min(173, self.world_size - 1)]
+        focus = self.shares[self.focus_rank]
         lines = [f"rehearsal of {self.world_size} ranks ({self.local_world_size} per node): {self.layout}",
                  f"model: {self.model['layers']} layers, hidden {self.model['hidden']}, {self.model['heads']} heads / "
                  f"{self.model['kv_heads']} kv heads, vocabulary {self.model['vocab']}, "
@@ -272,6 +273,8 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
     tp, sp = cfg.parallel.tp_size, cfg.parallel.sp_size
     dp = world_size // (tp * sp)
     focus = min(173, world_size - 1) if focus_rank is None else focus_rank
+    if not 0 <= focus < world_size:
+        raise ValueError(f"focus rank {focus} is outside the world of {world_size} ranks: give one of 0-{world_size - 1}")
     seconds["config checks"] = time.perf_counter() - started
 
     phase = time.perf_counter()
@@ -357,7 +360,8 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
                               for key, (builder, files) in streams.items()},
                 data_description=json.dumps(data_description(cfg.data), sort_keys=True, default=str),
                 sequence=(sequence_shard(mpu if sp > 1 else None).bounds(cfg.data.seq_len)),
-                vocab=(0, 0), heads={}, zero_elements=0,
+                vocab=(0, 0), heads=_ulysses_heads(ulysses.implementation, layout.sp_rank) if sp > 1 else {},
+                zero_elements=0,
                 checkpoint_files=_checkpoint_files(shell, zero_group, layout.rank),
                 eval_prompts=_eval_prompts(eval_counts, parallel_groups.dp_group),
                 autotp_ran=layout.rank in autotp_ranks)
@@ -382,7 +386,7 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
     for share, zero_rank, zero_size in pending_zero:
         pieces = slices[share.tp_rank]
         share.vocab = vocab_of[share.tp_rank]
-        share.heads = _heads(pieces, shapes, model_facts)
+        share.heads = share.heads or _heads(pieces, shapes, model_facts)
         ranges = {}
         for name, numel in slice_numels[share.tp_rank].items():
             ranges[name] = [zero3_partition_range(numel, zero3_partition_numel(numel, zero_size), zero_rank)]
@@ -390,7 +394,8 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
         zero_ranges[share.rank] = ranges
     seconds["partitions"] = time.perf_counter() - phase
     rehearsal = Rehearsal(
-        world_size=world_size, local_world_size=local_world_size, layout=layout0, tp_size=tp, sp_size=sp, dp_size=dp,
+        world_size=world_size, local_world_size=local_world_size, focus_rank=focus, layout=layout0, tp_size=tp,
+        sp_size=sp, dp_size=dp,
         zero_stage=cfg.parallel.zero_stage, model=model_facts,
         samples_per_step=cfg.data.micro_batch_size * cfg.train.grad_accum_steps * dp,
         stream_sources={key: len(files) for key, (_, files) in streams.items()}, eval_prompt_counts=eval_counts,
@@ -431,6 +436,28 @@ def _heads(pieces: dict[str, list[tuple[int, int, int]]], shapes: dict[str, tupl
         start, size = (rows[0][1], rows[0][2]) if rows else (0, shapes[name][0])
         out[kind] = (start // model["head_dim"], (start + size) // model["head_dim"])
     return out
+
+
+def _ulysses_heads(implementation: str, sp_rank: int) -> dict[str, tuple[int, int]]:
+    """The attention and key-value heads [start, stop) sequence-parallel rank `sp_rank` computes after Ulysses'
+    all-to-all: DeepSpeed's `UlyssesSPAttentionHF` (found in the attention table it wrapped) gives each rank
+    `local_q_head_count` consecutive heads in rank order, and its kv heads, one replicated kv head per
+    `kv_replication_factor` ranks when sp exceeds them."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    wrapper = ALL_ATTENTION_FUNCTIONS[implementation]
+    found = [cell.cell_contents for cell in wrapper.__closure__ or ()
+             if isinstance(cell.cell_contents, UlyssesSPAttentionHF)]
+    if len(found) != 1:
+        raise RuntimeError(f"the {implementation!r} attention is not DeepSpeed's Ulysses wrapper after "
+                           f"register_ulysses_attention")
+    attention = found[0]
+    q, kv = attention.local_q_head_count, attention.local_kv_head_count
+    if attention.global_kv_head_count < attention.world_size:
+        first_kv = sp_rank // attention.kv_replication_factor
+        return {"attention": (sp_rank * q, (sp_rank + 1) * q), "key_value": (first_kv, first_kv + 1)}
+    return {"attention": (sp_rank * q, (sp_rank + 1) * q), "key_value": (sp_rank * kv, (sp_rank + 1) * kv)}
 
 
 def _checkpoint_files(shell: Any, zero_group: Any, rank: int) -> list[str]:
@@ -718,14 +745,28 @@ def _tiles(pieces: list[tuple[int, int]], total: int) -> bool:
 def _check_model(rehearsal: Rehearsal) -> list[str]:
     problems = []
     shares, model, tp = rehearsal.shares, rehearsal.model, rehearsal.tp_size
-    tp_group = next(s for s in shares if s.rank == 0).groups["tp"]
-    if not _tiles([shares[r].vocab for r in tp_group], model["vocab"]):
-        problems.append(f"the vocabulary columns of tp group {list(tp_group)} "
-                        f"{[shares[r].vocab for r in tp_group]} do not tile [0, {model['vocab']})")
-    for kind, total in (("attention", model["heads"]), ("key_value", model["kv_heads"])):
-        if kind in shares[0].heads and not _tiles([shares[r].heads[kind] for r in tp_group], total):
-            problems.append(f"the {kind} heads of tp group {list(tp_group)} {[shares[r].heads[kind] for r in tp_group]}"
-                            f" do not tile the model's {total}")
+    for share in shares:
+        tp_group = share.groups["tp"]
+        if share.rank == tp_group[0] and not _tiles([shares[r].vocab for r in tp_group], model["vocab"]):
+            problems.append(f"the vocabulary columns of tp group {_ranks(tp_group)} "
+                            f"{[shares[r].vocab for r in tp_group]} do not tile [0, {model['vocab']})")
+            break
+    head_group = "sp" if rehearsal.sp_size > 1 else "tp"  # the heads are split by AutoTP or by Ulysses
+    replicated_kv = model["kv_heads"] < rehearsal.sp_size  # Ulysses: one kv head on each sp / kv ranks
+    for share in shares:
+        group = share.groups[head_group]
+        if share.rank != group[0]:
+            continue
+        for kind, total in (("attention", model["heads"]), ("key_value", model["kv_heads"])):
+            pieces = [shares[r].heads[kind] for r in group if kind in shares[r].heads]
+            if kind == "key_value" and replicated_kv:
+                covered = sorted(head for start, stop in pieces for head in range(start, stop))
+                tiled = covered == sorted(list(range(total)) * (len(group) // total))
+            else:
+                tiled = _tiles(pieces, total)
+            if not tiled:
+                problems.append(f"the {kind} heads of {head_group} group {_ranks(group)} {pieces} do not tile the "
+                                f"model's {total}")
     problems += _peers_agree(rehearsal, "vocabulary columns", lambda s: s.vocab, "dp")
     problems += _peers_agree(rehearsal, "heads", lambda s: s.heads, "dp")
     # each parameter: the tp ranks' slices tile it along their dim (or it is replicated on every tp rank)
