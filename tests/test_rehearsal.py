@@ -188,11 +188,12 @@ def test_rehearse_tool_prints_the_summary_and_json(run_inputs, capsys):
         import rehearse as tool
     finally:
         sys.path.pop(0)
-    code = tool.main(["--config", CONFIG, "--world-size", "16", "--model-config",
-                      str(run_inputs / "llama3-8b" / "config.json"), "parallel.tp_size=4",
+    code = tool.main(["--config", CONFIG, "--world-size", "8", "--model-config",
+                      str(run_inputs / "llama3-8b" / "config.json"), "parallel.tp_size=2",
                       f"data.sources=[{{path: {run_inputs / 'many'}, text_field: text, streaming: true}}]",
                       "data.validation_documents=10", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["world_size"] == 16 and report["problems"] == []
-    assert report["shares"][13]["groups"]["tp"] == [12, 13, 14, 15]
+    assert report["world_size"] == 8 and report["problems"] == []
+    assert report["shares"][5]["groups"]["tp"] == [4, 5]
+    assert report["autotp_ranks"] == [6, 7]  # the tensor-parallel group of the summary's rank, 7

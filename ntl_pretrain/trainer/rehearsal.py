@@ -186,6 +186,8 @@ def simulated_rank(rank: int, world_size: int, local_world_size: int) -> Iterato
     """Inside: this process is global rank `rank` of `world_size` to torch.distributed (the fake backend),
     DeepSpeed's communication and the launcher's environment variables; DeepSpeed's groups are forgotten and
     the process group destroyed on exit, so the next simulated rank starts as a fresh process would."""
+    import importlib
+
     import deepspeed.comm as ds_comm
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -194,13 +196,20 @@ def simulated_rank(rank: int, world_size: int, local_world_size: int) -> Iterato
                       LOCAL_WORLD_SIZE=str(local_world_size))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     ds_comm.cdb = None  # DeepSpeed wraps the process group just made (it keeps its wrapper in a module global)
-    ds_comm.init_distributed(dist_backend="fake", auto_mpi_discovery=False, verbose=False)
+    # without DeepSpeed's CPU shared-memory all-reduce op: nothing is reduced here, and loading it would build it
+    # (minutes, once per environment) and map a /dev/shm buffer per simulated rank
+    ds_torch_backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch itself
+    build_shm_op = ds_torch_backend.build_shm_op
+    ds_torch_backend.build_shm_op = lambda: None
     try:
+        ds_comm.init_distributed(dist_backend="fake", auto_mpi_discovery=False, verbose=False)
         yield
     finally:
+        ds_torch_backend.build_shm_op = build_shm_op
         release_ulysses_attention()
         _forget_deepspeed_groups()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         ds_comm.cdb = None
         for key, value in saved.items():
             if value is None:
