@@ -182,14 +182,16 @@ def test_a_broken_split_is_reported(llama70b_256, kind):
     assert check_shares(llama70b_256) == []
 
 
-def test_rehearse_tool_prints_the_summary_and_json(run_inputs, capsys):
+def test_rehearse_tool_prints_the_summary_and_json_zero2(run_inputs, capsys):
+    """The tool's --json, for a ZeRO-2 layout: the weights whole on every rank, the model states written once per tp
+    rank (by data-parallel rank 0), the optimizer states by every rank."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
         import rehearse as tool
     finally:
         sys.path.pop(0)
     code = tool.main(["--config", CONFIG, "--world-size", "8", "--model-config",
-                      str(run_inputs / "llama3-8b" / "config.json"), "parallel.tp_size=2",
+                      str(run_inputs / "llama3-8b" / "config.json"), "parallel.tp_size=2", "parallel.zero_stage=2",
                       f"data.sources=[{{path: {run_inputs / 'many'}, text_field: text, streaming: true}}]",
                       "data.validation_documents=10", "--json"])
     assert code == 0
@@ -197,3 +199,7 @@ def test_rehearse_tool_prints_the_summary_and_json(run_inputs, capsys):
     assert report["world_size"] == 8 and report["problems"] == []
     assert report["shares"][5]["groups"]["tp"] == [4, 5]
     assert report["autotp_ranks"] == [6, 7]  # the tensor-parallel group of the summary's rank, 7
+    files = {share["rank"]: sorted(share["checkpoint_files"]) for share in report["shares"]}
+    assert files[1] == ["bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", "mp_rank_01_model_states.pt",
+                        "rng_state_1.pt"]
+    assert files[5] == ["bf16_zero_pp_rank_2_mp_rank_01_optim_states.pt", "rng_state_5.pt"]

@@ -92,7 +92,7 @@ class RankShare:
     sequence: tuple[int, int]  # positions [start, stop) of every row it runs
     vocab: tuple[int, int]  # vocabulary columns [start, stop) of its LM head
     heads: dict[str, tuple[int, int]]  # attention / key_value heads [start, stop) it computes (every layer alike)
-    zero_elements: int  # parameter elements of its ZeRO-3 partitions (all parameters)
+    zero_elements: int  # parameter elements it holds: its ZeRO-3 partitions (ZeRO 0-2: its tp rank's whole slices)
     checkpoint_files: list[str]  # the files it writes into a checkpoint folder
     eval_prompts: dict[str, tuple[int, int]]  # benchmark -> prompt indices [start, stop) it generates
     autotp_ran: bool = False  # AutoTP ran on this rank's own meta model (else its tp rank's slices were used)
@@ -136,7 +136,7 @@ class Rehearsal:
                  f"validation {len(focus.validation)}; vocabulary [{focus.vocab[0]}, {focus.vocab[1]}); heads "
                  + ", ".join(f"{k} [{a}, {b})" for k, (a, b) in focus.heads.items())
                  + f"; sequence [{focus.sequence[0]}, {focus.sequence[1]})",
-                 f"  ZeRO-3 partitions: {focus.zero_elements / 1e6:.1f}M elements; checkpoint files: "
+                 f"  parameter elements held (ZeRO-{self.zero_stage}): {focus.zero_elements / 1e6:.1f}M; checkpoint files: "
                  + ", ".join(focus.checkpoint_files),
                  "  evaluation prompts: " + (", ".join(f"{k} [{a}, {b})" for k, (a, b) in focus.eval_prompts.items())
                                             or "none")]
@@ -314,6 +314,8 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
     notes.append("the vocabulary is config.json's; a tokenizer that grows it (model.resize_embeddings) pads it to a "
                  "multiple of lcm(model.pad_vocab_to_multiple_of, tp_size) at start-up")
     notes.append("the Hugging Face export at the end is written by global rank 0 alone (run_on_main)")
+    notes += [f"the prompts of benchmark {benchmark.name!r} are not rehearsed (no count in PROMPT_COUNTS)"
+              for benchmark in _enabled_benchmarks(cfg) if benchmark.name not in PROMPT_COUNTS]
 
     shares: list[RankShare] = []
     slices: dict[int, dict[str, list[tuple[int, int, int]]]] = {}
@@ -396,6 +398,9 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
         pieces = slices[share.tp_rank]
         share.vocab = vocab_of[share.tp_rank]
         share.heads = share.heads or _heads(pieces, shapes, model_facts)
+        if cfg.parallel.zero_stage != 3:  # ZeRO 0-2: every rank holds its tp rank's slices whole
+            share.zero_elements = sum(slice_numels[share.tp_rank].values())
+            continue
         ranges = {}
         for name, numel in slice_numels[share.tp_rank].items():
             ranges[name] = [zero3_partition_range(numel, zero3_partition_numel(numel, zero_size), zero_rank)]
@@ -435,7 +440,7 @@ def _slice_numel(shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> 
 def _heads(pieces: dict[str, list[tuple[int, int, int]]], shapes: dict[str, tuple[int, ...]],
            model: dict) -> dict[str, tuple[int, int]]:
     """The attention and key-value heads [start, stop) a rank computes, from its rows of the first layer's q and k
-    projections (AutoTP splits them by whole heads; every layer alike, `check_shares` checks)."""
+    projections (AutoTP splits them by whole heads; every layer's slices are checked to tile by `check_shares`)."""
     out = {}
     for kind, suffix in (("attention", "self_attn.q_proj.weight"), ("key_value", "self_attn.k_proj.weight")):
         name = next((n for n in shapes if n.endswith(suffix)), None)
@@ -486,27 +491,27 @@ def _checkpoint_files(shell: Any, zero_group: Any, rank: int) -> list[str]:
     return files
 
 
-def _eval_prompt_counts(cfg: Config) -> dict[str, int]:
-    """The periodic evaluation's prompt count of each benchmark the config runs (none when it runs no evaluation)."""
+def _enabled_benchmarks(cfg: Config) -> list[Any]:
+    """The benchmarks the run's evaluation runs (none when it runs no evaluation)."""
     from ..eval.benchmarks import BENCHMARKS
 
     if not (cfg.eval.at_end or cfg.eval.every_n_steps > 0):
-        return {}
-    counts = {}
-    for benchmark in BENCHMARKS:
-        if benchmark.enabled(cfg.eval):
-            counts[benchmark.name] = _prompt_count(benchmark.name, cfg.eval)
-    return counts
+        return []
+    return [benchmark for benchmark in BENCHMARKS if benchmark.enabled(cfg.eval)]
 
 
-def _prompt_count(name: str, settings: Any) -> int:
-    """How many prompts a benchmark's periodic evaluation generates (arithmetic: n per split; GSM8K: its limit,
-    0 meaning the 1,319 test problems)."""
-    if name == "arith":
-        return settings.arithmetic_n * len(settings.arithmetic_splits)
-    if name == "gsm8k":
-        return settings.gsm8k_limit or 1319
-    return 0
+def _eval_prompt_counts(cfg: Config) -> dict[str, int]:
+    """The periodic evaluation's prompt count of each benchmark the config runs (`PROMPT_COUNTS`)."""
+    return {benchmark.name: PROMPT_COUNTS[benchmark.name](cfg.eval) for benchmark in _enabled_benchmarks(cfg)
+            if benchmark.name in PROMPT_COUNTS}
+
+
+# how many prompts each benchmark's periodic evaluation generates, from the `eval` settings (a benchmark missing
+# here is named in the rehearsal's notes and not rehearsed)
+PROMPT_COUNTS = {
+    "arith": lambda settings: settings.arithmetic_n * len(settings.arithmetic_splits),  # n per split
+    "gsm8k": lambda settings: settings.gsm8k_limit or 1319,  # 0: the 1,319 test problems
+}
 
 
 def _eval_prompts(counts: dict[str, int], dp_group: Any) -> dict[str, tuple[int, int]]:
@@ -793,6 +798,8 @@ def _check_model(rehearsal: Rehearsal) -> list[str]:
         dim = dims.pop()
         if not _tiles([(start, start + size) for p in pieces for _, start, size in p], shape[dim]):
             problems.append(f"{name}: the tp ranks' slices {pieces} do not tile its {shape[dim]} along dim {dim}")
+    if not rehearsal.zero_ranges:  # ZeRO 0-2: the weights are not partitioned
+        return problems
     # each parameter slice: the ZeRO partitions of its zero group tile it
     seen_groups: set[tuple[int, ...]] = set()
     for share in shares:
