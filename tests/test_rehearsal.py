@@ -88,6 +88,10 @@ def test_70b_at_256_ranks_every_share_complete_and_disjoint(llama70b_256, run_in
     # global batch of step s: samples (s - 1) * 128 + m * 32 + dp_rank, m < 4 accumulation steps
     assert len(rank.samples) == 2 * 4 and rank.samples == rehearsal.shares[168].samples
     assert [rehearsal.shares[r].samples for r in range(168, 176)] == [rank.samples] * 8
+    # the prompts in contiguous chunks of ceil(n / 32) over the dp group: arithmetic 500 x 2 splits, GSM8K 200
+    assert rank.eval_prompts == {"arith": (21 * 32, 22 * 32), "gsm8k": (21 * 7, 22 * 7)}
+    start, stop = rehearsal.shares[31 * 8].eval_prompts["gsm8k"]
+    assert stop == start  # dp rank 31 (7 x 31 > 200): none left
     assert rank.stream_files["data.sources.1"] == [(21, 0, -1)]  # 40 files over 32 ranks: file 21 only
     assert rehearsal.shares[0].stream_files["data.sources.1"] == [(0, 0, -1), (32, 0, -1)]
     size = os.path.getsize(run_inputs / "one" / "web.jsonl")  # one file over 32 ranks: 1/32 of its bytes each
