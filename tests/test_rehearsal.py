@@ -118,6 +118,24 @@ def test_8b_with_sequence_parallelism_at_64_ranks(llama8b_sp_64):
     assert rehearsal.shares[44].samples != rehearsal.shares[36].samples
 
 
+def test_qwen_with_a_tied_head_at_16_ranks(run_inputs):
+    """configs/qwen2.5_0.5b_cpt.yaml as written (tp 2) for a Qwen2.5-0.5B shape: the LM head is the embedding
+    (tied), 14 heads and 2 key-value heads split over 2 tp ranks."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                max_position_embeddings=32768).save_pretrained(run_inputs / "qwen2.5-0.5b")
+    rehearsal = rehearse(load_config(os.path.join(ROOT, "configs", "qwen2.5_0.5b_cpt.yaml"),
+                                     [f"model.name_or_path={run_inputs / 'qwen2.5-0.5b'}"]), 16)
+    assert rehearsal.problems == []
+    assert rehearsal.model["parameters"] == 494_032_768  # Qwen2.5-0.5B's count: the head is the embedding
+    rank = rehearsal.shares[13]  # tp 1, dp 6
+    assert (rank.tp_rank, rank.dp_rank) == (1, 6)
+    assert rank.vocab == (151936 // 2, 151936)
+    assert rank.heads == {"attention": (7, 14), "key_value": (1, 2)}
+
+
 def test_deepspeeds_zero3_partitions_are_the_rehearsals(tmp_path):
     """DeepSpeed's own zero.Init, on rank 3 of a fake 7-rank world, gives each parameter the partition size the
     rehearsal uses (sizes that leave a remainder and one smaller than the ranks)."""

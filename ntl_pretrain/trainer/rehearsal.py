@@ -254,8 +254,10 @@ def _meta_model(model_config: Any) -> torch.nn.Module:
     except ImportError:
         from transformers.modeling_utils import no_init_weights
     with torch.device("meta"), no_init_weights():
-        return AutoModelForCausalLM.from_config(copy.deepcopy(model_config), attn_implementation="sdpa",
-                                                dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), attn_implementation="sdpa",
+                                                 dtype=torch.bfloat16)
+    model.tie_weights()  # a tied head is the embedding, as the trainer's builds and loads leave it
+    return model
 
 
 # ------------------------------------------------------------------------------------------------- the rehearsal
