@@ -351,6 +351,8 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
                 shell._configure_tensor_parallel(model, shell.tensor_parallel_config())
                 tp_rank = ds_groups.get_tensor_model_parallel_rank()
                 mine = {name: _tp_pieces(param, name, tp_rank) or [] for name, param in model.named_parameters()}
+                if set(mine) != set(shapes):  # every parameter is checked by its name in the unsliced model
+                    raise RuntimeError(f"AutoTP changed the model's parameters: {sorted(set(mine) ^ set(shapes))[:4]}")
                 if tp_rank in slices and slices[tp_rank] != mine:
                     raise RuntimeError(f"AutoTP gave rank {rank} other slices than another rank of tp rank {tp_rank}")
                 slices[tp_rank] = mine
