@@ -43,6 +43,11 @@ def tag_for_step(step: int) -> str:
     return f"{TAG_PREFIX}{step}"
 
 
+def rng_state_file(rank: int) -> str:
+    """The file of global rank `rank`'s RNG state in a checkpoint folder (written beside DeepSpeed's files)."""
+    return f"rng_state_{rank}.pt"
+
+
 def step_of_tag(name: str) -> int | None:
     """The step of a checkpoint folder name `global_stepN`; None for anything else (staging, universal)."""
     match = _TAG_RE.match(name)

@@ -23,7 +23,8 @@ from .collective import agree, broadcast_from_main, gather, run_on_main
 from .fingerprint import check_data, check_fingerprint, describe_changes, lr_text
 from .format import (FORMAT_VERSION, HF_DIR, LATEST_NAME, MANIFEST_NAME, REPLACED_SUFFIX, STAGING_MARKER,
                      STAGING_SUFFIX, UNIVERSAL_SUFFIX, CheckpointError, CheckpointInfo, SavedLayout, UnsafeCheckpointError,
-                     file_sizes, folder_bytes, needs_reshard, read_manifest, saved_layout, step_of_tag, tag_for_step)
+                     file_sizes, folder_bytes, needs_reshard, read_manifest, rng_state_file, saved_layout, step_of_tag,
+                     tag_for_step)
 from .integrity import hash_files, hash_record, verify_checkpoint
 from .safe_loading import load_rng_state, reseed, rng_state, set_rng_state, weights_only_loads
 from .staging import make_staging, mark_staging, remove_interrupted_saves, remove_staging
@@ -246,7 +247,7 @@ class CheckpointManager:
         if loaded_path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint files for this rank in {path!r}")
         same_world = saved_layout(manifest).world_size == self.layout.world_size
-        rng_path = os.path.join(path, f"rng_state_{self.layout.rank}.pt")
+        rng_path = os.path.join(path, rng_state_file(self.layout.rank))
         if same_world and os.path.isfile(rng_path):
             set_rng_state(load_rng_state(rng_path))
         else:
@@ -274,7 +275,7 @@ class CheckpointManager:
         run_on_main(self.layout.is_main, lambda: self._prepare(staging, write_hf_files))
 
         error = None
-        rng_name = f"rng_state_{self.layout.rank}.pt"
+        rng_name = rng_state_file(self.layout.rank)
         try:  # each rank's own RNG state, beside DeepSpeed's files
             with atomic_write(os.path.join(staging, rng_name), "wb") as handle:
                 torch.save(rng_state(), handle)

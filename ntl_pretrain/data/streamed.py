@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -229,8 +230,8 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
             return DatasetRows(split_hub_stream(documents, n_val, rank, dp_size, key, say=False)[1])
     else:
         builder, files = resolved
-        ranges = _ranges_of(builder, files, dp_rank, dp_size, key)
-        per_rank = dp_size > 1 and (len(files) >= dp_size or ranges is not None)
+        own_share = rank_share(builder, files, dp_rank, dp_size, key)
+        ranges, per_rank = own_share.ranges, own_share.per_rank
         if per_rank and ranges is None:
             _say_share(key, len(files), dp_size, per_rank)
             _say_uneven_shares(key, [os.path.getsize(name) for name in files], dp_size)
@@ -249,12 +250,9 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
 
         def reader_of(rank: int) -> Any:
             """Data-parallel rank `rank`'s reader: its files, or its ranges of them, past the held-out rows."""
-            mine = ranges if rank == dp_rank else _ranges_of(builder, files, rank, dp_size, key, say=False)
-            if mine is not None:
-                share = list(mine)
-            else:
-                share = list(range(rank, len(files), dp_size)) if per_rank else list(range(len(files)))
-            return LocalRows(files, builder, share, _starts_after(after, share, mine, builder), columns, mine)
+            share = own_share if rank == dp_rank else rank_share(builder, files, rank, dp_size, key, say=False)
+            return LocalRows(files, builder, share.files, _starts_after(after, share.files, share.ranges, builder),
+                             columns, share.ranges)
 
         reader = reader_of(dp_rank)
     stream = StreamedSource(reader, tokenizer, source, cfg, key, per_rank)
@@ -270,6 +268,26 @@ def open_stream(source: DataSourceConfig, key: str, cfg: DataConfig, tokenizer: 
                         f"too short); add data, split it into evenly sized files, or lower data.validation_documents or "
                         f"data.seq_len")
     return stream, validation_samples(held, tokenizer, source, cfg, key) if n_val else []
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one data-parallel rank reads of a streamed source's local files (`rank_share`)."""
+
+    files: list[int]  # indices into the source's files, in reading order
+    ranges: dict[int, tuple[int, int]] | None  # file index -> [begin, end) bytes or row groups; None: whole files
+    per_rank: bool  # each rank reads its own part (False: every rank reads every file)
+
+
+def rank_share(builder: str, files: list[str], dp_rank: int, dp_size: int, key: str, say: bool = True) -> RankShare:
+    """Data-parallel rank `dp_rank`'s part of a streamed source's local `files`: with at least as many files as
+    ranks, files dp_rank, dp_rank + dp_size, ...; with fewer, its contiguous byte range or row groups of them
+    (`_ranges_of`); every file when they cannot be split (said at start-up with `say`)."""
+    ranges = _ranges_of(builder, files, dp_rank, dp_size, key, say=say)
+    per_rank = dp_size > 1 and (len(files) >= dp_size or ranges is not None)
+    if ranges is not None:
+        return RankShare(list(ranges), ranges, per_rank)
+    return RankShare(list(range(dp_rank, len(files), dp_size)) if per_rank else list(range(len(files))), None, per_rank)
 
 
 def _ranges_of(builder: str, files: list[str], dp_rank: int, dp_size: int, key: str,

@@ -72,6 +72,14 @@ def _rank_and_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def prompt_share(prompts: int, dp_rank: int, dp_size: int) -> range:
+    """The indices of the prompts data-parallel rank `dp_rank` of `dp_size` generates: a contiguous chunk of
+    ceil(prompts / dp_size) (the last ranks' shorter or empty); every tensor- and sequence-parallel peer of a rank
+    the same chunk."""
+    chunk = -(-prompts // dp_size)
+    return range(dp_rank * chunk, min(prompts, (dp_rank + 1) * chunk))
+
+
 def global_argmax(local_logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """Ids of the largest logit per row over the whole vocabulary; ties go to the lowest id.
 
@@ -195,8 +203,7 @@ def greedy_generate(model_engine_or_module: Any, tokenizer: Any, prompts: Sequen
     last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters else {}
 
     # This rank's contiguous chunk of prompts; longest first so batches hold similar lengths.
-    chunk = -(-n // dp_size)
-    mine = list(range(dp_rank * chunk, min(n, (dp_rank + 1) * chunk)))
+    mine = list(prompt_share(n, dp_rank, dp_size))
     encoded = {i: tokenizer(prompts[i], **special)["input_ids"] for i in mine}
     empty = [i for i in mine if not encoded[i]]
     encoded = {i: [*prefix_ids, *ids] for i, ids in encoded.items()}

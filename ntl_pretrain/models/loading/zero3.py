@@ -179,6 +179,20 @@ def build_from_config_partitioned(config: Any, ds_config: dict, *, attn_implemen
     return model
 
 
+def zero3_partition_numel(numel: int, partitions: int) -> int:
+    """The elements of each rank's ZeRO-3 partition of a parameter of `numel` elements over `partitions` ranks:
+    DeepSpeed 0.19's rule (`partition_parameters.Init._partition_param`: the parameter padded to a multiple of
+    the partitions, then split evenly), which DeepSpeed records as `param.ds_tensor.ds_numel`."""
+    return -(-numel // partitions)
+
+
+def zero3_partition_range(numel: int, partition_numel: int, partition_rank: int) -> tuple[int, int]:
+    """`[start, stop)` of the flattened parameter (of `numel` elements) that ZeRO-3 partition `partition_rank`
+    holds, its partitions `partition_numel` elements each; empty (start >= stop) for a partition of padding only."""
+    start = partition_numel * partition_rank
+    return start, min(start + partition_numel, numel)
+
+
 def _fill_partition(param: torch.Tensor, reader: TensorReader, key: str, grown: GrownRows | None) -> None:
     """Write this rank's ZeRO-3 partition of `param` from the file (only its rows are read)."""
     import deepspeed.comm as dist
@@ -189,8 +203,7 @@ def _fill_partition(param: torch.Tensor, reader: TensorReader, key: str, grown: 
     row = numel // rows_total
     partition = param.ds_tensor
     size = int(partition.ds_numel)
-    start = size * dist.get_rank(group=param.ds_process_group)
-    stop = min(start + size, numel)
+    start, stop = zero3_partition_range(numel, size, dist.get_rank(group=param.ds_process_group))
     with torch.no_grad():
         partition.zero_()  # the alignment padding past the last element
         if start >= stop:
