@@ -93,3 +93,113 @@ def measured(setup) -> dict:
         for name in cases:
             found[name] = [json.loads((root / "out" / name / f"rank{r}.json").read_text()) for r in range(world)]
     return found
+
+
+BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+def planned(setup, name: str):
+    """The plan of case `name`, made in this process from its config alone (the ranks' device: CPU, as measured)."""
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.plan import make_plan
+    from ntl_pretrain.trainer.preflight import preflight
+
+    world, tp_size, cases = next(launch for launch in LAUNCHES.values() if name in launch[2])
+    cfg = load_config(str(setup / "config.yaml"), [f"parallel.tp_size={tp_size}", *cases[name],
+                                                   f"train.output_dir={setup / 'plan_run'}"])
+    return make_plan(preflight(cfg, world, on_cpu=True, local_files_only=True), world, device_type="cpu")
+
+
+CASES = [name for _, _, cases in LAUNCHES.values() for name in cases]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_model_states_equal_the_engines_partitions(setup, measured, name):
+    """Per rank: each parameter's AutoTP slice and ZeRO-3 partition, and the bytes of the parameter partition, the
+    gradient partition buffer, the fp32 master partition and Adam's moments, as DeepSpeed's engine holds them."""
+    plan = planned(setup, name)
+    by_name = {p.name: p for p in plan.parameters}
+    for rank in measured[name]:
+        states = rank["model_states"]
+        assert sorted(p["name"] for p in states["params"]) == sorted(by_name)
+        for param in states["params"]:
+            mine = by_name[param["name"]]
+            assert (param["ds_numel"], param["partition_numel"]) == (
+                mine.tp_numel, -(-mine.tp_numel // plan.partitions)), param["name"]
+        item = BYTES[states["params"][0]["dtype"]]
+        assert plan.memory["parameters"] == sum(p["partition_numel"] for p in states["params"]) * item
+        assert plan.memory["persistent_parameters"] == sum(p["ds_numel"] for p in states["params"]
+                                                           if p["persistent"]) * item
+        grads = states["grad_buffer"]
+        assert plan.memory["gradients"] == grads["numel"] * BYTES[grads["dtype"]]
+        assert not any(part["shares_params"] for part in states["fp32"])
+        assert plan.memory["master_weights"] == sum(part["numel"] * BYTES[part["dtype"]] for part in states["fp32"])
+        assert plan.memory["optimizer_moments"] == sum(m["numel"] * BYTES[m["dtype"]] for m in states["moments"])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_activations_within_ten_percent_of_a_real_step(setup, measured, name):
+    """The bytes a real step's forward saved for backward (each storage once, parameters left out) are within 10%
+    of the plan's activations, in the decoder layers and in all."""
+    plan = planned(setup, name)
+    layers = plan.model["layers"] * plan.batch["activation_bytes_per_layer"]
+    for rank in measured[name]:
+        saved = rank["saved"]
+        assert abs(saved["layers"] - layers) <= 0.1 * saved["layers"], (saved, layers)
+        total = saved["layers"] + saved["rest"]
+        assert abs(total - plan.memory["activations"]) <= 0.1 * total, (saved, plan.memory["activations"])
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if "chunked" not in name])
+def test_logits_equal_the_heads_output(setup, measured, name):
+    """The full head's logits on each rank: the planned bytes are those of the LM head's output in the step."""
+    plan = planned(setup, name)
+    for rank in measured[name]:
+        (logits,) = rank["logits"]
+        numel = 1
+        for size in logits["shape"]:
+            numel *= size
+        assert plan.memory["logits"] == numel * BYTES[logits["dtype"]]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_collectives_equal_a_counted_step(setup, measured, name):
+    """The step's all-gathers and reduce-scatters on the ZeRO group and its all-reduces on the tensor-parallel group
+    carry the planned bytes (and the tensor-parallel ones in the planned number of calls); every other collective
+    of the step is bookkeeping under 1 KiB (logged figures, the data's small broadcasts)."""
+    from ntl_pretrain.parallel.layout import ParallelLayout
+
+    plan = planned(setup, name)
+    for rank in measured[name]:
+        layout = ParallelLayout.of(rank["world_size"], rank["rank"], rank["rank"], plan.tp_size, plan.sp_size)
+        zero_group, tp_group = list(layout.peers("loss")), list(layout.peers("tp"))
+        totals: dict[tuple[str, str], list[int]] = {}
+        for call in rank["collectives"]:
+            group = "zero" if call["ranks"] == zero_group else "tp" if call["ranks"] == tp_group else "other"
+            key = (group, call["name"])
+            if key not in {("zero", "all_gather_into_tensor"), ("zero", "reduce_scatter_tensor"), ("tp", "all_reduce")}:
+                assert call["bytes"] < 1024, call
+                continue
+            entry = totals.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += call["bytes"]
+        want = {("zero", "all_gather_into_tensor"): ["all_gather", "dp"], ("zero", "reduce_scatter_tensor"):
+                ["reduce_scatter", "dp"], ("tp", "all_reduce"): ["all_reduce", "tp"]}
+        for key, (kind, group) in want.items():
+            items = [t for t in plan.traffic if t["kind"] == kind and t["group"] == group]
+            assert totals.get(key, [0, 0])[1] == sum(t["bytes"] for t in items), (key, totals, items)
+            if kind == "all_reduce":
+                assert totals.get(key, [0, 0])[0] == sum(t["calls"] for t in items), (key, totals, items)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_checkpoint_files_equal_a_real_save(setup, measured, name):
+    """The saved checkpoint's per-rank files are the planned ones, each holding the planned tensor bytes; the run
+    files (manifest, hf/) are there besides."""
+    plan = planned(setup, name)
+    files = measured[name][0]["checkpoint"]["files"]
+    per_rank = {name: entry for name, entry in files.items() if name.endswith(".pt")}
+    assert {f["name"]: f["tensor_bytes"] for f in plan.checkpoint["files"]} == {
+        name: entry["tensor_bytes"] for name, entry in per_rank.items()}
+    assert "ntl_checkpoint.json" in files and any(name.startswith("hf/") for name in files)
+    assert plan.checkpoint["bytes"] == sum(entry["tensor_bytes"] for entry in per_rank.values())

@@ -61,6 +61,9 @@ class Plan:
     traffic: list[dict[str, Any]]  # per optimizer step: group, kind, calls, bytes (the full tensor of each call)
     checkpoint: dict[str, Any]  # files, per-rank and total bytes
     notes: list[str] = field(default_factory=list)
+    parameters: list[PlannedParameter] = field(default_factory=list, repr=False)  # each one's AutoTP slice (not in
+    # the JSON: hundreds of entries for a large model)
+    partitions: int = 1  # ZeRO-3 partition group size (dp x sp)
 
     @property
     def device_bytes(self) -> int:
@@ -242,7 +245,8 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
                "loss_head": f"chunked ({loss.chunk_tokens} tokens)" if loss.chunk_tokens > 0 else "full logits",
                "activation_bytes_per_layer": saved.per_layer, "activation_bytes_outside_layers": saved.rest},
         deepspeed=zero, memory=memory, host_memory=host_memory, traffic=traffic,
-        checkpoint=checkpoint_files(cfg, ds_config, partition, dp, sp, tp), notes=notes)
+        checkpoint=checkpoint_files(cfg, ds_config, partition, dp, sp, tp), notes=notes, parameters=params,
+        partitions=partitions)
 
 
 def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: int, hidden: int, partitions: int,
@@ -280,13 +284,19 @@ def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: i
         activation = tokens * hidden * bytes_model
         add("tp", tp, "all_reduce", layers * rows_split * micro, layers * rows_split * activation * micro,
             "forward: outputs of the row-split linear layers")
-        head_backward = [activation] if cfg.loss.chunk_tokens <= 0 else [tokens * hidden * FP32, activation]
+        # the full head's backward all-reduces its input gradient in the model dtype; the chunked head's own
+        # gradient is float32 (loss/chunked.py), all-reduced in its backward instead
+        head_backward = [activation] if cfg.loss.chunk_tokens <= 0 else [tokens * hidden * FP32]
         add("tp", tp, "all_reduce", (layers * columns_split + len(head_backward)) * micro,
             (layers * columns_split * activation + sum(head_backward)) * micro,
             "backward: input gradients of the column-split linear layers and of the vocabulary-parallel head")
         chunks = math.ceil(tokens / cfg.loss.chunk_tokens) if cfg.loss.chunk_tokens > 0 else 1
         add("tp", tp, "all_reduce", 2 * chunks * micro, tokens * (1 + DIGITS + 2) * FP32 * micro,
             "NTL + CE over the vocabulary shards: row maxima (MAX) and the packed [n, K + 2] table (SUM)")
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        add("tp", tp, "all_reduce", 1, torch.empty((), dtype=get_norm_dtype()).element_size(),
+            "the gradient norm's sum of squares (one scalar in DeepSpeed's norm dtype), once a step")
     if sp > 1:
         heads, kv = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or
                                                         text.num_attention_heads)
