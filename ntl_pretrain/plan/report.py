@@ -26,7 +26,11 @@ def parse_bytes(text: str) -> int:
 
 
 def gib(size: float) -> str:
-    return f"{size / 2**30:.2f} GiB"
+    """A size in the largest binary unit that keeps it at 1 or more (GiB, MiB, KiB) or in bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{int(size)} B"
 
 
 def _layout_config(cfg: Config, tp: int, sp: int) -> Config:
@@ -70,7 +74,7 @@ def plan_lines(plan: Plan) -> list[str]:
         lines.append(f"  host: {key:<18} {gib(size):>12}  (offloaded)")
     lines.append("traffic per optimizer step and rank (bytes of the full tensors):")
     for item in plan.traffic:
-        calls = f"{item['calls']} calls" if item["calls"] is not None else "bucketed"
+        calls = f"{item['calls']} call{'s' * (item['calls'] != 1)}" if item["calls"] is not None else "bucketed"
         lines.append(f"  {item['group']:<7} ({item['group_size']:>3}) {item['kind']:<14} {gib(item['bytes']):>12}  "
                      f"{calls}: {item['what']}")
     ckpt = plan.checkpoint
