@@ -58,6 +58,7 @@ CHUNKED = ["loss.chunk_tokens=20"]
 LAUNCHES = {
     "dp2": (2, 1, {"dp2_small_chunked": [*SMALL, *CHUNKED], "dp2_larger_bf16": LARGER}),
     "dp2tp2": (4, 2, {"dp2tp2_small": SMALL, "dp2tp2_larger_bf16_chunked": [*LARGER, *CHUNKED]}),
+    "sp2": (2, 1, {"sp2_bf16": ["parallel.sp_size=2", "model.dtype=bf16"]}),
 }
 
 
@@ -164,32 +165,35 @@ def test_logits_equal_the_heads_output(setup, measured, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_collectives_equal_a_counted_step(setup, measured, name):
-    """The step's all-gathers and reduce-scatters on the ZeRO group and its all-reduces on the tensor-parallel group
-    carry the planned bytes (and the tensor-parallel ones in the planned number of calls); every other collective
-    of the step is bookkeeping under 1 KiB (logged figures, the data's small broadcasts)."""
+    """The step's all-gathers and reduce-scatters on the ZeRO-3 group, all-reduces on the tensor-parallel group and
+    Ulysses' all-to-alls and position gathers on the sequence-parallel group carry the planned bytes (the
+    tensor- and sequence-parallel ones in the planned number of calls); every other collective of the step is
+    bookkeeping under 1 KiB a call (logged figures, small broadcasts)."""
     from ntl_pretrain.parallel.layout import ParallelLayout
 
     plan = planned(setup, name)
+    zero_name = "dp x sp" if plan.sp_size > 1 else "dp"
     for rank in measured[name]:
         layout = ParallelLayout.of(rank["world_size"], rank["rank"], rank["rank"], plan.tp_size, plan.sp_size)
-        zero_group, tp_group = list(layout.peers("loss")), list(layout.peers("tp"))
-        totals: dict[tuple[str, str], list[int]] = {}
+        planned_kind = {  # (torch.distributed function, its group) -> (the plan's kind, group)
+            ("all_gather_into_tensor", layout.peers("loss")): ("all_gather", zero_name),
+            ("reduce_scatter_tensor", layout.peers("loss")): ("reduce_scatter", zero_name),
+            ("all_reduce", layout.peers("tp") if plan.tp_size > 1 else None): ("all_reduce", "tp"),
+            ("all_to_all_single", layout.peers("sp") if plan.sp_size > 1 else None): ("all_to_all", "sp"),
+            ("all_gather", layout.peers("sp") if plan.sp_size > 1 else None): ("all_gather", "sp")}
+        totals = {kind: [0, 0] for kind in planned_kind.values()}
         for call in rank["collectives"]:
-            group = "zero" if call["ranks"] == zero_group else "tp" if call["ranks"] == tp_group else "other"
-            key = (group, call["name"])
-            if key not in {("zero", "all_gather_into_tensor"), ("zero", "reduce_scatter_tensor"), ("tp", "all_reduce")}:
+            kind = planned_kind.get((call["name"], tuple(call["ranks"])))
+            if kind is None:
                 assert call["bytes"] < 1024, call
                 continue
-            entry = totals.setdefault(key, [0, 0])
-            entry[0] += 1
-            entry[1] += call["bytes"]
-        want = {("zero", "all_gather_into_tensor"): ["all_gather", "dp"], ("zero", "reduce_scatter_tensor"):
-                ["reduce_scatter", "dp"], ("tp", "all_reduce"): ["all_reduce", "tp"]}
-        for key, (kind, group) in want.items():
-            items = [t for t in plan.traffic if t["kind"] == kind and t["group"] == group]
-            assert totals.get(key, [0, 0])[1] == sum(t["bytes"] for t in items), (key, totals, items)
-            if kind == "all_reduce":
-                assert totals.get(key, [0, 0])[0] == sum(t["calls"] for t in items), (key, totals, items)
+            totals[kind][0] += 1
+            totals[kind][1] += call["bytes"]
+        for (kind, group), (calls, size) in totals.items():
+            items = [t for t in plan.traffic if (t["kind"], t["group"]) == (kind, group)]
+            assert size == sum(t["bytes"] for t in items), (kind, group, totals, items)
+            if group in ("tp", "sp"):
+                assert calls == sum(t["calls"] for t in items), (kind, group, totals, items)
 
 
 @pytest.mark.parametrize("name", CASES)

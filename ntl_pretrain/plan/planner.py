@@ -98,7 +98,7 @@ def planned_vocab_size(cfg: Any, model_config: Any, tp_size: int) -> tuple[int, 
     """The vocabulary the run's model will have (as `models.build.build_model` sets it) and a note when it could
     not be known here: a model built from scratch gets its tokenizer's length padded; a loaded one keeps its
     config's, grown to the tokenizer's (padded) with model.resize_embeddings."""
-    from ..tokenizer.loading import load_tokenizer
+    from ..tokenizer.loading import TokenizerLoadError, load_tokenizer
     from ..tokenizer.run import tokenizer_key, tokenizer_source
 
     model_vocab = int(model_config.get_text_config().vocab_size)
@@ -106,7 +106,7 @@ def planned_vocab_size(cfg: Any, model_config: Any, tp_size: int) -> tuple[int, 
     try:
         tokenizer_size = len(load_tokenizer(local_or_hub(source, tokenizer_key(cfg.tokenizer)),
                                             trust_remote_code=cfg.model.trust_remote_code))
-    except Exception:  # a tokenizer not on this machine (a cluster path, an uncached hub id): the config's size
+    except (TokenizerLoadError, ValueError, OSError):  # not on this machine (a cluster path, an uncached hub id)
         if cfg.model.name_or_path is None:
             raise ConfigError(f"--plan of a model built from scratch needs its tokenizer ({tokenizer_key(cfg.tokenizer)}"
                               f"={source!r}) for the vocabulary size; make it readable here") from None
@@ -180,8 +180,9 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
     local_tokens = rows * tokens
     vocab_local = -(-vocab // tp)
     family = FAMILIES.get(family_of(model_config)[0])
-    split_attention = not (family and any(spec["partition_type"] == "skip" and "self_attn" in spec["patterns"][0]
-                                          for spec in family.tp_layer_specs))
+    # a family whose layer specs leave the attention projections whole (`models.families`: Phi-3, OLMo2)
+    split_attention = not (family and any(spec["partition_type"] == "skip" and "_proj" in pattern
+                                          for spec in family.tp_layer_specs for pattern in spec["patterns"]))
     loss = cfg.loss
     settings = NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
@@ -223,7 +224,7 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
         host_memory["parameters"] = memory.pop("parameters")
 
     traffic = step_traffic(cfg, params, zero, layers, hidden, partitions, tp, sp, local_tokens, bytes_model,
-                           bytes_grad, text)
+                           gradient_comm_bytes(ds_config, sp, bytes_grad), text)
     optimizer = ds_config.get("optimizer", {})
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
         notes.append(f"optimizer {optimizer.get('type')!r}: planned as Adam (two fp32 moments)")
@@ -247,6 +248,19 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
         deepspeed=zero, memory=memory, host_memory=host_memory, traffic=traffic,
         checkpoint=checkpoint_files(cfg, ds_config, partition, dp, sp, tp), notes=notes, parameters=params,
         partitions=partitions)
+
+
+def gradient_comm_bytes(ds_config: dict, sp: int, bytes_grad: int) -> int:
+    """Bytes an element of the gradient reduce-scatter has: DeepSpeed's `communication_data_type`, under sequence
+    parallelism its `seq_parallel_communication_data_type` (float32 unless set), else the gradients' own."""
+    from deepspeed.runtime.config import get_communication_data_type
+    from deepspeed.runtime.constants import (SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
+                                             SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT)
+
+    dtype = (get_communication_data_type(ds_config, SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
+                                         SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT) if sp > 1
+             else get_communication_data_type(ds_config))
+    return bytes_grad if dtype is None else torch.empty((), dtype=dtype).element_size()
 
 
 def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: int, hidden: int, partitions: int,
@@ -303,7 +317,10 @@ def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: i
         head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
         per_layer = tokens * head_dim * (2 * heads + 2 * kv) * bytes_model  # q, k, v in, output back
         add("sp", sp, "all_to_all", 2 * 4 * layers * micro, 2 * per_layer * layers * micro,
-            "Ulysses: q, k, v and the attention output, forward and backward (not measured here)")
+            "Ulysses: q, k, v and the attention output, forward and backward")
+        # DeepSpeed's Ulysses attention gathers each layer's int64 position ids over the sequence
+        add("sp", sp, "all_gather", layers * micro, layers * micro * cfg.data.micro_batch_size * cfg.data.seq_len * 8,
+            "Ulysses: each attention's position ids (int64), gathered over the sequence")
     return found
 
 

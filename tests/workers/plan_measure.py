@@ -31,6 +31,12 @@ import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "reduce_scatter",
                "all_to_all_single", "broadcast", "_all_gather_base", "_reduce_scatter_base", "all_to_all")
+# where a collective's full tensor is (an all-gather's output, a reduce-scatter's or all-to-all's input): the
+# position and keyword names of the argument; others: the tensor given, first
+FULL_TENSOR = {"all_gather_into_tensor": (0, ("output_tensor",)), "_all_gather_base": (0, ("output_tensor",)),
+               "reduce_scatter_tensor": (1, ("input",)), "_reduce_scatter_base": (1, ("input",)),
+               "all_gather": (0, ("tensor_list",)), "all_to_all_single": (1, ("input",)),
+               "all_to_all": (1, ("input_tensor_list",))}
 RECORDED: list[dict] | None = None  # the collectives of the measured step (None: not recording)
 
 
@@ -51,14 +57,9 @@ def _counting(name: str, original):
             if group is None:
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
-            if name in ("all_gather_into_tensor", "_all_gather_base"):
-                size = _bytes(args[0] if args else kwargs["output_tensor"])
-            elif name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
-                size = _bytes(args[1] if len(args) > 1 else kwargs["input"])
-            elif name in ("all_gather",):
-                size = _bytes(args[0])  # the list of outputs
-            else:
-                size = _bytes(args[0] if args else next(iter(kwargs.values())))
+            position, keys = FULL_TENSOR.get(name, (0, ("tensor",)))
+            value = args[position] if len(args) > position else next(kwargs[k] for k in keys if k in kwargs)
+            size = _bytes(value)
             RECORDED.append({"name": name, "ranks": ranks, "bytes": size})
         return original(*args, **kwargs)
     return call
