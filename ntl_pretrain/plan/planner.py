@@ -35,7 +35,7 @@ MEMORY_TERMS = {
     "persistent_parameters": "parameters under stage3_param_persistence_threshold, kept whole",
     "gathered_parameters": "ZeRO-3 gathered-layer working set (max_live_parameters + prefetch_bucket_size)",
     "gradients": "ZeRO-3 gradient partition (gradient accumulation dtype)",
-    "reduce_bucket": "gradient reduce-scatter bucket (reduce_bucket_size)",
+    "reduce_bucket": "gradient reduce-scatter bucket (reduce_bucket_size, communication dtype)",
     "master_weights": "fp32 master partition",
     "optimizer_moments": "Adam's two fp32 moments of the partition",
     "optimizer_step_gradient": "fp32 gradient of one optimizer sub-group during the step (sub_group_size)",
@@ -169,6 +169,7 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
     grad_dtype = ds_config.get("data_types", {}).get("grad_accum_dtype")
     bytes_grad = {"fp32": 4, "bf16": 2, "fp16": 2}.get(grad_dtype, bytes_model)
 
+    bytes_comm = gradient_comm_bytes(ds_config, sp, bytes_grad)
     partition = sum(zero3_partition(p.tp_numel, partitions) for p in params)
     persistent = [p for p in params if p.tp_numel <= zero["stage3_param_persistence_threshold"]]
     persistent_numel = sum(p.tp_numel for p in persistent)
@@ -208,7 +209,7 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
         "persistent_parameters": persistent_numel * bytes_model,
         "gathered_parameters": working * bytes_model,
         "gradients": partition * bytes_grad,
-        "reduce_bucket": zero["reduce_bucket_size"] * bytes_grad,
+        "reduce_bucket": zero["reduce_bucket_size"] * bytes_comm,  # DeepSpeed's bucket is in the communication dtype
         "master_weights": partition * FP32,
         "optimizer_moments": ADAM_MOMENTS * partition * FP32,
         "optimizer_step_gradient": min(zero["sub_group_size"], partition) * FP32,
@@ -224,7 +225,7 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
         host_memory["parameters"] = memory.pop("parameters")
 
     traffic = step_traffic(cfg, params, zero, layers, hidden, partitions, tp, sp, local_tokens, bytes_model,
-                           gradient_comm_bytes(ds_config, sp, bytes_grad), text)
+                           bytes_comm, text)
     optimizer = ds_config.get("optimizer", {})
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
         notes.append(f"optimizer {optimizer.get('type')!r}: planned as Adam (two fp32 moments)")
