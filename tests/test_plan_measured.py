@@ -1,15 +1,16 @@
 """The planner (`launch/pretrain.sh --plan`, `ntl_pretrain.plan`) against what real training steps hold, save, send
 and write: the real Trainer and DeepSpeed ZeRO-3 engine at 2 ranks (dp 2) and 4 ranks (dp 2 x AutoTP 2), two tiny
-Llama sizes each (one in bf16 with the full head, one in fp32 with the chunked head), measured by
-tests/workers/plan_measure.py (one launch per world size). A formula that drifts from what the engine does fails
-here:
+Llama sizes each (fp32 and bf16, the full and the chunked head; one case without persistent parameters and with
+two micro-batches a step), and 2 ranks of Ulysses (sp 2), measured by tests/workers/plan_measure.py (one launch
+per layout). A formula that drifts from what the engine does fails here:
 
-- model states: each parameter's ZeRO-3 partition (`ds_tensor`), the optimizer's fp32 partitions, Adam's moments
-  and the gradient partition buffer equal the plan's, byte for byte;
-- activations: the bytes the step's forward saved for backward (saved-tensor hooks, each storage once) within
-  10% of the plan;
+- model states: each parameter's AutoTP slice and ZeRO-3 partition (`ds_tensor`), the optimizer's fp32
+  partitions, Adam's moments and the gradient partition buffer equal the plan's, byte for byte;
+- gathered parameters: the most bytes ZeRO-3 holds gathered at once equal the plan's working set;
+- activations: the bytes one micro-batch's forward saved for backward (saved-tensor hooks, each storage once)
+  within 10% of the plan;
 - logits: the LM head's output shape and dtype equal the plan's;
-- collectives: the step's bytes per kind and group equal the plan's;
+- collectives: the step's bytes per kind and group equal the plan's (and the calls on the tp and sp groups);
 - checkpoint: the saved files' names equal the plan's, and the tensor bytes of each file equal the plan's.
 """
 
@@ -53,13 +54,19 @@ LARGER = ["model.architecture.hidden_size=64", "model.architecture.intermediate_
           "model.architecture.num_hidden_layers=3", "model.architecture.num_attention_heads=8",
           "model.architecture.num_key_value_heads=4", "model.dtype=bf16", "data.seq_len=48"]
 CHUNKED = ["loss.chunk_tokens=20"]
+# no persistent parameters (every one gathered and released as a large model's are) and two micro-batches a step
+GATHERED = ["deepspeed.config={root}/ds_no_persistence.json", "train.grad_accum_steps=2"]
 # launch: (world size, tp size, {case: overrides}); DeepSpeed keeps its tensor-parallel groups for the process, so
 # one layout per launch
 LAUNCHES = {
-    "dp2": (2, 1, {"dp2_small_chunked": [*SMALL, *CHUNKED], "dp2_larger_bf16": LARGER}),
+    "dp2": (2, 1, {"dp2_small_chunked_unpersisted": [*SMALL, *CHUNKED, *GATHERED], "dp2_larger_bf16": LARGER}),
     "dp2tp2": (4, 2, {"dp2tp2_small": SMALL, "dp2tp2_larger_bf16_chunked": [*LARGER, *CHUNKED]}),
     "sp2": (2, 1, {"sp2_bf16": ["parallel.sp_size=2", "model.dtype=bf16"]}),
 }
+
+
+def case_overrides(overrides: list[str], root) -> list[str]:
+    return [override.format(root=root) for override in overrides]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +84,7 @@ def setup(tmp_path_factory):
     lines = [" ".join(WORDS[3 + (i * 7 + j) % (len(WORDS) - 3)] for j in range(60)) for i in range(60)]
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     (root / "config.yaml").write_text(CONFIG.format(root=root))
+    (root / "ds_no_persistence.json").write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     return root
 
 
@@ -87,8 +95,8 @@ def measured(setup) -> dict:
     found = {}
     for launch, (world, tp_size, cases) in LAUNCHES.items():
         cases_file = root / f"cases_{launch}.json"
-        cases_file.write_text(json.dumps([{"name": name, "overrides": [f"parallel.tp_size={tp_size}", *overrides]}
-                                          for name, overrides in cases.items()]))
+        cases_file.write_text(json.dumps([{"name": name, "overrides": [f"parallel.tp_size={tp_size}", *case_overrides(
+            overrides, root)]} for name, overrides in cases.items()]))
         run_workers("plan_measure.py", world, [str(root / "out"), str(root / "config.yaml"), str(cases_file)],
                     timeout=900)
         for name in cases:
@@ -106,7 +114,7 @@ def planned(setup, name: str):
     from ntl_pretrain.trainer.preflight import preflight
 
     world, tp_size, cases = next(launch for launch in LAUNCHES.values() if name in launch[2])
-    cfg = load_config(str(setup / "config.yaml"), [f"parallel.tp_size={tp_size}", *cases[name],
+    cfg = load_config(str(setup / "config.yaml"), [f"parallel.tp_size={tp_size}", *case_overrides(cases[name], setup),
                                                    f"train.output_dir={setup / 'plan_run'}"])
     return make_plan(preflight(cfg, world, on_cpu=True, local_files_only=True), world, device_type="cpu")
 
@@ -136,6 +144,16 @@ def test_model_states_equal_the_engines_partitions(setup, measured, name):
         assert not any(part["shares_params"] for part in states["fp32"])
         assert plan.memory["master_weights"] == sum(part["numel"] * BYTES[part["dtype"]] for part in states["fp32"])
         assert plan.memory["optimizer_moments"] == sum(m["numel"] * BYTES[m["dtype"]] for m in states["moments"])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gathered_parameters_equal_the_engines_peak(setup, measured, name):
+    """The most bytes of non-persistent parameters ZeRO-3 held gathered at once in the step: the plan's working set
+    (these models are far under stage3_max_live_parameters + stage3_prefetch_bucket_size, so both are the whole
+    model's non-persistent parameters; none at all where every parameter is persistent)."""
+    plan = planned(setup, name)
+    for rank in measured[name]:
+        assert rank["gathered_peak"] == plan.memory["gathered_parameters"]
 
 
 @pytest.mark.parametrize("name", CASES)

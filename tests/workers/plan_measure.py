@@ -8,9 +8,10 @@ For each case (CONFIG.yaml + its overrides; the cases of one launch share its pr
 - `model_states`: every parameter's full (after AutoTP) and partitioned numel (`ds_numel`, `ds_tensor.numel()`),
   the optimizer's fp32 partitions (and whether they share the parameters' storage), Adam's moments, the
   gradient partition buffer: DeepSpeed's own tensors, read from the engine;
-- `saved`: the bytes the measured step's forward saved for backward (torch's saved-tensor hooks; each storage
-  counted once; model parameters left out: they are ZeRO-3's gathered weights, not activations), split into
-  the decoder layers and the rest (embedding, final norm, head and loss);
+- `saved`: the bytes one micro-batch's forward saved for backward in the measured step (the largest; torch's
+  saved-tensor hooks; each storage counted once; model parameters left out: they are ZeRO-3's gathered weights,
+  not activations), split into the decoder layers and the rest (embedding, final norm, head and loss);
+- `gathered_peak`: the most bytes of (non-persistent) ZeRO-3 parameters gathered at once during the step;
 - `logits`: the shape and dtype of each output of the LM head module in the measured step;
 - `collectives`: every torch.distributed collective of the measured step: its name, the ranks of its group, bytes;
 - `checkpoint`: the files of the saved checkpoint with their sizes and the bytes of the tensors each holds.
@@ -76,16 +77,16 @@ from ntl_pretrain.trainer.trainer import Trainer  # noqa: E402
 
 
 class SavedForBackward:
-    """The storages a forward saves for backward (torch's saved-tensor hooks), each counted once, parameters left
-    out; each attributed to the decoder layers or to the rest, by the module running when it was saved."""
+    """The storages each micro-batch's forward saves for backward (torch's saved-tensor hooks), each counted once,
+    parameters left out; each attributed to the decoder layers or to the rest, by the module running when it was
+    saved. A micro-batch's saved tensors are freed by its backward, so the step holds one micro-batch's at a time."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.params = {p.data_ptr() for p in model.parameters() if p.numel()} | {id(p) for p in model.parameters()}
-        self.storages: dict[int, tuple[int, str]] = {}
+        self.batches: list[dict[int, tuple[int, str]]] = []
         self.region = "rest"
-        self.handles = []
-        layers = model.model.layers
-        for layer in layers:
+        self.handles = [model.register_forward_pre_hook(lambda *_: self.batches.append({}))]
+        for layer in model.model.layers:
             self.handles.append(layer.register_forward_pre_hook(lambda *_: self._enter("layers")))
             self.handles.append(layer.register_forward_hook(lambda *_: self._enter("rest")))
 
@@ -97,16 +98,44 @@ class SavedForBackward:
         if id(tensor) in self.params or id(base) in self.params or isinstance(base, torch.nn.Parameter):
             return tensor
         storage = tensor.untyped_storage()
-        if storage.data_ptr() in self.params or storage.nbytes() == 0:
+        if storage.data_ptr() in self.params or storage.nbytes() == 0 or not self.batches:
             return tensor
-        self.storages.setdefault(storage.data_ptr(), (storage.nbytes(), self.region))
+        self.batches[-1].setdefault(storage.data_ptr(), (storage.nbytes(), self.region))
         return tensor
 
     def totals(self) -> dict[str, int]:
-        found = {"layers": 0, "rest": 0}
-        for size, region in self.storages.values():
-            found[region] += size
-        return found
+        """The largest micro-batch's saved bytes, in the layers and in the rest."""
+        found = []
+        for batch in self.batches:
+            regions = {"layers": 0, "rest": 0}
+            for size, region in batch.values():
+                regions[region] += size
+            found.append(regions)
+        return max(found, key=lambda regions: regions["layers"] + regions["rest"])
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class GatheredPeak:
+    """The most bytes of ZeRO-3 parameters gathered at once (status AVAILABLE, persistent ones left out), looked at
+    before and after every module's forward and backward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        self.available = ZeroParamStatus.AVAILABLE
+        self.params = [p for p in model.parameters() if not getattr(p, "ds_persist", False)]
+        self.peak = 0
+        self.handles = []
+        for module in model.modules():
+            self.handles += [module.register_forward_pre_hook(self.look), module.register_forward_hook(self.look),
+                             module.register_full_backward_hook(self.look)]
+
+    def look(self, *_) -> None:
+        live = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_status == self.available)
+        self.peak = max(self.peak, live)
 
     def close(self) -> None:
         for handle in self.handles:
@@ -172,18 +201,20 @@ def run_case(out: Path, config: str, name: str, overrides: list[str]) -> None:
 
     hook = head.register_forward_hook(record_output)
     saved = SavedForBackward(module)
+    gathered = GatheredPeak(module)
     RECORDED = []
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
         trainer.train_step()
     collectives, RECORDED = RECORDED, None
     hook.remove()
     saved.close()
+    gathered.close()
     states = model_states(trainer)
     dist.barrier()
     tag = trainer.save_checkpoint()
     dist.barrier()
     result = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "model_states": states,
-              "saved": saved.totals(), "logits": logits, "collectives": collectives}
+              "saved": saved.totals(), "gathered_peak": gathered.peak, "logits": logits, "collectives": collectives}
     if dist.get_rank() == 0:
         result["checkpoint"] = {"tag": tag, "files": checkpoint_files(folder / "run" / tag)}
     folder.mkdir(parents=True, exist_ok=True)
