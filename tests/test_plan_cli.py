@@ -82,3 +82,11 @@ def test_device_memory_sizes(text, size):
 def test_device_memory_that_is_not_a_size():
     with pytest.raises(ConfigError, match="--device-memory '80 gigs' is not a size"):
         parse_bytes("80 gigs")
+
+
+def test_a_hub_model_not_cached_names_where_to_get_its_config(tiny):
+    """Without the model's config.json there is nothing to plan: one line saying where to get it."""
+    code, _, err = tiny("--world-size", "2", "model.name_or_path=ntl-pretrain-tests/no-such-model",
+                        "model.architecture={}")
+    assert code == 2
+    assert "--plan needs the model's config.json" in err and "examples/model_configs/" in err
