@@ -122,19 +122,23 @@ def planned_vocab_size(cfg: Any, model_config: Any, tp_size: int) -> tuple[int, 
 def _released_after_forward(params: list[PlannedParameter], layers: int, max_reuse_distance: int) -> set[str]:
     """Parameters ZeRO-3 releases after their forward use and gathers again in backward: those whose next use is
     further than stage3_max_reuse_distance elements of fetched parameters away (DeepSpeed keeps the others
-    gathered). A layer's next use is its backward: the layers after it fetched in forward and in backward between."""
+    gathered). A parameter's next use is its backward: what is used after it in forward is fetched in between, in
+    forward and again in backward (the embedding: every layer and the head; the final norm and head: nothing).
+    `params` in the model's order."""
+    first_layer = next((i for i, p in enumerate(params) if p.layer is not None), len(params))
     per_layer = [0] * layers
-    outside = 0
     for param in params:
-        if param.layer is None:
-            outside += param.tp_numel
-        else:
+        if param.layer is not None:
             per_layer[param.layer] += param.tp_numel
+    after = sum(p.tp_numel for p in params[first_layer:] if p.layer is None)  # final norm, head
     released = set()
-    for param in params:
-        if param.layer is None:
-            continue
-        distance = 2 * sum(per_layer[param.layer + 1:]) + outside
+    for index, param in enumerate(params):
+        if param.layer is not None:
+            distance = 2 * (sum(per_layer[param.layer + 1:]) + after)
+        elif index < first_layer:  # the embedding
+            distance = 2 * (sum(per_layer) + after)
+        else:
+            distance = 0
         if distance > max_reuse_distance:
             released.add(param.name)
     return released
