@@ -9,7 +9,7 @@
 #   python launch/pretrain.sh --config ...                            (no launcher: a world of one process)
 #   bash launch/pretrain.sh --config configs/demo.yaml [key=value ...]
 #       starts DeepSpeed's launcher on this machine: all local GPUs, or NTL_CPU_PROCS (default 2)
-#       CPU processes with DS_ACCELERATOR=cpu (gloo) when there is no GPU. --help, --dry-run run directly.
+#       CPU processes with DS_ACCELERATOR=cpu (gloo) when there is no GPU. --help, --dry-run, --plan run directly.
 #       The launcher runs under ntl_pretrain/runtime/supervisor.py, which stays the parent: SIGTERM / Ctrl-C to
 #       it (or to any process of the job) makes every rank save at its next step boundary; exit 0.
 #   --verbose (any form) shows the libraries' known-harmless lines too (ntl_pretrain/runtime/log_filter.py).
@@ -21,7 +21,7 @@ python_bin="${PYTHON:-python}"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 for arg in "$@"; do
     case "$arg" in
-        -h|--help|--dry-run|--dry_run) exec "$python_bin" -u "$here/pretrain.sh" "$@" ;;
+        -h|--help|--dry-run|--dry_run|--plan) exec "$python_bin" -u "$here/pretrain.sh" "$@" ;;
     esac
 done
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

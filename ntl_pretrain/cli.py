@@ -1,4 +1,5 @@
-"""The trainer's command line: `launch/pretrain.sh [--config X.yaml] [--dry-run [--world-size N]] [key.sub=value ...]`.
+"""The trainer's command line: `launch/pretrain.sh [--config X.yaml] [--dry-run [--world-size N]] [key.sub=value ...]`;
+`--plan --world-size N [--device-memory 80GiB] [--json]` plans the run instead (docs/plan.md).
 
 Started by DeepSpeed's launcher, torchrun, srun or `bash launch/pretrain.sh` (one process per rank), or as
 `python launch/pretrain.sh` alone: a world of one process (`launcher.use_world_of_one`).
@@ -20,6 +21,7 @@ from .core.agreement import AgreedError
 from .core.versions import UnsupportedVersionError, check_versions
 from .observability.monitor import MonitorError
 from .parallel import distributed
+from .plan import run_plan
 from .runtime import launcher, lifecycle, log_filter
 from .trainer.preflight import dry_run
 from .trainer.step_guard import TrainingDiverged
@@ -40,7 +42,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the configuration and print it with the DeepSpeed config; load nothing")
     parser.add_argument("--world-size", type=int, default=None,
-                        help="--dry-run: number of processes the run will have (default: WORLD_SIZE or tp_size)")
+                        help="--dry-run, --plan: number of processes the run will have (default: WORLD_SIZE or "
+                             "tp_size)")
+    parser.add_argument("--plan", action="store_true",
+                        help="plan the run: per-rank memory by kind, traffic per group, checkpoint files; load "
+                             "nothing but the model's config.json (docs/plan.md)")
+    parser.add_argument("--device-memory", default=None,
+                        help="--plan: memory of one device (e.g. 80GiB): whether the layout fits, and which do")
+    parser.add_argument("--json", action="store_true", help="--plan: print the plan as JSON")
     parser.add_argument(log_filter.VERBOSE_FLAG, action="store_true",
                         help="show every line the libraries print (otherwise known-harmless ones are filtered: "
                              "docs/training.md, Launching)")
@@ -90,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.dry_run:
                 dry_run(cfg, args.world_size)
                 return 0
+            if args.plan:
+                return run_plan(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", "0")), args.device_memory,
+                                args.json, on_cpu=os.environ.get("DS_ACCELERATOR") == "cpu")
             launcher.use_world_of_one()
             try:
                 launcher.check_rendezvous_port()

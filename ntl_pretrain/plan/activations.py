@@ -1,0 +1,150 @@
+"""What one micro-batch's forward saves for backward on one rank, traced on the meta device: one decoder layer (at
+the rank's token count and tensor-parallel head and MLP widths), the embedding, final norm and LM head, and the
+CE + NTL objective (full logits or the chunked head), run through the project's own code under torch's
+saved-tensor hooks, each storage counted once and the parameters left out. Nothing is computed or allocated.
+
+Attention other than `eager` is traced as a flash kernel (what `auto` picks on a GPU: flash_attention_2, or
+sdpa's fused kernels): it saves its query, key, value, output and the float32 log-sum-exp of each row, never the
+`[S, S]` probabilities. tests/test_plan_measured.py holds the total to a real step's saved bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ..core.numbers import NumberVocab
+from ..loss.chunked import chunked_model_ce_ntl_sums, resolve_chunk_backward
+from ..loss.ntl import NTLSettings
+from ..loss.objective import ce_ntl_sums
+from .model import meta_model
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """Bytes saved for backward by one micro-batch's forward on one rank."""
+
+    per_layer: int  # one decoder layer
+    rest: int  # embedding, rotary tables, final norm, LM head and the loss
+    layer_input: int  # one layer's input hidden states (what activation checkpointing keeps per layer)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """A flash kernel's shape on the meta device: output like the query, saving q, k, v, output and the float32
+    log-sum-exp `[B, heads, S]` (key and value at their own, grouped, head count)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        output = torch.empty_like(query)
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, output, lse)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the plan traces the forward only
+        raise NotImplementedError
+
+
+def _flash_sdpa(query, key, value, *args, **kwargs):
+    return _FlashAttention.apply(query, key, value)
+
+
+@contextlib.contextmanager
+def _attention_as_flash(enabled: bool) -> Iterator[None]:
+    """While tracing, sdpa is the flash kernel (on the meta device it would take the math path)."""
+    if not enabled:
+        yield
+        return
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _flash_sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+class _SavedStorages:
+    """Saved-tensor hooks counting each storage once, parameters left out, attributed to the decoder layers or
+    the rest by the module running when it was saved."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = {id(p) for p in model.parameters()}
+        self.sizes: dict[int, tuple[int, str]] = {}
+        self.region = "rest"
+        self.handles = []
+        for layer in model.model.layers:
+            self.handles.append(layer.register_forward_pre_hook(lambda *_: self._enter("layers")))
+            self.handles.append(layer.register_forward_hook(lambda *_: self._enter("rest")))
+
+    def _enter(self, region: str) -> None:
+        self.region = region
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(tensor) in self.params or id(base) in self.params:
+            return tensor
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            self.sizes.setdefault(storage._cdata, (storage.nbytes(), self.region))
+        return tensor
+
+    def total(self, region: str) -> int:
+        return sum(size for size, where in self.sizes.values() if where == region)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def rank_layer_config(config: Any, tp_size: int, split_attention: bool, vocab_local: int) -> Any:
+    """A one-layer copy of `config` as one tensor-parallel rank computes it: heads and MLP width divided by
+    `tp_size` (attention whole where the family replicates it), the head's vocabulary shard `vocab_local`."""
+    text = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    text.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    text.num_hidden_layers = 1
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types[:1])
+    text.vocab_size = vocab_local
+    text.tie_word_embeddings = False  # the head is its own shard under TP; ties change no activation
+    if tp_size > 1:
+        if split_attention:
+            text.num_attention_heads //= tp_size
+            text.num_key_value_heads = max(1, (getattr(text, "num_key_value_heads", None)
+                                               or config.num_attention_heads) // tp_size)
+        text.intermediate_size = -(-text.intermediate_size // tp_size)
+    return text
+
+
+def traced_saved_bytes(config: Any, *, dtype: str, attn_implementation: str, rows: int, tokens: int,
+                       tp_size: int, split_attention: bool, vocab_local: int, number_tokens: int,
+                       settings: NTLSettings, with_ntl: bool, chunk_tokens: int, chunk_backward: str,
+                       device_type: str) -> SavedBytes:
+    """The bytes one micro-batch of `rows` x `tokens` (this rank's share of the sequence) saves for backward."""
+    layer_config = rank_layer_config(config, tp_size, split_attention, vocab_local)
+    attention = "eager" if attn_implementation == "eager" else "sdpa"
+    model = meta_model(layer_config, dtype, attention)
+    model.train()
+    input_ids = torch.zeros(rows, tokens, dtype=torch.long, device="meta")
+    labels = torch.zeros(rows, tokens, dtype=torch.long, device="meta")
+    vocab = NumberVocab(token_ids=tuple(range(number_tokens)), values=tuple(range(number_tokens)),
+                        vocab_size=vocab_local)
+    saved = _SavedStorages(model)
+    try:
+        with _attention_as_flash(attention != "eager"), torch.autograd.graph.saved_tensors_hooks(
+                saved.pack, lambda tensor: tensor):
+            if chunk_tokens > 0:
+                backward = resolve_chunk_backward(chunk_backward, chunk_tokens, rows * tokens, device_type)
+                chunked_model_ce_ntl_sums(model, model.get_output_embeddings(), {"input_ids": input_ids}, labels,
+                                          vocab, settings, chunk_tokens=chunk_tokens, with_ntl=with_ntl,
+                                          check_inputs=False, backward=backward)
+            else:
+                ce_ntl_sums(model(input_ids=input_ids).logits, labels, vocab, settings, with_ntl=with_ntl,
+                            check_inputs=False)
+    finally:
+        saved.close()
+    itemsize = torch.empty((), dtype=next(model.parameters()).dtype, device="meta").element_size()
+    return SavedBytes(per_layer=saved.total("layers"), rest=saved.total("rest"),
+                      layer_input=rows * tokens * layer_config.hidden_size * itemsize)
