@@ -182,9 +182,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _refuse_environment_tests_without_a_base_interpreter(items: list[pytest.Item]) -> None:
     """Tests that build a Python environment make it from the interpreter behind the suite's (a user's virtualenv
     is made so): when that cannot be told, the suite stops here in one line rather than build from the wrong one."""
-    from helpers.environments import base_interpreter
-
     if any("make_virtualenv(" in _sources_run_by(item) for item in items if isinstance(item, pytest.Function)):
+        from helpers.environments import base_interpreter  # only when collected: a pytester copy has no helpers
+
         try:
             base_interpreter()
         except ValueError as error:
