@@ -46,6 +46,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from ntl_pretrain.core.deepspeed_imports import skip_autotuner_mlflow  # noqa: E402
+
+skip_autotuner_mlflow()  # before anything imports DeepSpeed (1.5 s a rank with mlflow installed)
+
 from ntl_pretrain.runtime import log_filter  # noqa: E402
 
 log_filter.install(verbose=log_filter.wants_verbose(sys.argv))  # first: the imports below already warn

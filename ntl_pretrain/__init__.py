@@ -1,8 +1,7 @@
-"""ntl-pretrain: DeepSpeed ZeRO-3 + AutoTP pretraining with the vocabulary-parallel Number Token Loss."""
+"""ntl-pretrain: DeepSpeed ZeRO-3 + AutoTP pretraining with the vocabulary-parallel Number Token Loss.
+
+Importing the package (or `ntl_pretrain.loss` from a user's own training script) changes nothing outside it: the
+start-up speed-up that acts on DeepSpeed's imports (core/deepspeed_imports.py) is installed by the entry points
+only (launch/pretrain.sh, the supervisor's runner, the tools that start DeepSpeed)."""
 
 __version__ = "0.1.0"
-
-from .core.deepspeed_imports import skip_autotuner_mlflow
-
-# First, before anything imports DeepSpeed: its autotuner imports mlflow (1.5 s a process; core/deepspeed_imports.py)
-skip_autotuner_mlflow()

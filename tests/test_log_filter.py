@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -170,11 +171,33 @@ def test_the_runners_wrapper_exits_with_the_runners_status_and_its_output_flushe
 
 
 def test_deepspeeds_autotuner_does_not_import_mlflow_and_everyone_else_still_can():
-    """ntl_pretrain/core/deepspeed_imports.py: importing ntl_pretrain first keeps DeepSpeed's autotuner from importing
+    """ntl_pretrain/core/deepspeed_imports.py: once an entry point skips it, DeepSpeed's autotuner does not import
     mlflow (1.5 s a process); the trainer's MLflow tracker imports it afterwards as usual."""
-    program = ("import sys, ntl_pretrain, deepspeed; from deepspeed.autotuning import autotuner; "
+    program = ("import sys; from ntl_pretrain.core.deepspeed_imports import skip_autotuner_mlflow; "
+               "skip_autotuner_mlflow(); import deepspeed; from deepspeed.autotuning import autotuner; "
                "assert not autotuner.has_mlflow and 'mlflow' not in sys.modules, 'mlflow imported'; "
                "import mlflow; print(mlflow.__name__)")
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu"))
     assert done.returncode == 0 and done.stdout.strip() == "mlflow", done.stderr[-2000:]
+
+
+def test_importing_the_package_or_its_loss_changes_nothing_outside_it():
+    """A user's own script (an HF Trainer with HFTrainerLoss) imports ntl_pretrain.loss: its import machinery and
+    DeepSpeed stay as they were (issue 48 item 4); the processes a run starts skip the import themselves."""
+    program = ("import sys; finders = list(sys.meta_path); import ntl_pretrain, ntl_pretrain.loss, "
+               "ntl_pretrain.numbers; assert sys.meta_path == finders, sys.meta_path; import deepspeed; "
+               "from deepspeed.autotuning import autotuner; print(autotuner.has_mlflow)")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu"))
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    imports = "(?m)^import time:.*\\|\\s+{}$"  # `python -X importtime` lists each module it imports
+    for entry_point in (["launch/pretrain.sh", "--dry-run", "--config", "configs/demo.yaml"],  # a rank, the dry run
+                        ["-c", log_filter.RUNNER_WITH_FILTER, "--help"]):  # the supervisor's DeepSpeed runner
+        started = subprocess.run([sys.executable, "-X", "importtime", *entry_point], capture_output=True, text=True,
+                                 timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu"))
+        assert re.search(imports.format("deepspeed"), started.stderr), started.stderr[-2000:]
+        # a skipped import is listed too (tens of microseconds); a real one imports mlflow's own modules
+        assert not re.search(imports.format(r"mlflow\.\w+"), started.stderr), entry_point
+    for tool in ("evaluate.py", "export_hf.py", "reshard.py"):  # they import DeepSpeed only past their argument checks
+        assert "\nskip_autotuner_mlflow()" in (REPO / "tools" / tool).read_text(), tool

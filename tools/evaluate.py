@@ -36,6 +36,10 @@ from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from ntl_pretrain.core.deepspeed_imports import skip_autotuner_mlflow  # noqa: E402
+
+skip_autotuner_mlflow()  # an entry point: before anything imports DeepSpeed (core/deepspeed_imports.py)
+
 from ntl_pretrain.config.parsing import parse_override  # noqa: E402
 from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, SharedSettings,  # noqa: E402
                                       eval_config_from_dict, load_eval_settings, trained_document_mask,

@@ -25,6 +25,10 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from ntl_pretrain.core.deepspeed_imports import skip_autotuner_mlflow  # noqa: E402
+
+skip_autotuner_mlflow()  # an entry point: before anything imports DeepSpeed (core/deepspeed_imports.py)
+
 from ntl_pretrain.checkpoint import CheckpointError, export_hf, list_checkpoints, step_of_tag  # noqa: E402
 from ntl_pretrain.checkpoint.format import check_not_a_link  # noqa: E402
 

@@ -22,6 +22,10 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from ntl_pretrain.core.deepspeed_imports import skip_autotuner_mlflow  # noqa: E402
+
+skip_autotuner_mlflow()  # an entry point: before anything imports DeepSpeed (core/deepspeed_imports.py)
+
 from ntl_pretrain.checkpoint import (MANIFEST_NAME, CheckpointError, convert_to_universal, folder_bytes,  # noqa: E402
                                      list_checkpoints)
 

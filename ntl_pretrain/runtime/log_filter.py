@@ -172,11 +172,13 @@ class _BarsOffAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-# DeepSpeed's runner (`python -m deepspeed.launcher.runner`) in a process that first installs this filter: what the
+# DeepSpeed's runner (`python -m deepspeed.launcher.runner`) in a process that first skips DeepSpeed's autotuner mlflow
+# import (core/deepspeed_imports.py) and installs this filter: what the
 # supervisor starts (`python -u -c RUNNER_WITH_FILTER ARGS...`; the runner reads sys.argv[1:] as it would). Its exit
 # status is the runner's; the process then leaves without the interpreter's teardown (0.4 s with DeepSpeed loaded;
 # the runner holds nothing to release), as the ranks do (parallel/distributed.run_process).
-RUNNER_WITH_FILTER = ("import sys; from ntl_pretrain.runtime import log_filter; "
+RUNNER_WITH_FILTER = ("import sys; from ntl_pretrain.core.deepspeed_imports import skip_autotuner_mlflow; "
+                      "skip_autotuner_mlflow(); from ntl_pretrain.runtime import log_filter; "
                       "log_filter.install(verbose=log_filter.wants_verbose(sys.argv)); "
                       "import runpy; from ntl_pretrain.runtime.log_filter import run_and_leave; "
                       "run_and_leave(lambda: runpy.run_module('deepspeed.launcher.runner', run_name='__main__', "
