@@ -37,6 +37,7 @@ from typing import Any, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from ntl_pretrain.config.parsing import parse_override  # noqa: E402
+from ntl_pretrain.core.fs import STANDARD_STREAMS  # noqa: E402
 from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, SharedSettings,  # noqa: E402
                                       eval_config_from_dict, load_eval_settings, trained_document_mask,
                                       validate_eval_inputs)
@@ -69,7 +70,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "MODEL_eval beside a local folder, runs/eval/<org>--<name> for a hub id)")
     parser.add_argument("--default-settings", action="store_true",
                         help="--model: start from the default evaluation settings, not the run's ntl_eval.json")
-    parser.add_argument("--json", help="metrics JSON path (default: OUTPUT_DIR/eval_results_step_<step, 7 digits>.json)")
+    parser.add_argument("--json", help="metrics JSON path; - or /dev/stdout prints it (default: "
+                        "OUTPUT_DIR/eval_results_step_<step, 7 digits>.json)")
     parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     parser.add_argument("overrides", nargs="*", help="EvalConfig settings as key=value (e.g. arithmetic_n=500)")
@@ -233,6 +235,23 @@ def format_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse, in one line, a --json that no file may replace (a device, fifo or folder: the shared writer refuses
+    those) and a --output-dir or --json folder that cannot be written."""
+    from ntl_pretrain.core.fs import not_a_file_problem, writable_problem
+
+    problems = []
+    if args.json:
+        problems.append(not_a_file_problem(args.json))
+        if args.json not in STANDARD_STREAMS:
+            problems.append(writable_problem(os.path.dirname(os.path.abspath(args.json)), "--json's folder"))
+    if args.output_dir:
+        problems.append(writable_problem(args.output_dir, "--output-dir"))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise ValueError(problem)
+
+
 def _notice(is_main: bool, text: str) -> None:
     """A start-up notice, printed once (by rank 0)."""
     if is_main:
@@ -263,6 +282,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     overridden = f", overridden by {' '.join(args.overrides)}" if args.overrides else ""
     started = time.monotonic()
     try:
+        check_output_paths(args)  # before anything loads: an evaluation can take hours
         if args.model:
             base, settings_source = model_eval_settings(args)
             settings_source += overridden
