@@ -69,6 +69,7 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
         check_sequence_length(model_config, run.cfg.data.seq_len)
         check_model_family(run, model_config)
         check_tensor_parallel_split(run.cfg.parallel.tp_size, model_config)
+        check_grouped_experts(model_config, run.cfg.model.dtype, bool(run.cfg.model.architecture))
         if sp_size > 1:
             text = model_config.get_text_config()
             check_sequence_split(sp_size, run.cfg.data.seq_len, text.num_attention_heads,
@@ -100,6 +101,37 @@ def check_tensor_parallel_split(tp_size: int, model_config: Any) -> None:
             raise ConfigError(f"parallel.tp_size={tp_size} {rule} the model's {key}={value} (AutoTP would give a "
                               f"rank an empty or uneven part): set parallel.tp_size to one of {fits} or "
                               f"parallel.tp_size=auto")
+
+
+GROUPED_MM_ALIGNMENT = 16  # bytes: torch's grouped_mm needs each matrix's strides a multiple of this
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def check_grouped_experts(model_config: Any, dtype: str, from_architecture: bool) -> None:
+    """Refuse fused MoE experts whose sizes torch's grouped_mm cannot multiply: transformers' default experts
+    implementation (grouped_mm) needs the hidden size and each expert's width (intermediate_size, or
+    moe_intermediate_size) times the bytes of the training dtype a multiple of 16, else step 1 fails with "strides
+    should be multiple of 16 bytes" (Mixtral with intermediate_size=97). AutoTP does not split the fused experts
+    (models/families.py), so the rule is on the whole sizes at every tp_size."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    implementation = getattr(text, "_experts_implementation", None)
+    if not isinstance(experts, int) or experts <= 0 or implementation not in (None, "grouped_mm"):
+        return
+    element = DTYPE_BYTES.get(dtype, 2)
+    multiple = GROUPED_MM_ALIGNMENT // element
+    width_key = "moe_intermediate_size" if getattr(text, "moe_intermediate_size", None) else "intermediate_size"
+    where = "model.architecture." if from_architecture else "the model's "
+    for key in ("hidden_size", width_key):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value % multiple:
+            lower, upper = value // multiple * multiple, (value // multiple + 1) * multiple
+            choices = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ConfigError(f"{where}{key}={value} is {value * element} bytes in model.dtype={dtype}, not a multiple "
+                              f"of {GROUPED_MM_ALIGNMENT}: the fused MoE experts multiply with torch's grouped_mm, "
+                              f"which needs that (step 1 fails with 'strides should be multiple of 16 bytes'); choose "
+                              f"{key} a multiple of {multiple} (e.g. {choices}), or set "
+                              f"model.architecture.experts_implementation=eager (slower)")
 
 
 NTL_WEIGHT_WARN = 10.0  # the paper uses 0.1-1; far above, NTL outweighs CE
