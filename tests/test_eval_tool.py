@@ -3,9 +3,11 @@ on 2 CPU ranks under DeepSpeed's launcher, which must reproduce the training run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -223,3 +225,48 @@ def test_tool_on_training_checkpoint_reproduces_the_runs_final_evaluation(tmp_pa
     assert result["eval_settings"].startswith("the training run's") and result["eval_config"]["arithmetic_n"] == 6
     assert (run_dir / "hf_export_eval" / "eval" / "step_0000003.jsonl").read_text() == in_training
 
+
+
+def test_sigterm_to_the_deepspeed_runner_ends_every_evaluation_process(tmp_path: Path):
+    """Issue 47 item 5: SIGTERM to the documented `deepspeed --num_gpus 2 tools/evaluate.py` ended DeepSpeed's runner
+    (it has no handler) and left launch.py and both ranks evaluating, re-parented to init; now the ranks see their
+    launcher end and stop, launch.py follows them, and nothing of the job is left within a few seconds."""
+    import signal
+    import subprocess
+    import threading
+
+    import psutil
+    from helpers.models import char_tokenizer, eval_llama
+
+    tokenizer = char_tokenizer()
+    eval_llama(len(tokenizer), seed=4).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(TOOL), "--model",
+               str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), "arithmetic_n=5000", "batch_size=2"]
+    job = subprocess.Popen(command, cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)  # its own session: no signal of ours reaches pytest
+    lines: list[str] = []
+    evaluating = threading.Event()
+
+    def read() -> None:
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("eval arith: "):  # rank 0 announces the benchmark: both ranks evaluate
+                evaluating.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert evaluating.wait(300), "".join(lines)[-3000:]
+        tree = psutil.Process(job.pid).children(recursive=True)  # launch.py and the two ranks
+        assert len([p for p in tree if str(TOOL) in " ".join(p.cmdline())]) == 3, [p.cmdline() for p in tree]
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) == -signal.SIGTERM  # DeepSpeed's runner: no handler
+        _, alive = psutil.wait_procs(tree, timeout=20)
+        assert not alive, ([p.pid for p in alive], "".join(lines)[-3000:])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # whatever a failure left (the job is its own process group)
+    reader.join(timeout=10)
+    assert "the DeepSpeed launcher above this rank" in "".join(lines), "".join(lines)[-3000:]
+    assert not (tmp_path / "out" / "eval_results_step_0000000.json").exists()

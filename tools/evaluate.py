@@ -266,7 +266,11 @@ def _write_json(path: str, data: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ntl_pretrain.parallel.distributed import shutdown_distributed
+    from ntl_pretrain.runtime.lifecycle import stop_when_launchers_end
 
+    # under `deepspeed`: a stop signal to its runner (which has no handler) ends the evaluation on every rank, not
+    # only the runner (nothing to save: the results are written at the end or not at all)
+    stop_when_launchers_end("evaluation (nothing written)")
     try:
         return _evaluate(parse_args(sys.argv[1:] if argv is None else argv))
     finally:
