@@ -6,6 +6,7 @@ two ranks; and files written with the permissions the umask gives."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -227,7 +228,7 @@ def _dry_run(dry_run_here, tmp_path: Path, *overrides: str):
 
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
                                   "seq_len", "model_path", "train_batch_size", "zero_stage", "resume",
-                                  "document_mask_flash", "moe_expert_width"])
+                                  "document_mask_flash", "moe_expert_width", "flash_attention_missing"])
 def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_here):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
                                                   "gradient_accumulation_steps": 1}))
@@ -258,7 +259,13 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_h
                              "of 16: the fused MoE experts multiply with torch's grouped_mm, which needs that (step 1 "
                              "fails with 'strides should be multiple of 16 bytes'); choose intermediate_size a "
                              "multiple of 8 (e.g. 96 or 104), or set model.architecture.experts_implementation=eager"),
+        # transformers first tried a Hub kernel, then raised ImportError after the model loaded
+        "flash_attention_missing": (["model.attn_implementation=flash_attention_2", "data.micro_batch_size=1"],
+                                    "model.attn_implementation=flash_attention_2 needs the flash-attn package, which "
+                                    "is not installed in this environment; install it"),
     }[case]
+    if case == "flash_attention_missing" and importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
     result = _dry_run(dry_run_here, tmp_path, *overrides)
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-3000:])
     assert "dry run OK" not in result.stdout

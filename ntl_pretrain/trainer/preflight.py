@@ -4,6 +4,7 @@ so a dry run refuses what a real start would refuse."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
         raise ConfigError(f"parallel.sp_size={sp_size} needs model.attn_implementation sdpa, flash_attention_2 or "
                           f"auto: DeepSpeed's Ulysses attention wraps those (eager materialises the [S, S] mask)")
     check_document_mask(run.cfg)
+    check_flash_attention(run.cfg.model.attn_implementation)
     objective = Objective.from_config(run.cfg.loss)
     try:
         model_config = load_model_config(run.cfg.model, local_files_only=local_files_only)
@@ -101,6 +103,15 @@ def check_tensor_parallel_split(tp_size: int, model_config: Any) -> None:
             raise ConfigError(f"parallel.tp_size={tp_size} {rule} the model's {key}={value} (AutoTP would give a "
                               f"rank an empty or uneven part): set parallel.tp_size to one of {fits} or "
                               f"parallel.tp_size=auto")
+
+
+def check_flash_attention(attn_implementation: str) -> None:
+    """flash_attention_2 asked for where the flash-attn package does not import: transformers would first try a Hub
+    kernel (a download), then fail with an ImportError after the model loaded; refused here in one line."""
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                          "installed in this environment; install it (pip install flash-attn --no-build-isolation, on "
+                          "CUDA) or set model.attn_implementation=auto (flash-attn when it imports, else sdpa)")
 
 
 GROUPED_MM_ALIGNMENT = 16  # bytes: torch's grouped_mm needs each matrix's strides a multiple of this
