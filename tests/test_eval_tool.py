@@ -270,3 +270,27 @@ def test_sigterm_to_the_deepspeed_runner_ends_every_evaluation_process(tmp_path:
     reader.join(timeout=10)
     assert "the DeepSpeed launcher above this rank" in "".join(lines), "".join(lines)[-3000:]
     assert not (tmp_path / "out" / "eval_results_step_0000000.json").exists()
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_one_line_before_the_weights_load(tmp_path: Path, capsys,
+                                                                                        monkeypatch):
+    """Issue 47: a tokenizer whose ids exceed the model's embedding rows was a raw IndexError at the first batch."""
+    import transformers
+    from helpers.models import char_tokenizer, eval_llama
+
+    small = char_tokenizer("0123456789+= ")
+    eval_llama(len(small)).save_pretrained(tmp_path / "model")
+    small.save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "larger")  # the default characters: more tokens than the model has
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("loaded the weights first")))
+    tool = _load_tool()
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert tool.main(["--model", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "larger"), "arithmetic_n=2",
+                      "--output-dir", str(tmp_path / "out")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    larger = len(char_tokenizer())
+    assert errors == [f"error: the tokenizer of {str(tmp_path / 'larger')!r} has token ids up to {larger - 1}, but the "
+                      f"model {str(tmp_path / 'model')!r} has {len(small)} embedding rows (vocab_size={len(small)}); "
+                      f"pass the tokenizer the model was trained with (--tokenizer DIR), or resize the model to it "
+                      f"first (tools/tokenizer.py resize-model {tmp_path / 'model'} {tmp_path / 'larger'} OUT)"]

@@ -132,6 +132,7 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
     # the trainer's loader (folders our tools wrote load verbatim; a folder without tokenizer files is one line)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     check_eval_tokenizer(cfg, tokenizer)
+    check_vocabulary_fits(args, tokenizer)
     on_cpu = _accelerator_name() == "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if on_cpu else "bf16")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -156,6 +157,23 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
         config["tensor_parallel"] = {"autotp_size": args.tp, "vocab_parallel_lm_head": True}
     engine, *_ = deepspeed.initialize(model=model, config=config)
     return engine, tokenizer, f"{args.model} ({dtype}, {world} processes, ZeRO-3, tp={args.tp})"
+
+
+def check_vocabulary_fits(args: argparse.Namespace, tokenizer: Any) -> None:
+    """Refuse, before the weights load, a tokenizer whose token ids reach past the model's embedding rows (an
+    IndexError inside the model's embedding at the first batch)."""
+    from ntl_pretrain.config import ModelConfig
+    from ntl_pretrain.models.build import load_model_config
+
+    config = load_model_config(ModelConfig(name_or_path=args.model))
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    if isinstance(rows, int) and ids > rows:
+        source = args.tokenizer or args.model
+        raise ValueError(f"the tokenizer of {source!r} has token ids up to {ids - 1}, but the model {args.model!r} "
+                         f"has {rows} embedding rows (vocab_size={rows}); pass the tokenizer the model was trained "
+                         f"with (--tokenizer DIR), or resize the model to it first (tools/tokenizer.py resize-model "
+                         f"{args.model} {source} OUT)")
 
 
 def _checkpoint_tag(run_dir: str, tag: str | None) -> str:
