@@ -294,3 +294,20 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_one_line_before_the_weights
                       f"model {str(tmp_path / 'model')!r} has {len(small)} embedding rows (vocab_size={len(small)}); "
                       f"pass the tokenizer the model was trained with (--tokenizer DIR), or resize the model to it "
                       f"first (tools/tokenizer.py resize-model {tmp_path / 'model'} {tmp_path / 'larger'} OUT)"]
+
+
+def test_a_tensor_parallel_run_evaluated_in_one_process_names_the_launch(tmp_path: Path, capsys):
+    """Issue 47: `tools/evaluate.py --run` of a T=2 run in one process suggested the trainer's fixes (its
+    parallel.tp_size, launch/pretrain.sh) instead of launching the tool on 2 processes."""
+    from ntl_pretrain.config import load_config, to_yaml
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = load_config(None, ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok",
+                               "data.sources.0.path=corpus.jsonl", "parallel.tp_size=2"])
+    (run_dir / "config.yaml").write_text(to_yaml(saved))
+    assert _load_tool().main(["--run", str(run_dir), "--tag", "global_step3"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+    assert errors == [f"error: {str(run_dir)!r} trained with parallel.tp_size=2, which does not divide the 1 process(es) "
+                      f"launched; evaluate it on 2 processes: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed "
+                      f"--num_gpus 2 tools/evaluate.py --run {run_dir}"]

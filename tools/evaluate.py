@@ -223,6 +223,13 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     # (else DeepSpeed falls back to MPI discovery: a raw "No module named 'mpi4py'")
     launcher.use_world_of_one()
     world = _world_size()
+    tp_size = saved.parallel.tp_size
+    if isinstance(tp_size, int) and tp_size > 1 and world % tp_size:
+        # preflight would name the trainer's fixes (its tp_size, launch/pretrain.sh); the fix here is the launch
+        cpu = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 " if get_accelerator().device_name() == "cpu" else ""
+        raise ValueError(f"{args.run!r} trained with parallel.tp_size={tp_size}, which does not divide the {world} "
+                         f"process(es) launched; evaluate it on {tp_size} processes: {cpu}deepspeed --num_gpus "
+                         f"{tp_size} tools/evaluate.py --run {args.run}")
     checked = preflight(saved, world, get_accelerator().device_name() == "cpu", lifecycle.local_world_size())
     cfg = checked.run.cfg
     distributed.init_distributed(cfg.train.dist_timeout_minutes)
