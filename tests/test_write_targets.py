@@ -121,3 +121,21 @@ def test_number_vocab_out_in_an_unwritable_folder_is_one_line(tmp_path, capsys):
         errors = capsys.readouterr().err.splitlines()
         assert len(errors) == 1 and errors[0].startswith(message), errors
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_folder_written_under_a_temporary_name_names_the_users_path(tmp_path, capsys):
+    """`tools/tokenizer.py split-digits TOK /proc/x` named the staging folder ('/proc/.x.tmp-...')."""
+    from helpers.models import char_tokenizer
+
+    from ntl_pretrain.core.fs import atomic_directory
+
+    with pytest.raises(OSError) as info:
+        with atomic_directory("/proc/x"):
+            pass
+    assert str(info.value).endswith("cannot write '/proc/x': creating a folder in '/proc' failed (No such file or "
+                                    "directory); choose a path in a folder you can write")
+    char_tokenizer().save_pretrained(tmp_path / "tok")
+    tool = runpy.run_path(str(REPO / "tools" / "tokenizer.py"))
+    assert tool["main"](["split-digits", str(tmp_path / "tok"), "/proc/x"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "cannot write '/proc/x'" in errors[0] and ".tmp-" not in errors[0], errors

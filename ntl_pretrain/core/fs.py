@@ -235,9 +235,15 @@ def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator
     """
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    remove_stale_staging(path)
-    staging = tempfile.mkdtemp(prefix=_staging_prefix(path), dir=parent)
+    step = f"creating its folder {parent!r}"
+    try:  # an error names the user's path, not the staging folder's
+        os.makedirs(parent, exist_ok=True)
+        remove_stale_staging(path)
+        step = f"creating a folder in {parent!r}"
+        staging = tempfile.mkdtemp(prefix=_staging_prefix(path), dir=parent)
+    except OSError as error:
+        raise type(error)(error.errno, f"cannot write {path!r}: {step} failed ({error.strerror}); choose a path "
+                                       f"in a folder you can write") from None
     try:
         _write_marker(staging)
         yield staging
