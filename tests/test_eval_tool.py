@@ -311,3 +311,18 @@ def test_a_tensor_parallel_run_evaluated_in_one_process_names_the_launch(tmp_pat
     assert errors == [f"error: {str(run_dir)!r} trained with parallel.tp_size=2, which does not divide the 1 process(es) "
                       f"launched; evaluate it on 2 processes: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed "
                       f"--num_gpus 2 tools/evaluate.py --run {run_dir}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", ""], "--model is empty ('')"),
+    (["--run", " "], "--run is empty (' ')"),
+    (["--model", "m", "--json", ""], "--json is empty ('')"),
+    (["--model", "m", "--output-dir", ""], "--output-dir is empty ('')"),
+    (["--model", "m", "--step", "-5"], "--step -5 is negative"),
+])
+def test_empty_and_negative_arguments_are_refused_by_the_parser(argv, message, capsys):
+    """`--model ""` was a raw TypeError (taken for --run None), `--json ""` silently wrote the default file and
+    `--step -5` wrote eval/step_-000005.jsonl."""
+    with pytest.raises(SystemExit) as info:
+        _load_tool().parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err

@@ -75,7 +75,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     parser.add_argument("overrides", nargs="*", help="EvalConfig settings as key=value (e.g. arithmetic_n=500)")
-    return parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
+    for option in ("model", "run", "tag", "tokenizer", "output_dir", "json"):
+        value = getattr(args, option)
+        if value is not None and not value.strip():  # `--json $OUT` with OUT unset: not the default, a mistake
+            parser.error(f"--{option.replace('_', '-')} is empty ({value!r}); give a value or leave the option out")
+    if args.step is not None and args.step < 0:
+        parser.error(f"--step {args.step} is negative; give the step number the results are for (>= 0), or leave "
+                     f"it out")
+    return args
 
 
 def eval_config(base: EvalConfig, overrides: Sequence[str]) -> EvalConfig:
