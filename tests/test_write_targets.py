@@ -64,8 +64,9 @@ def test_the_standard_streams_are_written_not_replaced(capfd, no_rename_over_a_n
     write_text_atomic("-", "dash\n")
     with atomic_write("/dev/stderr", "wb") as handle:
         handle.write(b"to stderr\n")
+    write_text_atomic("/dev/fd/2", "fd 2\n")
     out, err = capfd.readouterr()
-    assert out == '{"to": "stdout"}dash\n' and err == "to stderr\n"
+    assert out == '{"to": "stdout"}dash\n' and err == "to stderr\nfd 2\n"
     assert os.stat("/dev/stdout").st_mode == before and os.path.islink("/dev/stdout")
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 

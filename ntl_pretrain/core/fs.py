@@ -71,7 +71,8 @@ def fsync_dir(path: str) -> None:
 
 
 # the names that mean a standard stream (the stream is written, never a file put in its place)
-STANDARD_STREAMS = {"-": "stdout", "/dev/stdout": "stdout", "/dev/stderr": "stderr"}
+STANDARD_STREAMS = {"-": "stdout", "/dev/stdout": "stdout", "/dev/stderr": "stderr", "/dev/fd/1": "stdout",
+                    "/dev/fd/2": "stderr", "/proc/self/fd/1": "stdout", "/proc/self/fd/2": "stderr"}
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
@@ -108,7 +109,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None 
     """Open a temporary file beside `path` for writing; on success it is fsynced and renamed onto `path`
     (mode from the umask), on error removed: readers see the old file or the whole new one, never a part.
 
-    `-`, `/dev/stdout` and `/dev/stderr` write to that stream; any other target that exists and is not a regular
+    `-`, `/dev/stdout` and `/dev/stderr` (or /dev/fd/1, 2) write to that stream; any other target that exists and is not a regular
     file (a device node, fifo, socket, folder, or a link to one) is refused with `OutputPathError`, before
     anything is written (`not_a_file_problem`)."""
     if mode not in ("w", "wb"):
