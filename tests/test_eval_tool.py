@@ -306,6 +306,7 @@ def test_a_tensor_parallel_run_evaluated_in_one_process_names_the_launch(tmp_pat
     saved = load_config(None, ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok",
                                "data.sources.0.path=corpus.jsonl", "parallel.tp_size=2"])
     (run_dir / "config.yaml").write_text(to_yaml(saved))
+    (run_dir / "global_step3").mkdir()
     assert _load_tool().main(["--run", str(run_dir), "--tag", "global_step3"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
     assert errors == [f"error: {str(run_dir)!r} trained with parallel.tp_size=2, which does not divide the 1 process(es) "
@@ -326,3 +327,19 @@ def test_empty_and_negative_arguments_are_refused_by_the_parser(argv, message, c
     with pytest.raises(SystemExit) as info:
         _load_tool().parse_args(argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tag, message", [
+    ("../../x", "--tag '../../x' is not a checkpoint tag (global_stepN, a folder of the run)"),
+    ("auto", "--tag 'auto' is not a checkpoint tag"),
+    ("global_step5", "--tag global_step5: {run!r} has no such checkpoint (it has: global_step3)"),
+])
+def test_a_tag_the_run_does_not_hold_is_named_as_the_option(tmp_path: Path, capsys, tag, message):
+    """--tag '../../x' was reported as train.resume='../../x', a setting the user never wrote."""
+    run_dir = tmp_path / "run"
+    (run_dir / "global_step3").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("train: {}\n")
+    assert _load_tool().main(["--run", str(run_dir), "--tag", tag]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+    assert len(errors) == 1 and errors[0].startswith("error: " + message.format(run=str(run_dir))), errors
+    assert "train.resume" not in errors[0]

@@ -185,9 +185,17 @@ def check_vocabulary_fits(args: argparse.Namespace, tokenizer: Any) -> None:
 
 
 def _checkpoint_tag(run_dir: str, tag: str | None) -> str:
-    if tag:
-        return tag
     from ntl_pretrain.checkpoint import step_of_tag
+
+    if tag:  # named as the user gave it: the trainer's train.resume, which this sets, was never written by them
+        if step_of_tag(tag) is None:
+            raise ValueError(f"--tag {tag!r} is not a checkpoint tag (global_stepN, a folder of the run); e.g. "
+                             f"--tag global_step100, or leave --tag out for the run's 'latest'")
+        if not os.path.isdir(os.path.join(run_dir, tag)):
+            found = sorted((name for name in os.listdir(run_dir) if step_of_tag(name) is not None
+                            and os.path.isdir(os.path.join(run_dir, name))), key=step_of_tag)
+            raise ValueError(f"--tag {tag}: {run_dir!r} has no such checkpoint (it has: {', '.join(found) or 'none'})")
+        return tag
 
     latest = os.path.join(run_dir, "latest")
     if os.path.islink(latest) or not os.path.isfile(latest):
