@@ -343,3 +343,29 @@ def test_a_tag_the_run_does_not_hold_is_named_as_the_option(tmp_path: Path, caps
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
     assert len(errors) == 1 and errors[0].startswith("error: " + message.format(run=str(run_dir))), errors
     assert "train.resume" not in errors[0]
+
+
+def test_an_moe_model_whose_expert_width_grouped_mm_cannot_take_is_evaluated_with_eager_experts(tmp_path: Path,
+                                                                                                capsys):
+    """Issue 47 item 6 in the evaluation tool: a Mixtral export with intermediate_size=97 failed at the first batch in
+    torch._grouped_mm ('strides should be multiple of 16 bytes'); it runs with the plain loop over experts."""
+    import torch
+    from helpers.models import char_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = char_tokenizer()
+    config = AutoConfig.for_model("mixtral", hidden_size=64, intermediate_size=97, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  num_experts_per_tok=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+                                  eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    assert _load_tool().main(["--model", str(tmp_path / "model"), "arithmetic_n=2", "arithmetic_max_new_tokens=3",
+                              "--output-dir", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert ("note: the model's intermediate_size=97 is not a multiple of 4 (fp32), which torch's grouped_mm needs: "
+            "its MoE experts run with experts_implementation=eager (slower)") in printed
+    assert json.loads((tmp_path / "out" / "eval_results_step_0000000.json").read_text())["metrics"][
+        "eval/arith/interpolation/n"] == 2

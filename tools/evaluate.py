@@ -131,8 +131,11 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ntl_pretrain.config import ModelConfig
     from ntl_pretrain.eval.hooks import check_eval_tokenizer
+    from ntl_pretrain.models.build import load_model_config
     from ntl_pretrain.tokenizer.loading import load_tokenizer
+    from ntl_pretrain.trainer.preflight import grouped_experts_problem
 
     world = _world_size()
     if args.tp < 1 or world % args.tp != 0:  # before anything loads
@@ -144,8 +147,16 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
     on_cpu = _accelerator_name() == "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if on_cpu else "bf16")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    experts = {}
+    problem = grouped_experts_problem(load_model_config(ModelConfig(name_or_path=args.model)), dtype)
+    if problem is not None:  # grouped_mm would fail at the first batch; the plain loop over experts runs any size
+        experts = {"experts_implementation": "eager"}
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: the model's {problem[0]}={problem[1]} is not a multiple of {problem[2]} ({dtype}), which "
+                  f"torch's grouped_mm needs: its MoE experts run with experts_implementation=eager (slower)",
+                  flush=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype, **experts)
     except OSError as error:  # no weights file in the folder, a hub id that does not exist
         raise ValueError(f"cannot load the model weights of {args.model!r}: {' '.join(str(error).split())}") from None
     if world == 1 and args.tp == 1:

@@ -118,31 +118,42 @@ GROUPED_MM_ALIGNMENT = 16  # bytes: torch's grouped_mm needs each matrix's strid
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def check_grouped_experts(model_config: Any, dtype: str, from_architecture: bool) -> None:
-    """Refuse fused MoE experts whose sizes torch's grouped_mm cannot multiply: transformers' default experts
-    implementation (grouped_mm) needs the hidden size and each expert's width (intermediate_size, or
-    moe_intermediate_size) times the bytes of the training dtype a multiple of 16, else step 1 fails with "strides
-    should be multiple of 16 bytes" (Mixtral with intermediate_size=97). AutoTP does not split the fused experts
-    (models/families.py), so the rule is on the whole sizes at every tp_size."""
+def grouped_experts_problem(model_config: Any, dtype: str) -> tuple[str, int, int] | None:
+    """(key, value, the multiple it needs) of fused MoE experts that torch's grouped_mm cannot multiply, or None.
+
+    transformers' default experts implementation (grouped_mm) needs the hidden size and each expert's width
+    (intermediate_size, or moe_intermediate_size) times the bytes of the dtype a multiple of 16, else the first
+    forward fails with "strides should be multiple of 16 bytes" (Mixtral with intermediate_size=97). AutoTP does not
+    split the fused experts (models/families.py), so the rule is on the whole sizes at every tp_size."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
     implementation = getattr(text, "_experts_implementation", None)
     if not isinstance(experts, int) or experts <= 0 or implementation not in (None, "grouped_mm"):
-        return
-    element = DTYPE_BYTES.get(dtype, 2)
-    multiple = GROUPED_MM_ALIGNMENT // element
+        return None
+    multiple = GROUPED_MM_ALIGNMENT // DTYPE_BYTES.get(dtype, 2)
     width_key = "moe_intermediate_size" if getattr(text, "moe_intermediate_size", None) else "intermediate_size"
-    where = "model.architecture." if from_architecture else "the model's "
     for key in ("hidden_size", width_key):
         value = getattr(text, key, None)
         if isinstance(value, int) and value % multiple:
-            lower, upper = value // multiple * multiple, (value // multiple + 1) * multiple
-            choices = f"{lower} or {upper}" if lower else f"{upper}"
-            raise ConfigError(f"{where}{key}={value} is {value * element} bytes in model.dtype={dtype}, not a multiple "
-                              f"of {GROUPED_MM_ALIGNMENT}: the fused MoE experts multiply with torch's grouped_mm, "
-                              f"which needs that (step 1 fails with 'strides should be multiple of 16 bytes'); choose "
-                              f"{key} a multiple of {multiple} (e.g. {choices}), or set "
-                              f"model.architecture.experts_implementation=eager (slower)")
+            return key, value, multiple
+    return None
+
+
+def check_grouped_experts(model_config: Any, dtype: str, from_architecture: bool) -> None:
+    """Refuse (ConfigError, one line naming the sizes that fit and the other fix) what `grouped_experts_problem`
+    finds, before the model is built (the trainer's start-up and --dry-run)."""
+    problem = grouped_experts_problem(model_config, dtype)
+    if problem is None:
+        return
+    key, value, multiple = problem
+    lower, upper = value // multiple * multiple, (value // multiple + 1) * multiple
+    choices = f"{lower} or {upper}" if lower else f"{upper}"
+    where = "model.architecture." if from_architecture else "the model's "
+    raise ConfigError(f"{where}{key}={value} is {value * DTYPE_BYTES.get(dtype, 2)} bytes in model.dtype={dtype}, not "
+                      f"a multiple of {GROUPED_MM_ALIGNMENT}: the fused MoE experts multiply with torch's grouped_mm, "
+                      f"which needs that (step 1 fails with 'strides should be multiple of 16 bytes'); choose {key} a "
+                      f"multiple of {multiple} (e.g. {choices}), or set model.architecture.experts_implementation=eager "
+                      f"(slower)")
 
 
 NTL_WEIGHT_WARN = 10.0  # the paper uses 0.1-1; far above, NTL outweighs CE
