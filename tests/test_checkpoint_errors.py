@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -677,3 +678,18 @@ def test_reshard_of_a_run_folder_names_its_checkpoints(tmp_path, capsys):
     assert err == (f"error: {str(run)!r} is a run folder, not a checkpoint; pass one of its checkpoints, e.g. "
                    f"{run / 'global_step2'} (complete: global_step1, global_step2)\n")
     assert _snapshot(run) == before
+
+
+def test_a_latest_pointer_that_is_no_file_is_named_not_replaced(tmp_path):
+    """Issue 47 item 1 on the run folder: `latest` made a fifo (or a link to /dev/null) while the run trained was
+    replaced by a file through the shared writer; it is left as it is and the save says so in one line."""
+    out = tmp_path / "run"
+    out.mkdir()
+    manager = _manager(out, keep_last=0)
+    os.mkfifo(out / "latest")
+    with pytest.raises(CheckpointError) as caught:
+        manager.save(_FileWritingEngine(), 3, {}, lambda folder: os.makedirs(folder))
+    assert str(caught.value) == (f"checkpoint global_step3 is saved, but {str(out / 'latest')!r} is not a regular "
+                                 f"file, so it was left as it is and does not name global_step3: remove it (the next "
+                                 f"save writes it), or resume with train.resume=global_step3")
+    assert stat.S_ISFIFO(os.stat(out / "latest").st_mode) and (out / "global_step3").is_dir()
