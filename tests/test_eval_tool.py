@@ -296,10 +296,14 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_one_line_before_the_weights
                       f"first (tools/tokenizer.py resize-model {tmp_path / 'model'} {tmp_path / 'larger'} OUT)"]
 
 
-def test_a_tensor_parallel_run_evaluated_in_one_process_names_the_launch(tmp_path: Path, capsys):
+def test_a_tensor_parallel_run_evaluated_in_one_process_names_the_launch(tmp_path: Path, capsys, monkeypatch):
     """Issue 47: `tools/evaluate.py --run` of a T=2 run in one process suggested the trainer's fixes (its
     parallel.tp_size, launch/pretrain.sh) instead of launching the tool on 2 processes."""
     from ntl_pretrain.config import load_config, to_yaml
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # restored (removed) after the test: the tool describes a world of one in them,
+        monkeypatch.delenv(name)  # which the launches of later tests would inherit
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
