@@ -122,6 +122,10 @@ def test_number_vocab_out_in_an_unwritable_folder_is_one_line(tmp_path, capsys):
         errors = capsys.readouterr().err.splitlines()
         assert len(errors) == 1 and errors[0].startswith(message), errors
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert tool["main"](["number-vocab", str(tmp_path / "tok"), "--out", "/dev/stdout"]) == 0  # written, not replaced
+    printed = capsys.readouterr().out
+    assert json.loads(printed[:printed.index("}") + 1])["tokens"] == [str(d) for d in range(10)]
+    assert os.path.islink("/dev/stdout")
 
 
 def test_a_folder_written_under_a_temporary_name_names_the_users_path(tmp_path, capsys):
