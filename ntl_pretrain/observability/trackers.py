@@ -118,7 +118,9 @@ def check_wandb_route(timeout_s: float = WANDB_ROUTE_TIMEOUT_S) -> None:
     if any(os.environ.get(name) for name in PROXY_VARIABLES):
         return
     url = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
-    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    if not url.hostname:
+        return  # not a URL: wandb.init names it
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as error:
