@@ -373,3 +373,19 @@ def test_an_moe_model_whose_expert_width_grouped_mm_cannot_take_is_evaluated_wit
             "its MoE experts run with experts_implementation=eager (slower)") in printed
     assert json.loads((tmp_path / "out" / "eval_results_step_0000000.json").read_text())["metrics"][
         "eval/arith/interpolation/n"] == 2
+
+
+def test_operands_of_hundreds_of_digits_are_evaluated_and_an_unrepresentable_mae_is_null(tmp_path: Path, capsys):
+    """`arithmetic_extrapolation_digits=[400, 400]` was a raw OverflowError after the generation; the JSON holds
+    null for an MAE beyond float's range (as for NaN)."""
+    from helpers.models import char_tokenizer, eval_llama
+
+    tokenizer = char_tokenizer()
+    eval_llama(len(tokenizer), max_positions=1024).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert _load_tool().main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"),
+                              "arithmetic_n=1", "arithmetic_splits=[extrapolation]", "arithmetic_ops=['+']",
+                              "arithmetic_extrapolation_digits=[400, 400]", "arithmetic_max_new_tokens=2"]) == 0
+    metrics = json.loads((tmp_path / "out" / "eval_results_step_0000000.json").read_text())["metrics"]
+    assert metrics["eval/arith/extrapolation/n"] == 1
+    assert metrics["eval/arith/extrapolation/mae"] is None or metrics["eval/arith/extrapolation/mae"] >= 0

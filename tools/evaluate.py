@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -374,8 +375,8 @@ def _evaluate(args: argparse.Namespace) -> int:
                              document_mask=document_mask)
     if is_main:
         json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")
-        # NaN (e.g. MAE with no parseable answer) is not JSON: write null.
-        finite = {k: (None if v != v else v) for k, v in metrics.items()}
+        # NaN (e.g. MAE with no parseable answer) and inf (an MAE beyond float's range) are not JSON: write null.
+        finite = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         _write_json(json_path, {"model": description, "step": step, "metrics": finite,
                                 "eval_config": dataclasses.asdict(cfg), "eval_settings": settings_source,
                                 "predictions": os.path.join(output_dir, "eval", f"step_{step:07d}.jsonl")})
