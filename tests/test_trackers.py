@@ -205,3 +205,16 @@ def test_wandb_online_without_a_route_is_one_line_naming_offline_within_seconds(
     assert time.monotonic() - started < trackers.WANDB_ROUTE_TIMEOUT_S
     assert "\n" not in message and f"W&B's server 127.0.0.1:{port} (WANDB_BASE_URL) cannot be reached" in message
     assert "set monitor.wandb.mode=offline" in message and "init_timeout" not in message, message
+
+
+@pytest.mark.fast
+def test_a_wandb_dir_that_cannot_be_a_folder_is_named_at_start_up(tmp_path):
+    """`monitor.wandb.dir=/dev/null` reached W&B as "File exists", naming neither the key nor the fix."""
+    from ntl_pretrain.trainer.preflight import output_problems
+
+    config = load_config("configs/demo.yaml", [f"train.output_dir={tmp_path / 'run'}", "monitor.wandb.enabled=true",
+                                               "monitor.wandb.mode=offline", "monitor.wandb.dir=/dev/null"])
+    assert output_problems(config) == ("monitor.wandb.dir='/dev/null' cannot be created: '/dev/null' is a file, not a "
+                                       "folder; choose another monitor.wandb.dir")
+    assert output_problems(load_config("configs/demo.yaml", [f"train.output_dir={tmp_path / 'run'}",
+                                                             "monitor.wandb.dir=/dev/null"])) is None  # W&B off

@@ -226,6 +226,8 @@ def output_problems(cfg: Config) -> str | None:
         folders.append(("monitor.tensorboard_dir", cfg.monitor.tensorboard_dir))
     if cfg.checkpoint.export_hf_at_end and cfg.checkpoint.export_dir:
         folders.append(("checkpoint.export_dir", cfg.checkpoint.export_dir))
+    if cfg.monitor.wandb.enabled and cfg.monitor.wandb.dir:  # W&B's own error named neither the key nor the fix
+        folders.append(("monitor.wandb.dir", cfg.monitor.wandb.dir))
     for key, folder in folders:
         problem = writable_problem(folder, key)
         if problem is not None:
