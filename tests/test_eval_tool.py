@@ -389,3 +389,28 @@ def test_operands_of_hundreds_of_digits_are_evaluated_and_an_unrepresentable_mae
     metrics = json.loads((tmp_path / "out" / "eval_results_step_0000000.json").read_text())["metrics"]
     assert metrics["eval/arith/extrapolation/n"] == 1
     assert metrics["eval/arith/extrapolation/mae"] is None or metrics["eval/arith/extrapolation/mae"] >= 0
+
+
+def test_result_files_that_are_no_files_are_refused_before_the_evaluation(tmp_path: Path, capsys, monkeypatch):
+    """The predictions file (OUTPUT_DIR/eval/step_N.jsonl) or the default metrics file made a folder or a fifo was
+    refused by the shared writer only after the generation (hours for GSM8K), as a raw ValueError."""
+    import os
+
+    from helpers.models import char_tokenizer, eval_llama
+
+    tokenizer = char_tokenizer()
+    eval_llama(len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    tool = _load_tool()
+    monkeypatch.setattr("ntl_pretrain.eval.hooks.run_evaluation",
+                        lambda *args, **kwargs: pytest.fail("evaluated before the result files were checked"))
+    (tmp_path / "out" / "eval" / "step_0000004.jsonl").mkdir(parents=True)
+    os.mkfifo(tmp_path / "out" / "eval_results_step_0000007.json")
+    capsys.readouterr()
+    for step, path, kind in ((4, tmp_path / "out" / "eval" / "step_0000004.jsonl", "a directory"),
+                             (7, tmp_path / "out" / "eval_results_step_0000007.json", "a fifo")):
+        assert tool.main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), "--step",
+                          str(step), "arithmetic_n=2"]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+        assert errors == [f"error: {str(path)!r} is {kind}, not a regular file, so no file is written in its place; "
+                          f"choose a file path (or - or /dev/stdout for the standard output)"]

@@ -305,6 +305,20 @@ def check_output_paths(args: argparse.Namespace) -> None:
         raise ValueError(problem)
 
 
+def check_result_files(output_dir: str, step: int, json_path: str | None) -> None:
+    """Refuse, before the evaluation, result files that exist and are not regular files (the shared writer would
+    refuse them only after the generation, which can take hours)."""
+    from ntl_pretrain.core.fs import not_a_file_problem
+    from ntl_pretrain.eval.hooks import predictions_path
+
+    paths = [predictions_path(output_dir, step)]
+    if not json_path:
+        paths.append(os.path.join(output_dir, f"eval_results_step_{step:07d}.json"))
+    problem = next((p for p in map(not_a_file_problem, paths) if p), None)
+    if problem:
+        raise ValueError(problem)
+
+
 def _notice(is_main: bool, text: str) -> None:
     """A start-up notice, printed once (by rank 0)."""
     if is_main:
@@ -366,6 +380,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             match = re.search(r"(\d+)$", tag)
             step = args.step if args.step is not None else (int(match.group(1)) if match else 0)
             output_dir = args.output_dir or args.run
+        check_result_files(output_dir, step, args.json)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -374,7 +389,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     metrics = run_evaluation(model, tokenizer, cfg, step=step, output_dir=output_dir, final=True, show_progress=True,
                              document_mask=document_mask)
     if is_main:
-        json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")
+        json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")  # as checked
         # NaN (e.g. MAE with no parseable answer) and inf (an MAE beyond float's range) are not JSON: write null.
         finite = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         _write_json(json_path, {"model": description, "step": step, "metrics": finite,
