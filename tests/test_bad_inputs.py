@@ -6,6 +6,7 @@ two ranks; and files written with the permissions the umask gives."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -227,7 +228,7 @@ def _dry_run(dry_run_here, tmp_path: Path, *overrides: str):
 
 @pytest.mark.parametrize("case", ["squash_factor", "number_level_smoothing", "lr", "betas", "architecture_key",
                                   "seq_len", "model_path", "train_batch_size", "zero_stage", "resume",
-                                  "document_mask_flash"])
+                                  "document_mask_flash", "moe_expert_width", "flash_attention_missing"])
 def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_here):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
                                                   "gradient_accumulation_steps": 1}))
@@ -248,7 +249,23 @@ def test_dry_run_refuses_what_the_trainer_would_refuse(tmp_path, case, dry_run_h
         "document_mask_flash": (["model.attn_implementation=flash_attention_2"],
                                 "data.document_mask=true with model.attn_implementation=flash_attention_2 needs "
                                 "data.micro_batch_size=1"),
+        # issue 47 item 6: passed the dry run, then step 1 died in torch._grouped_mm ("strides should be multiple
+        # of 16 bytes"); the experts are whole on every TP rank, so the rule is on the whole width
+        "moe_expert_width": (["model.architecture={model_type: mixtral, hidden_size: 64, intermediate_size: 97, "
+                              "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+                              "num_local_experts: 4, num_experts_per_tok: 2, max_position_embeddings: 256}",
+                              "parallel.tp_size=2", "model.dtype=bf16"],
+                             "model.architecture.intermediate_size=97 is 194 bytes in model.dtype=bf16, not a multiple "
+                             "of 16: the fused MoE experts multiply with torch's grouped_mm, which needs that (step 1 "
+                             "fails with 'strides should be multiple of 16 bytes'); choose intermediate_size a "
+                             "multiple of 8 (e.g. 96 or 104), or set model.architecture.experts_implementation=eager"),
+        # transformers first tried a Hub kernel, then raised ImportError after the model loaded
+        "flash_attention_missing": (["model.attn_implementation=flash_attention_2", "data.micro_batch_size=1"],
+                                    "model.attn_implementation=flash_attention_2 needs the flash-attn package, which "
+                                    "is not installed in this environment; install it"),
     }[case]
+    if case == "flash_attention_missing" and importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
     result = _dry_run(dry_run_here, tmp_path, *overrides)
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-3000:])
     assert "dry run OK" not in result.stdout
@@ -569,3 +586,35 @@ def test_a_source_that_is_a_symbolic_link_loop_says_so(tmp_path):
     dangling.symlink_to(tmp_path / "gone.jsonl")
     with pytest.raises(DataError, match="is a symbolic link to .*gone.jsonl', which does not exist"):
         resolve_files(DataSourceConfig(path=str(dangling)), "data.sources.0")
+
+
+@pytest.mark.parametrize("width, dtype", [(97, "bf16"), (100, "bf16"), (104, "bf16"), (98, "fp32"), (100, "fp32")])
+def test_the_grouped_experts_rule_is_torchs(width, dtype):
+    """check_grouped_experts refuses exactly the Mixtral expert widths whose forward and backward fail in torch's
+    grouped_mm (transformers' default experts implementation), and none of those that run."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ntl_pretrain.trainer.preflight import check_grouped_experts
+
+    config = AutoConfig.for_model("mixtral", hidden_size=64, intermediate_size=width, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  num_experts_per_tok=2, vocab_size=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    ids = torch.randint(0, 64, (2, 8))
+    try:
+        model(ids, labels=ids).loss.backward()
+        runs = True
+    except RuntimeError as error:
+        assert "strides should be multiple of 16 bytes" in str(error)
+        runs = False
+    try:
+        check_grouped_experts(config, dtype, from_architecture=True)
+        refused = False
+    except ConfigError:
+        refused = True
+    assert refused == (not runs), (width, dtype, runs)
+    check_grouped_experts(  # the other fix the message names: no grouped_mm, no rule
+        AutoConfig.for_model("mixtral", intermediate_size=width, experts_implementation="eager"),
+                          dtype, from_architecture=True)

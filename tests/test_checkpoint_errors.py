@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -707,3 +708,18 @@ def test_the_runs_seed_fixes_every_generator_a_checkpoint_saves(seed):
     assert seeded_run() == first
     seed_generators(seed ^ 1)
     assert random.random() != first[0][0] and float(np.random.random()) != first[0][1]  # another seed, another sequence
+
+
+def test_a_latest_pointer_that_is_no_file_is_named_not_replaced(tmp_path):
+    """Issue 47 item 1 on the run folder: `latest` made a fifo (or a link to /dev/null) while the run trained was
+    replaced by a file through the shared writer; it is left as it is and the save says so in one line."""
+    out = tmp_path / "run"
+    out.mkdir()
+    manager = _manager(out, keep_last=0)
+    os.mkfifo(out / "latest")
+    with pytest.raises(CheckpointError) as caught:
+        manager.save(_FileWritingEngine(), 3, {}, lambda folder: os.makedirs(folder))
+    assert str(caught.value) == (f"checkpoint global_step3 is saved, but {str(out / 'latest')!r} is not a regular "
+                                 f"file, so it was left as it is and does not name global_step3: remove it (the next "
+                                 f"save writes it), or resume with train.resume=global_step3")
+    assert stat.S_ISFIFO(os.stat(out / "latest").st_mode) and (out / "global_step3").is_dir()

@@ -166,7 +166,18 @@ MINIMAL = ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok", 
     (["data.stages=[{start_step: 1, weights: [1, -0.5]}]"],
      "data.stages.0.weights.1=-0.5 must be a finite number >= 0"),
     (["data.sources.1.label=old", "data.stages=[{start_step: 1, weights: {old: many}}]"],
-     "data.stages.0.weights.old='many' must be a finite number >= 0"),
+     "data.stages.0.weights.old must be a number, got str 'many'"),
+    # issue 47 item 3: weights that each pass but whose sum overflows gave every source the share 0.000 in the dry
+    # run, then numpy's "Probabilities do not sum to 1"; .inf was a type error; PyYAML reads 1.0e308 (no sign in the
+    # exponent) as text, which the mapping form refused as not a number while the list form read it as one
+    (["data.stages=[{start_step: 1, weights: [1.0e308, 1.0e308]}]"],
+     "data.stages.0.weights [1e+308, 1e+308] sum to more than the largest number (1.8e+308): weights are relative "
+     "(each is divided by their sum), so write them smaller, e.g. [1, 1] for equal shares"),
+    (["data.sources.0.label=web", "data.sources.1.label=old", "data.stages=[{start_step: 1, weights: "
+      "{web: 1.0e308, old: 1.0e308}}]"], "data.stages.0.weights [1e+308, 1e+308] sum to more than the largest number"),
+    (["data.sources=[{path: a.jsonl, weight: 1e308}, {path: b.jsonl, weight: 1e308}]"],
+     "data.sources.N.weight [1e+308, 1e+308] sum to more than the largest number"),
+    (["data.stages=[{start_step: 1, weights: [.inf, 1]}]"], "data.stages.0.weights.0 must be a finite number, got inf"),
     (["data.stages=[{start_step: 1, weights: [1, 1]}, {start_step: 9, weights: [0, 0]}]"],
      "data.stages.1.weights are all 0: give at least one source a weight > 0 in every stage"),
     (["data.sources.0.label=web", "data.sources.1.label=web"],
@@ -191,6 +202,19 @@ def test_stages_by_label_resolve_and_warnings_name_what_never_trains():
     warnings = config_warnings(cfg)
     assert any(w.startswith("data.stages.2.start_step=200 is after train.max_steps=100") for w in warnings)
     assert any(w.startswith("data.sources.2 (c.jsonl) has weight 0 in every data.stages entry") for w in warnings)
+
+
+def test_a_mapping_weight_pyyaml_reads_as_text_is_the_number_as_in_a_list():
+    cfg = load_config(None, MINIMAL + ["data.sources.0.label=web", "data.sources.1.label=old",
+                                       "data.stages=[{start_step: 1, weights: {web: 1.0e2, old: 3.0e2}}]"])
+    assert [s.weights for s in cfg.data.stage_table()] == [(100.0, 300.0)]
+
+
+def test_the_dry_run_refuses_weights_whose_sum_overflows(dry_run_here):
+    result = dry_run_here("--config", "configs/cpt_replay_stages.yaml", "--world-size", "16",
+                          "data.stages=[{start_step: 1, weights: [1.0e308, 1.0e308]}]")
+    assert result.returncode != 0 and "dry run OK" not in result.stdout
+    assert "data.stages.0.weights [1e+308, 1e+308] sum to more than the largest number" in result.stderr
 
 
 def test_the_dry_run_prints_the_stage_table(dry_run_here):

@@ -85,9 +85,10 @@ def test_training_corpus_is_written_atomically_and_holds_only_train_problems(tmp
         assert eval(expression) == int(answer)  # noqa: S307 - digits and + - * only
         assert text not in held_out
         assert not is_interpolation_problem(make_problem(*_split_binary(expression)))
-    # A write that fails (the target is a directory) leaves nothing behind and keeps what was there.
+    # A write that fails (the target is a directory: the shared writer refuses it) leaves nothing behind and keeps
+    # what was there.
     (tmp_path / "taken").mkdir()
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="is a directory, not a regular file"):
         write_training_corpus(str(tmp_path / "taken"), n=10, seed=2)
     assert os.listdir(tmp_path / "taken") == [] and not (tmp_path / "taken.settings").exists()
     with pytest.raises(ValueError, match="text_share=1.5"):
@@ -140,3 +141,15 @@ def test_commuted_twin_of_an_interpolation_problem_is_never_trained_on(ops, digi
     leaked = [t.expression for t in twins if t.expression in trained]
     assert leaked == []
     assert all(is_interpolation_problem(t) for t in twins)
+
+
+def test_an_error_beyond_floats_range_is_an_infinite_mae_not_an_overflow():
+    """`eval.arithmetic_extrapolation_digits=[400, 400]` ended the evaluation with a raw OverflowError ("integer
+    division result too large for a float") when the MAE was averaged; a model generating hundreds of digits does
+    the same."""
+    import math
+
+    scores = arithmetic_scores([10 ** 400, 7], [3, 7])
+    assert scores["mae"] == math.inf and scores["accuracy"] == 0.5
+    assert scores["smape"] == pytest.approx((2 * (10 ** 400 - 3) / (10 ** 400 + 3) + 0) / 2)
+    assert arithmetic_scores([10 ** 300], [0])["mae"] == 10.0 ** 300  # the largest errors a float holds stay exact

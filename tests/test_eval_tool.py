@@ -3,9 +3,11 @@ on 2 CPU ranks under DeepSpeed's launcher, which must reproduce the training run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -223,3 +225,192 @@ def test_tool_on_training_checkpoint_reproduces_the_runs_final_evaluation(tmp_pa
     assert result["eval_settings"].startswith("the training run's") and result["eval_config"]["arithmetic_n"] == 6
     assert (run_dir / "hf_export_eval" / "eval" / "step_0000003.jsonl").read_text() == in_training
 
+
+
+def test_sigterm_to_the_deepspeed_runner_ends_every_evaluation_process(tmp_path: Path):
+    """Issue 47 item 5: SIGTERM to the documented `deepspeed --num_gpus 2 tools/evaluate.py` ended DeepSpeed's runner
+    (it has no handler) and left launch.py and both ranks evaluating, re-parented to init; now the ranks see their
+    launcher end and stop, launch.py follows them, and nothing of the job is left within a few seconds."""
+    import signal
+    import subprocess
+    import threading
+
+    import psutil
+    from helpers.models import char_tokenizer, eval_llama
+
+    tokenizer = char_tokenizer()
+    eval_llama(len(tokenizer), seed=4).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(TOOL), "--model",
+               str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), "arithmetic_n=5000", "batch_size=2"]
+    job = subprocess.Popen(command, cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)  # its own session: no signal of ours reaches pytest
+    lines: list[str] = []
+    evaluating = threading.Event()
+
+    def read() -> None:
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("eval arith: "):  # rank 0 announces the benchmark: both ranks evaluate
+                evaluating.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert evaluating.wait(300), "".join(lines)[-3000:]
+        tree = psutil.Process(job.pid).children(recursive=True)  # launch.py and the two ranks
+        assert len([p for p in tree if str(TOOL) in " ".join(p.cmdline())]) == 3, [p.cmdline() for p in tree]
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) == -signal.SIGTERM  # DeepSpeed's runner: no handler
+        _, alive = psutil.wait_procs(tree, timeout=20)
+        assert not alive, ([p.pid for p in alive], "".join(lines)[-3000:])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # whatever a failure left (the job is its own process group)
+    reader.join(timeout=10)
+    assert "the DeepSpeed launcher above this rank" in "".join(lines), "".join(lines)[-3000:]
+    assert not (tmp_path / "out" / "eval_results_step_0000000.json").exists()
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_one_line_before_the_weights_load(tmp_path: Path, capsys,
+                                                                                        monkeypatch):
+    """Issue 47: a tokenizer whose ids exceed the model's embedding rows was a raw IndexError at the first batch."""
+    import transformers
+    from helpers.models import char_tokenizer, eval_llama
+
+    small = char_tokenizer("0123456789+= ")
+    eval_llama(len(small)).save_pretrained(tmp_path / "model")
+    small.save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "larger")  # the default characters: more tokens than the model has
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("loaded the weights first")))
+    tool = _load_tool()
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert tool.main(["--model", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "larger"), "arithmetic_n=2",
+                      "--output-dir", str(tmp_path / "out")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    larger = len(char_tokenizer())
+    assert errors == [f"error: the tokenizer of {str(tmp_path / 'larger')!r} has token ids up to {larger - 1}, but the "
+                      f"model {str(tmp_path / 'model')!r} has {len(small)} embedding rows (vocab_size={len(small)}); "
+                      f"pass the tokenizer the model was trained with (--tokenizer DIR), or resize the model to it "
+                      f"first (tools/tokenizer.py resize-model {tmp_path / 'model'} {tmp_path / 'larger'} OUT)"]
+
+
+def test_a_tensor_parallel_run_evaluated_in_one_process_names_the_launch(tmp_path: Path, capsys, monkeypatch):
+    """Issue 47: `tools/evaluate.py --run` of a T=2 run in one process suggested the trainer's fixes (its
+    parallel.tp_size, launch/pretrain.sh) instead of launching the tool on 2 processes."""
+    from ntl_pretrain.config import load_config, to_yaml
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # restored (removed) after the test: the tool describes a world of one in them,
+        monkeypatch.delenv(name)  # which the launches of later tests would inherit
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = load_config(None, ["model.architecture.model_type=llama", "tokenizer.name_or_path=tok",
+                               "data.sources.0.path=corpus.jsonl", "parallel.tp_size=2"])
+    (run_dir / "config.yaml").write_text(to_yaml(saved))
+    (run_dir / "global_step3").mkdir()
+    assert _load_tool().main(["--run", str(run_dir), "--tag", "global_step3"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+    assert errors == [f"error: {str(run_dir)!r} trained with parallel.tp_size=2, which does not divide the 1 process(es) "
+                      f"launched; evaluate it on 2 processes: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed "
+                      f"--num_gpus 2 tools/evaluate.py --run {run_dir}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", ""], "--model is empty ('')"),
+    (["--run", " "], "--run is empty (' ')"),
+    (["--model", "m", "--json", ""], "--json is empty ('')"),
+    (["--model", "m", "--output-dir", ""], "--output-dir is empty ('')"),
+    (["--model", "m", "--step", "-5"], "--step -5 is negative"),
+])
+def test_empty_and_negative_arguments_are_refused_by_the_parser(argv, message, capsys):
+    """`--model ""` was a raw TypeError (taken for --run None), `--json ""` silently wrote the default file and
+    `--step -5` wrote eval/step_-000005.jsonl."""
+    with pytest.raises(SystemExit) as info:
+        _load_tool().parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tag, message", [
+    ("../../x", "--tag '../../x' is not a checkpoint tag (global_stepN, a folder of the run)"),
+    ("auto", "--tag 'auto' is not a checkpoint tag"),
+    ("global_step5", "--tag global_step5: {run!r} has no such checkpoint (it has: global_step3)"),
+])
+def test_a_tag_the_run_does_not_hold_is_named_as_the_option(tmp_path: Path, capsys, tag, message):
+    """--tag '../../x' was reported as train.resume='../../x', a setting the user never wrote."""
+    run_dir = tmp_path / "run"
+    (run_dir / "global_step3").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("train: {}\n")
+    assert _load_tool().main(["--run", str(run_dir), "--tag", tag]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+    assert len(errors) == 1 and errors[0].startswith("error: " + message.format(run=str(run_dir))), errors
+    assert "train.resume" not in errors[0]
+
+
+def test_an_moe_model_whose_expert_width_grouped_mm_cannot_take_is_evaluated_with_eager_experts(tmp_path: Path,
+                                                                                                capsys):
+    """Issue 47 item 6 in the evaluation tool: a Mixtral export with intermediate_size=97 failed at the first batch in
+    torch._grouped_mm ('strides should be multiple of 16 bytes'); it runs with the plain loop over experts."""
+    import torch
+    from helpers.models import char_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = char_tokenizer()
+    config = AutoConfig.for_model("mixtral", hidden_size=64, intermediate_size=97, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  num_experts_per_tok=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+                                  eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    assert _load_tool().main(["--model", str(tmp_path / "model"), "arithmetic_n=2", "arithmetic_max_new_tokens=3",
+                              "--output-dir", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert ("note: the model's intermediate_size=97 is not a multiple of 4 (fp32), which torch's grouped_mm needs: "
+            "its MoE experts run with experts_implementation=eager (slower)") in printed
+    assert json.loads((tmp_path / "out" / "eval_results_step_0000000.json").read_text())["metrics"][
+        "eval/arith/interpolation/n"] == 2
+
+
+def test_operands_of_hundreds_of_digits_are_evaluated_and_an_unrepresentable_mae_is_null(tmp_path: Path, capsys):
+    """`arithmetic_extrapolation_digits=[400, 400]` was a raw OverflowError after the generation; the JSON holds
+    null for an MAE beyond float's range (as for NaN)."""
+    from helpers.models import char_tokenizer, eval_llama
+
+    tokenizer = char_tokenizer()
+    eval_llama(len(tokenizer), max_positions=1024).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert _load_tool().main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"),
+                              "arithmetic_n=1", "arithmetic_splits=[extrapolation]", "arithmetic_ops=['+']",
+                              "arithmetic_extrapolation_digits=[400, 400]", "arithmetic_max_new_tokens=2"]) == 0
+    metrics = json.loads((tmp_path / "out" / "eval_results_step_0000000.json").read_text())["metrics"]
+    assert metrics["eval/arith/extrapolation/n"] == 1
+    assert metrics["eval/arith/extrapolation/mae"] is None or metrics["eval/arith/extrapolation/mae"] >= 0
+
+
+def test_result_files_that_are_no_files_are_refused_before_the_evaluation(tmp_path: Path, capsys, monkeypatch):
+    """The predictions file (OUTPUT_DIR/eval/step_N.jsonl) or the default metrics file made a folder or a fifo was
+    refused by the shared writer only after the generation (hours for GSM8K), as a raw ValueError."""
+    import os
+
+    from helpers.models import char_tokenizer, eval_llama
+
+    tokenizer = char_tokenizer()
+    eval_llama(len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    tool = _load_tool()
+    monkeypatch.setattr("ntl_pretrain.eval.hooks.run_evaluation",
+                        lambda *args, **kwargs: pytest.fail("evaluated before the result files were checked"))
+    (tmp_path / "out" / "eval" / "step_0000004.jsonl").mkdir(parents=True)
+    os.mkfifo(tmp_path / "out" / "eval_results_step_0000007.json")
+    capsys.readouterr()
+    for step, path, kind in ((4, tmp_path / "out" / "eval" / "step_0000004.jsonl", "a directory"),
+                             (7, tmp_path / "out" / "eval_results_step_0000007.json", "a fifo")):
+        assert tool.main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), "--step",
+                          str(step), "arithmetic_n=2"]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+        assert errors == [f"error: {str(path)!r} is {kind}, not a regular file, so no file is written in its place; "
+                          f"choose a file path (or - or /dev/stdout for the standard output)"]

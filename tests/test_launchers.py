@@ -52,7 +52,8 @@ def test_torchrun_and_python_alone_log_the_deepspeed_launchers_losses(assets, tm
     missing = run([sys.executable, "tools/evaluate.py", "--run", str(runs["alone"]), "--tag", "global_step9"],
                   env=_no_launcher_env(), timeout=TIMEOUT)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
-        "error: train.resume='global_step9': no such checkpoint"), missing.stderr[-2000:]
+        f"error: --tag global_step9: {str(runs['alone'])!r} has no such checkpoint (it has: global_step"), \
+        missing.stderr[-2000:]
     for noise in ("FutureWarning", "before it has started", "built successfully"):  # ntl_pretrain/runtime/log_filter.py
         assert noise not in alone.stdout + alone.stderr, noise
     reference = read_scalars(runs["deepspeed"] / "tensorboard")

@@ -527,3 +527,21 @@ def test_a_normalizer_that_rewrites_digits_is_refused_by_every_tool_and_at_start
     cfg = load_config(None, ["model.architecture.model_type=llama", f"tokenizer.name_or_path={path}",
                              "data.sources.0.path=c.jsonl", "loss.enabled=false"])
     assert number_vocab_for(cfg, Objective.from_config(cfg.loss), tokenizer).digit_level
+
+
+def test_a_folder_with_only_gpt2s_vocab_and_merges_loads_as_gpt2(gpt2_style, tmp_path):
+    """Issue 47: a folder of GPT-2's own files (vocab.json + merges.txt, nothing naming a class) was refused with
+    transformers' "install sentencepiece or tiktoken" (both were installed); it loads as GPT-2's byte-level BPE and
+    encodes as the full pipeline (tokenizer.json) of the same vocabulary does."""
+    from tokenizers import Tokenizer
+
+    full = Tokenizer.from_file(str(gpt2_style / "tokenizer.json"))
+    folder = tmp_path / "gpt2_files"
+    folder.mkdir()
+    full.model.save(str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == ["merges.txt", "vocab.json"]
+    tokenizer = load_tokenizer(folder)
+    for text in ("The price rose 12.5% to 3,400 dollars.", " leading space and 007", "x=-42\n"):
+        assert tokenizer(text, add_special_tokens=False).input_ids == full.encode(text).ids, text
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.convert_tokens_to_ids("<|endoftext|>") == \
+        full.token_to_id("<|endoftext|>")

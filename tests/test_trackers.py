@@ -152,3 +152,69 @@ def test_a_tracker_that_cannot_start_stops_every_rank_with_one_line(assets, tmp_
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "could not start" in line]
     assert len(lines) == 1 and "monitor.mlflow.enabled=false" in lines[0], result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.fast
+def test_an_mlflow_database_store_without_sqlalchemy_names_the_install(monkeypatch, dry_run_here, tmp_path):
+    """Issue 47: `sqlite://` with mlflow-skinny (no SQLAlchemy) ended in MLflow's message about its store registry;
+    the fix (the full mlflow package) was only in the docs. Refused at start-up and in the dry run."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # as mlflow-skinny leaves it: not importable
+    result = dry_run_here("--config", "configs/demo.yaml", f"train.output_dir={tmp_path / 'run'}",
+                          "monitor.mlflow.enabled=true", "monitor.mlflow.tracking_uri=sqlite:///mlflow.db")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 2 and errors == [
+        "error: monitor.mlflow.tracking_uri='sqlite:///mlflow.db' is a database store, which needs SQLAlchemy (not "
+        "installed: mlflow-skinny leaves it out): pip install mlflow (the full package), or use a server "
+        "(http://HOST:5000) or a folder (file:///path/mlruns)"], result.stderr[-2000:]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql+psycopg2://db/mlflow")
+    with pytest.raises(ConfigError, match=r"^MLFLOW_TRACKING_URI='postgresql\+psycopg2://db/mlflow' is a database"):
+        trackers.check_mlflow_store(None)
+    trackers.check_mlflow_store("file:///tmp/mlruns")  # a folder or a server needs no SQLAlchemy
+    trackers.check_mlflow_store("http://host:5000")
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_wandb_online_without_a_route_is_one_line_naming_offline_within_seconds(tmp_path, monkeypatch):
+    """Issue 47: W&B online with a key but no route to its server waited wandb.init's 90 s in silence, then
+    relayed a hint about a setting the config has no key for; now the server is tried first, and the line names
+    monitor.wandb.mode=offline."""
+    import socket
+    import time
+
+    from helpers.distributed import free_port
+
+    port = free_port()  # nothing listens there
+    for name in trackers.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_API_KEY": "x" * 40,
+                        "WANDB_CONFIG_DIR": str(tmp_path / "wcfg"), "WANDB_CACHE_DIR": str(tmp_path / "wcache"),
+                        "WANDB_DATA_DIR": str(tmp_path / "wdata")}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    config = load_config("configs/demo.yaml", [f"train.output_dir={tmp_path / 'run'}", "monitor.wandb.enabled=true",
+                                               "monitor.wandb.mode=online"])
+    started = time.monotonic()
+    with pytest.raises(MonitorError) as error:
+        Monitor(True, str(tmp_path / "run" / "tensorboard"), total_steps=2, progress_bar="never",
+                settings=config.monitor, output_dir=str(tmp_path / "run"))
+    message = str(error.value)
+    assert time.monotonic() - started < trackers.WANDB_ROUTE_TIMEOUT_S
+    assert "\n" not in message and f"W&B's server 127.0.0.1:{port} (WANDB_BASE_URL) cannot be reached" in message
+    assert "set monitor.wandb.mode=offline" in message and "init_timeout" not in message, message
+
+
+@pytest.mark.fast
+def test_a_wandb_dir_that_cannot_be_a_folder_is_named_at_start_up(tmp_path):
+    """`monitor.wandb.dir=/dev/null` reached W&B as "File exists", naming neither the key nor the fix."""
+    from ntl_pretrain.trainer.preflight import output_problems
+
+    config = load_config("configs/demo.yaml", [f"train.output_dir={tmp_path / 'run'}", "monitor.wandb.enabled=true",
+                                               "monitor.wandb.mode=offline", "monitor.wandb.dir=/dev/null"])
+    assert output_problems(config) == ("monitor.wandb.dir='/dev/null' cannot be created: '/dev/null' is a file, not a "
+                                       "folder; choose another monitor.wandb.dir")
+    assert output_problems(load_config("configs/demo.yaml", [f"train.output_dir={tmp_path / 'run'}",
+                                                             "monitor.wandb.dir=/dev/null"])) is None  # W&B off

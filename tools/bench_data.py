@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"rank 1 {first['raw_s'][1]:.1f} s), prepared {max(first['prepared_s']):.1f} s (made once in "
                       f"{first['prepare_s']:.1f} s)")
             if args.out:
-                with open(args.out, "w") as handle:
-                    json.dump(results, handle, indent=1)
+                from ntl_pretrain.core.fs import write_json_atomic
+
+                write_json_atomic(args.out, results, indent=1)
     return 0
 
 

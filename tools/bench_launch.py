@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ntl_pretrain.core.fs import write_text_atomic  # noqa: E402
 from ntl_pretrain.runtime.supervisor import free_port  # noqa: E402
 
 
@@ -94,7 +95,7 @@ def main() -> None:
             print(f"bash launch/pretrain.sh, {procs} CPU process(es), one step: step 1 logged at "
                   f"{row['to_step_1_s']:.1f} s, returned at {row['to_exit_s']:.1f} s; medians of {args.reps}")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(args.out, json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

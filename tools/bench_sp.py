@@ -180,7 +180,9 @@ def main() -> None:
                   f"{result['peak_step_mib'] / base['peak_step_mib']:>8.2f} {result['step_s']:>7.2f} "
                   f"{result['tokens_per_s']:>9.0f} {result['tokens_per_s'] / base['tokens_per_s']:>8.2f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        from ntl_pretrain.core.fs import write_json_atomic
+
+        write_json_atomic(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

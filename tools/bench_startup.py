@@ -274,11 +274,11 @@ def _bench(args: argparse.Namespace, tmp: str) -> int:
             print(f"{name:<26} {rank:>4} " + " ".join(f"{c:>20}" for c in cells), flush=True)
         results.append({"case": name, "tp_size": tp, "partitioned_load": partitioned, "ranks": ranks})
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump({"arch": args.arch, "dtype": args.dtype, "file_dtype": file_dtype, "parameters": parameters,
-                       "from_scratch": args.from_scratch,
-                       "model_bytes": model_bytes,
-                       "results": results}, handle, indent=1)
+        from ntl_pretrain.core.fs import write_json_atomic
+
+        write_json_atomic(args.out, {"arch": args.arch, "dtype": args.dtype, "file_dtype": file_dtype,
+                                     "parameters": parameters, "from_scratch": args.from_scratch,
+                                     "model_bytes": model_bytes, "results": results}, indent=1)
     return 0
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -41,6 +42,7 @@ from ntl_pretrain.core.deepspeed_imports import skip_autotuner_mlflow  # noqa: E
 skip_autotuner_mlflow()  # an entry point: before anything imports DeepSpeed (core/deepspeed_imports.py)
 
 from ntl_pretrain.config.parsing import parse_override  # noqa: E402
+from ntl_pretrain.core.fs import STANDARD_STREAMS  # noqa: E402
 from ntl_pretrain.eval.config import (EVAL_SETTINGS_FILE, EvalConfig, SharedSettings,  # noqa: E402
                                       eval_config_from_dict, load_eval_settings, trained_document_mask,
                                       validate_eval_inputs)
@@ -73,11 +75,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "MODEL_eval beside a local folder, runs/eval/<org>--<name> for a hub id)")
     parser.add_argument("--default-settings", action="store_true",
                         help="--model: start from the default evaluation settings, not the run's ntl_eval.json")
-    parser.add_argument("--json", help="metrics JSON path (default: OUTPUT_DIR/eval_results_step_<step, 7 digits>.json)")
+    parser.add_argument("--json", help="metrics JSON path; - or /dev/stdout prints it (default: "
+                        "OUTPUT_DIR/eval_results_step_<step, 7 digits>.json)")
     parser.add_argument("--step", type=int, help="step number for file names (default: the tag's step, or 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     parser.add_argument("overrides", nargs="*", help="EvalConfig settings as key=value (e.g. arithmetic_n=500)")
-    return parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
+    for option in ("model", "run", "tag", "tokenizer", "output_dir", "json"):
+        value = getattr(args, option)
+        if value is not None and not value.strip():  # `--json $OUT` with OUT unset: not the default, a mistake
+            parser.error(f"--{option.replace('_', '-')} is empty ({value!r}); give a value or leave the option out")
+    if args.step is not None and args.step < 0:
+        parser.error(f"--step {args.step} is negative; give the step number the results are for (>= 0), or leave "
+                     f"it out")
+    return args
 
 
 def eval_config(base: EvalConfig, overrides: Sequence[str]) -> EvalConfig:
@@ -125,8 +136,11 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ntl_pretrain.config import ModelConfig
     from ntl_pretrain.eval.hooks import check_eval_tokenizer
+    from ntl_pretrain.models.build import load_model_config
     from ntl_pretrain.tokenizer.loading import load_tokenizer
+    from ntl_pretrain.trainer.preflight import grouped_experts_problem
 
     world = _world_size()
     if args.tp < 1 or world % args.tp != 0:  # before anything loads
@@ -134,11 +148,20 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
     # the trainer's loader (folders our tools wrote load verbatim; a folder without tokenizer files is one line)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     check_eval_tokenizer(cfg, tokenizer)
+    check_vocabulary_fits(args, tokenizer)
     on_cpu = _accelerator_name() == "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if on_cpu else "bf16")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    experts = {}
+    problem = grouped_experts_problem(load_model_config(ModelConfig(name_or_path=args.model)), dtype)
+    if problem is not None:  # grouped_mm would fail at the first batch; the plain loop over experts runs any size
+        experts = {"experts_implementation": "eager"}
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: the model's {problem[0]}={problem[1]} is not a multiple of {problem[2]} ({dtype}), which "
+                  f"torch's grouped_mm needs: its MoE experts run with experts_implementation=eager (slower)",
+                  flush=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype, **experts)
     except OSError as error:  # no weights file in the folder, a hub id that does not exist
         raise ValueError(f"cannot load the model weights of {args.model!r}: {' '.join(str(error).split())}") from None
     if world == 1 and args.tp == 1:
@@ -160,10 +183,35 @@ def load_hf_model(args: argparse.Namespace, cfg: EvalConfig) -> tuple[Any, Any, 
     return engine, tokenizer, f"{args.model} ({dtype}, {world} processes, ZeRO-3, tp={args.tp})"
 
 
+def check_vocabulary_fits(args: argparse.Namespace, tokenizer: Any) -> None:
+    """Refuse, before the weights load, a tokenizer whose token ids reach past the model's embedding rows (an
+    IndexError inside the model's embedding at the first batch)."""
+    from ntl_pretrain.config import ModelConfig
+    from ntl_pretrain.models.build import load_model_config
+
+    config = load_model_config(ModelConfig(name_or_path=args.model))
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    if isinstance(rows, int) and ids > rows:
+        source = args.tokenizer or args.model
+        raise ValueError(f"the tokenizer of {source!r} has token ids up to {ids - 1}, but the model {args.model!r} "
+                         f"has {rows} embedding rows (vocab_size={rows}); pass the tokenizer the model was trained "
+                         f"with (--tokenizer DIR), or resize the model to it first (tools/tokenizer.py resize-model "
+                         f"{args.model} {source} OUT)")
+
+
 def _checkpoint_tag(run_dir: str, tag: str | None) -> str:
-    if tag:
-        return tag
     from ntl_pretrain.checkpoint import step_of_tag
+
+    if tag:  # named as the user gave it: the trainer's train.resume, which this sets, was never written by them
+        if step_of_tag(tag) is None:
+            raise ValueError(f"--tag {tag!r} is not a checkpoint tag (global_stepN, a folder of the run); e.g. "
+                             f"--tag global_step100, or leave --tag out for the run's 'latest'")
+        if not os.path.isdir(os.path.join(run_dir, tag)):
+            found = sorted((name for name in os.listdir(run_dir) if step_of_tag(name) is not None
+                            and os.path.isdir(os.path.join(run_dir, name))), key=step_of_tag)
+            raise ValueError(f"--tag {tag}: {run_dir!r} has no such checkpoint (it has: {', '.join(found) or 'none'})")
+        return tag
 
     latest = os.path.join(run_dir, "latest")
     if os.path.islink(latest) or not os.path.isfile(latest):
@@ -207,6 +255,13 @@ def load_run_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, str, EvalCo
     # (else DeepSpeed falls back to MPI discovery: a raw "No module named 'mpi4py'")
     launcher.use_world_of_one()
     world = _world_size()
+    tp_size = saved.parallel.tp_size
+    if isinstance(tp_size, int) and tp_size > 1 and world % tp_size:
+        # preflight would name the trainer's fixes (its tp_size, launch/pretrain.sh); the fix here is the launch
+        cpu = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 " if get_accelerator().device_name() == "cpu" else ""
+        raise ValueError(f"{args.run!r} trained with parallel.tp_size={tp_size}, which does not divide the {world} "
+                         f"process(es) launched; evaluate it on {tp_size} processes: {cpu}deepspeed --num_gpus "
+                         f"{tp_size} tools/evaluate.py --run {args.run}")
     checked = preflight(saved, world, get_accelerator().device_name() == "cpu", lifecycle.local_world_size())
     cfg = checked.run.cfg
     distributed.init_distributed(cfg.train.dist_timeout_minutes)
@@ -237,6 +292,37 @@ def format_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse, in one line, a --json that no file may replace (a device, fifo or folder: the shared writer refuses
+    those) and a --output-dir or --json folder that cannot be written."""
+    from ntl_pretrain.core.fs import not_a_file_problem, writable_problem
+
+    problems = []
+    if args.json:
+        problems.append(not_a_file_problem(args.json))
+        if args.json not in STANDARD_STREAMS:
+            problems.append(writable_problem(os.path.dirname(os.path.abspath(args.json)), "--json's folder"))
+    if args.output_dir:
+        problems.append(writable_problem(args.output_dir, "--output-dir"))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise ValueError(problem)
+
+
+def check_result_files(output_dir: str, step: int, json_path: str | None) -> None:
+    """Refuse, before the evaluation, result files that exist and are not regular files (the shared writer would
+    refuse them only after the generation, which can take hours)."""
+    from ntl_pretrain.core.fs import not_a_file_problem
+    from ntl_pretrain.eval.hooks import predictions_path
+
+    paths = [predictions_path(output_dir, step)]
+    if not json_path:
+        paths.append(os.path.join(output_dir, f"eval_results_step_{step:07d}.json"))
+    problem = next((p for p in map(not_a_file_problem, paths) if p), None)
+    if problem:
+        raise ValueError(problem)
+
+
 def _notice(is_main: bool, text: str) -> None:
     """A start-up notice, printed once (by rank 0)."""
     if is_main:
@@ -251,7 +337,11 @@ def _write_json(path: str, data: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ntl_pretrain.parallel.distributed import shutdown_distributed
+    from ntl_pretrain.runtime.lifecycle import stop_when_launchers_end
 
+    # under `deepspeed`: a stop signal to its runner (which has no handler) ends the evaluation on every rank, not
+    # only the runner (nothing to save: the results are written at the end or not at all)
+    stop_when_launchers_end("evaluation (nothing written)")
     try:
         return _evaluate(parse_args(sys.argv[1:] if argv is None else argv))
     finally:
@@ -267,6 +357,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     overridden = f", overridden by {' '.join(args.overrides)}" if args.overrides else ""
     started = time.monotonic()
     try:
+        check_output_paths(args)  # before anything loads: an evaluation can take hours
         if args.model:
             base, settings_source = model_eval_settings(args)
             settings_source += overridden
@@ -293,6 +384,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             match = re.search(r"(\d+)$", tag)
             step = args.step if args.step is not None else (int(match.group(1)) if match else 0)
             output_dir = args.output_dir or args.run
+        check_result_files(output_dir, step, args.json)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -301,9 +393,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     metrics = run_evaluation(model, tokenizer, cfg, step=step, output_dir=output_dir, final=True, show_progress=True,
                              document_mask=document_mask)
     if is_main:
-        json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")
-        # NaN (e.g. MAE with no parseable answer) is not JSON: write null.
-        finite = {k: (None if v != v else v) for k, v in metrics.items()}
+        json_path = args.json or os.path.join(output_dir, f"eval_results_step_{step:07d}.json")  # as checked
+        # NaN (e.g. MAE with no parseable answer) and inf (an MAE beyond float's range) are not JSON: write null.
+        finite = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         _write_json(json_path, {"model": description, "step": step, "metrics": finite,
                                 "eval_config": dataclasses.asdict(cfg), "eval_settings": settings_source,
                                 "predictions": os.path.join(output_dir, "eval", f"step_{step:07d}.jsonl")})

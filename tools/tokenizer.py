@@ -21,6 +21,7 @@ from pathlib import Path
 # Runs from a checkout without installation too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ntl_pretrain.core.fs import STANDARD_STREAMS  # noqa: E402
 from ntl_pretrain.numbers import NUMBER_VOCAB_FILENAME, NumberVocab  # noqa: E402
 from ntl_pretrain.tokenizer import (ConversionCheckError, SpmTrainConfig,  # noqa: E402
                                     inspect_tokenizer, load_tokenizer, resize_model, split_digits, train_spm)
@@ -81,7 +82,7 @@ def _cmd_resize_model(args: argparse.Namespace) -> int:
 def _check_replaceable_vocab(path: str) -> None:
     """Refuse to write over anything but an earlier number vocabulary: `--out model/config.json` replaced the
     model's config without a word, and a link in its place was replaced by a file."""
-    if not os.path.lexists(path):
+    if not os.path.lexists(path) or path in STANDARD_STREAMS:  # the stream is written, nothing replaced
         return
     if os.path.islink(path) or not os.path.isfile(path):
         raise ValueError(f"--out {path!r} exists and is {'a symbolic link' if os.path.islink(path) else 'not a file'}; "

@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 
 from ..core.agreement import host_group
-from ..core.fs import atomic_write, commit_directory, is_full_disk, is_short_write, write_text_atomic
+from ..core.fs import (OutputPathError, atomic_write, commit_directory, is_full_disk, is_short_write,
+                       write_text_atomic)
 from .async_save import PendingSave, snapshot_saves
 from .collective import agree, broadcast_from_main, gather, run_on_main
 from .fingerprint import check_data, check_fingerprint, describe_changes, lr_text
@@ -446,6 +447,11 @@ class CheckpointManager:
         except OSError as exc:
             raise CheckpointError(self._with_previous(
                 f"saving checkpoint {tag} failed while committing it: {self._write_failure(exc)}")) from None
+        except OutputPathError:  # `latest` made a fifo, device or folder while the run trained: never replaced
+            latest = os.path.join(self.output_dir, LATEST_NAME)
+            raise CheckpointError(f"checkpoint {tag} is saved, but {latest!r} is not a regular file, so it was left as "
+                                  f"it is and does not name {tag}: remove it (the next save writes it), or resume "
+                                  f"with train.resume={tag}") from None
         self.prune()
 
     def prune(self) -> list[str]:

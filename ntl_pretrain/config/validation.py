@@ -7,6 +7,7 @@ import math
 import os
 import re
 import signal
+import sys
 
 from ..checkpoint.export import max_shard_bytes
 from ..checkpoint.format import CheckpointError, step_of_tag
@@ -132,6 +133,8 @@ def check_stages(data: DataConfig) -> None:
             raise ConfigError(f"data.sources.{i}.label={source.label!r} is also data.sources.{labels[source.label]}"
                               f".label: a label names one source; rename one")
         labels[source.label] = i
+    if not data.stages:  # the sources' own weights are the mixture
+        check_weight_sum("data.sources.N.weight", [source.weight for source in data.sources])
     for k, stage in enumerate(data.stages):
         key = f"data.stages.{k}"
         if k == 0 and stage.start_step != 1:
@@ -162,6 +165,17 @@ def check_stages(data: DataConfig) -> None:
                                   f"in this stage)")
         if not any(weight > 0 for _, weight in named):
             raise ConfigError(f"{key}.weights are all 0: give at least one source a weight > 0 in every stage")
+        check_weight_sum(f"{key}.weights", [weight for _, weight in named])
+
+
+def check_weight_sum(key: str, weights: list[float]) -> None:
+    """Weights that each pass but whose sum overflows to inf ([1e308, 1e308]) give every source the share 0 (and
+    numpy's "Probabilities do not sum to 1" at the first draw): refused, naming them."""
+    if not math.isfinite(sum(weights)):
+        written = ", ".join(f"{weight:g}" for weight in weights)
+        raise ConfigError(f"{key} [{written}] sum to more than the largest number ({sys.float_info.max:.3g}): weights "
+                          f"are relative (each is divided by their sum), so write them smaller, e.g. [1, 1] for equal "
+                          f"shares")
 
 
 def _check_run_folder(config: Config) -> None:

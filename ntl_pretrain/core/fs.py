@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import socket
+import stat
+import sys
 import tempfile
 from typing import IO, Any, Iterator
 
@@ -68,22 +70,78 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+# the names that mean a standard stream (the stream is written, never a file put in its place)
+STANDARD_STREAMS = {"-": "stdout", "/dev/stdout": "stdout", "/dev/stderr": "stderr", "/dev/fd/1": "stdout",
+                    "/dev/fd/2": "stderr", "/proc/self/fd/1": "stdout", "/proc/self/fd/2": "stderr"}
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
+
+
+class OutputPathError(ValueError):
+    """A path given to write a file to that a new file must not replace (a device, fifo, socket or folder)."""
+
+
+def not_a_file_problem(path: str | os.PathLike) -> str | None:
+    """None when a new file may be put at `path` (nothing there, a regular file, a link to one, or a standard
+    stream's name); else one line naming the path, what is there, and the fix.
+
+    A file renamed over a device node replaces the node for every process of the machine (run as root, `--json
+    /dev/null` left /dev/null a regular file), so the one shared writer (`atomic_write`) refuses such targets."""
+    path = os.fspath(path)
+    if path in STANDARD_STREAMS:
+        return None
+    try:
+        mode = os.stat(path).st_mode  # through links: a link to /dev/null is /dev/null
+    except OSError:
+        return None  # nothing there (or a dangling link, which the rename replaces): a new file goes there
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    if os.path.islink(path):
+        kind = f"a symbolic link to {os.path.realpath(path)!r}, {kind}"
+    return (f"{path!r} is {kind}, not a regular file, so no file is written in its place; choose a file path "
+            f"(or - or /dev/stdout for the standard output)")
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """Open a temporary file beside `path` for writing; on success it is fsynced and renamed onto `path`
-    (mode from the umask), on error removed: readers see the old file or the whole new one, never a part."""
+    (mode from the umask), on error removed: readers see the old file or the whole new one, never a part.
+
+    `-`, `/dev/stdout` and `/dev/stderr` (or /dev/fd/1, 2) write to that stream; any other target that exists and is not a regular
+    file (a device node, fifo, socket, folder, or a link to one) is refused with `OutputPathError`, before
+    anything is written (`not_a_file_problem`)."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write writes a new file: mode must be 'w' or 'wb', not {mode!r}")
     path = os.fspath(path)
+    if path in STANDARD_STREAMS:
+        stream = getattr(sys, STANDARD_STREAMS[path])
+        stream.flush()  # text written before comes first
+        yield stream if "b" not in mode else stream.buffer
+        stream.flush()
+        return
+    problem = not_a_file_problem(path)
+    if problem:
+        raise OutputPathError(problem)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    step = f"creating its folder {directory!r}"
+    try:  # an error names the user's path, not the temporary file's
+        os.makedirs(directory, exist_ok=True)
+        step = f"creating a file in {directory!r}"
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    except OSError as error:
+        raise type(error)(error.errno, f"cannot write {path!r}: {step} failed ({error.strerror}); choose a path "
+                                       f"in a folder you can write") from None
     try:
         os.fchmod(fd, file_mode())
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        problem = not_a_file_problem(path)  # put there while this wrote
+        if problem:
+            raise OutputPathError(problem)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -178,9 +236,15 @@ def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator
     """
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    remove_stale_staging(path)
-    staging = tempfile.mkdtemp(prefix=_staging_prefix(path), dir=parent)
+    step = f"creating its folder {parent!r}"
+    try:  # an error names the user's path, not the staging folder's
+        os.makedirs(parent, exist_ok=True)
+        remove_stale_staging(path)
+        step = f"creating a folder in {parent!r}"
+        staging = tempfile.mkdtemp(prefix=_staging_prefix(path), dir=parent)
+    except OSError as error:
+        raise type(error)(error.errno, f"cannot write {path!r}: {step} failed ({error.strerror}); choose a path "
+                                       f"in a folder you can write") from None
     try:
         _write_marker(staging)
         yield staging

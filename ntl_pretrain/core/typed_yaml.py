@@ -122,6 +122,9 @@ def _unknown_key(key: str, valid: list, where: str) -> ConfigError:
     return ConfigError(f"unknown key {key!r} ({where}); valid keys: {', '.join(valid)}")
 
 
+_CONTAINERS = {list: (list, tuple), dict: dict}  # a container type and the YAML values of its kind
+
+
 def _coerce(value: Any, hint: Any, key: str, unknown_key: UnknownKey | None) -> Any:
     """Check (and where lossless, convert) a YAML value against a field's type."""
     origin = typing.get_origin(hint)
@@ -137,6 +140,8 @@ def _coerce(value: Any, hint: Any, key: str, unknown_key: UnknownKey | None) -> 
                 return _coerce(value, option, key, unknown_key)
             except ConfigError as error:
                 errors.append(str(error))
+                if typing.get_origin(option) in _CONTAINERS and isinstance(value, _CONTAINERS[typing.get_origin(option)]):
+                    raise  # the option of the value's kind: its own error names the item ([.inf, 1]: weights.0 is inf)
         if len(errors) > 1:  # int | Literal["auto"]: name every kind of value the key takes
             expected = " or ".join(_expected(option) for option in options if option is not type(None))
             raise ConfigError(f"{key} must be {expected}, got {type(value).__name__} {value!r}")
@@ -160,7 +165,8 @@ def _coerce(value: Any, hint: Any, key: str, unknown_key: UnknownKey | None) -> 
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {type(value).__name__} {value!r}")
-        return dict(value)
+        item = typing.get_args(hint)[1] if typing.get_args(hint) else Any  # checked as a list's items are
+        return {k: _coerce(v, item, f"{key}.{k}", unknown_key) for k, v in value.items()}
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -100,7 +100,7 @@ def run_evaluation(model_engine_or_module: Any, tokenizer: Any, cfg: EvalConfig,
         metrics["eval/time_s"] = shared[0]
     if writer is not None and is_writer_rank():
         for tag, value in metrics.items():
-            if not math.isnan(value):
+            if math.isfinite(value):  # NaN (nothing parseable) and inf (beyond float) are not plotted
                 writer.add_scalar(tag, value, step)
         for benchmark in cfg.benchmarks:
             benchmark_records = [r for r in records if r["benchmark"] == benchmark.name]

@@ -8,6 +8,8 @@ them beside `parseable`).
 
 from __future__ import annotations
 
+import math
+
 import re
 from typing import Sequence
 
@@ -22,8 +24,8 @@ def parse_integer_answer(output: str) -> int | None:
 
 def symmetric_ape(prediction: int, gold: int) -> float:
     """|p - g| / ((|p| + |g|) / 2), in [0, 2]; 0 when both are 0."""
-    denominator = (abs(prediction) + abs(gold)) / 2
-    return 0.0 if denominator == 0 else abs(prediction - gold) / denominator
+    denominator = abs(prediction) + abs(gold)  # integers to the division: exact for any number of digits
+    return 0.0 if denominator == 0 else 2 * abs(prediction - gold) / denominator
 
 
 def digit_accuracy(prediction: int | None, gold: int) -> float:
@@ -36,6 +38,15 @@ def digit_accuracy(prediction: int | None, gold: int) -> float:
     return sum(p == e for p, e in zip(predicted, expected)) / width
 
 
+def _mean(total: int, count: int) -> float:
+    """`total / count` as a float; inf when it is beyond float's range (numbers of hundreds of digits: an
+    extrapolation split of 400-digit operands, or a model that generates that many digits), not an OverflowError."""
+    try:
+        return total / count
+    except OverflowError:
+        return math.inf
+
+
 def arithmetic_scores(predictions: Sequence[int | None], golds: Sequence[int]) -> dict[str, float]:
     """accuracy, mae, smape, parseable, digit_accuracy and n over paired predictions and gold answers."""
     if len(predictions) != len(golds):
@@ -46,7 +57,7 @@ def arithmetic_scores(predictions: Sequence[int | None], golds: Sequence[int]) -
         return {"accuracy": 0.0, "mae": 0.0, "smape": 0.0, "parseable": 0.0, "digit_accuracy": 0.0, "n": 0.0}
     return {
         "accuracy": sum(p == g for p, g in parsed) / n,
-        "mae": sum(abs(p - g) for p, g in parsed) / len(parsed) if parsed else float("nan"),
+        "mae": _mean(sum(abs(p - g) for p, g in parsed), len(parsed)) if parsed else float("nan"),
         "smape": sum(symmetric_ape(p, g) for p, g in parsed) / len(parsed) if parsed else float("nan"),
         "parseable": len(parsed) / n,
         "digit_accuracy": sum(digit_accuracy(p, g) for p, g in zip(predictions, golds)) / n,

@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -75,6 +77,8 @@ class WandbWriter:
 
         folder = settings.dir or output_dir
         os.makedirs(folder, exist_ok=True)
+        if settings.mode == "online":
+            check_wandb_route()
         self.run = wandb.init(project=settings.project, entity=settings.entity, name=settings.name or run_name,
                               mode=settings.mode, dir=folder, tags=list(settings.tags) or None, reinit="create_new")
         self.where = f"{settings.mode} run {self.run.id} in {folder}" if settings.mode != "online" else self.run.url
@@ -99,6 +103,31 @@ class WandbWriter:
     def close(self, outcome: str) -> None:
         self._buffer.flush()
         self.run.finish(exit_code=1 if outcome == "failed" else 0)
+
+
+WANDB_DEFAULT_URL = "https://api.wandb.ai"
+WANDB_ROUTE_TIMEOUT_S = 10.0
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def check_wandb_route(timeout_s: float = WANDB_ROUTE_TIMEOUT_S) -> None:
+    """An online W&B run on a machine with no route to W&B's server waited wandb.init's 90 s in silence, then
+    relayed a hint about a setting the run config has no key for: a TCP connection to the server (WANDB_BASE_URL)
+    is tried first, for at most `timeout_s`, and its failure is one line naming monitor.wandb.mode=offline. Behind
+    a proxy (its variables set) the direct connection says nothing, so wandb.init is left to try."""
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return
+    url = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
+    if not url.hostname:
+        return  # not a URL: wandb.init names it
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConfigError(f"monitor.wandb.mode=online, but W&B's server {host}:{port} (WANDB_BASE_URL) cannot be "
+                          f"reached from here within {timeout_s:g} s ({error.strerror or error}); on a machine without "
+                          f"that route set monitor.wandb.mode=offline (upload later with `wandb sync`), or "
+                          f"monitor.wandb.enabled=false") from None
 
 
 # how a run ended (`Monitor.close`'s outcome) -> MLflow's run status
@@ -196,6 +225,23 @@ def check_tracker_libraries(monitor: MonitorConfig) -> None:
             raise ConfigError(f"monitor.{name}.enabled=true needs the {tracker.module} library, which is not installed: "
                               f"{tracker.install} (or pip install 'ntl-pretrain[tracking]'), or set "
                               f"monitor.{name}.enabled=false")
+    if monitor.mlflow.enabled:
+        check_mlflow_store(monitor.mlflow.tracking_uri)
+
+
+MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's database stores (SQLAlchemy URIs)
+
+
+def check_mlflow_store(tracking_uri: str | None) -> None:
+    """A database store (sqlite://, postgresql://, ...) needs SQLAlchemy, which mlflow-skinny leaves out: MLflow's own
+    message named its registry, not the install; refused here in one line."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme in MLFLOW_DATABASES and importlib.util.find_spec("sqlalchemy") is None:
+        key = "monitor.mlflow.tracking_uri" if tracking_uri else "MLFLOW_TRACKING_URI"
+        raise ConfigError(f"{key}={uri!r} is a database store, which needs SQLAlchemy (not installed: mlflow-skinny "
+                          f"leaves it out): pip install mlflow (the full package), or use a server (http://HOST:5000) "
+                          f"or a folder (file:///path/mlruns)")
 
 
 def open_trackers(monitor: MonitorConfig, output_dir: str) -> list[Any]:

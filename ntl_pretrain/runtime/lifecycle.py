@@ -15,6 +15,10 @@ DeepSpeed's compiled CPU op and shared-memory buffers, and what a rank tells the
 - `remove_own_shm_buffer`: DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm and never
   unlinks it; once every rank has mapped all of them (after the first collective) each rank unlinks its
   own, so the memory is freed when the job ends, however it ends.
+- `launcher_processes` / `stop_when_launchers_end`: the DeepSpeed launchers above a rank (its launch.py and the
+  runner); DeepSpeed's runner dies on SIGTERM and leaves launch.py and the ranks running, re-parented, so the
+  trainer saves and stops when one ends (trainer/preemption.py) and a rank with nothing to save (tools/evaluate.py)
+  ends at once.
 - `report_to_supervisor`: when `bash launch/pretrain.sh` started the job (ntl_pretrain/runtime/supervisor.py),
   each rank registers its pid (so a stop signal can be forwarded to it) and how it ended.
 """
@@ -178,6 +182,66 @@ class StartupWatchdog:
             done.set()
             faulthandler.cancel_dump_traceback_later()
             thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- the launchers above
+def launcher_processes() -> list[tuple[object, str]]:
+    """(psutil.Process, its command, shortened) of the DeepSpeed launchers above this process: its parent
+    (launch.py) and grandparent (the `deepspeed` runner) while their commands name deepspeed; [] without one."""
+    import psutil
+
+    found: list[tuple[object, str]] = []
+    try:
+        process = psutil.Process().parent()
+        for _ in range(2):
+            command = " ".join(process.cmdline()) if process is not None else ""
+            if "deepspeed" not in command:
+                break
+            found.append((process, command[:120]))
+            process = process.parent()
+    except psutil.Error:
+        pass
+    return found
+
+
+def ended_launcher(launchers: list[tuple[object, str]]) -> tuple[object, str] | None:
+    """The first of `launchers` (from `launcher_processes`) that has ended, or None."""
+    import psutil
+
+    for process, command in launchers:
+        try:
+            alive = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        if not alive:
+            return process, command
+    return None
+
+
+LAUNCHER_POLL_S = 1.0
+
+
+def stop_when_launchers_end(what: str, poll_s: float = LAUNCHER_POLL_S) -> bool:
+    """For a rank with nothing to save: a daemon thread ends this process (exit 143, as SIGTERM would) with one
+    line once a DeepSpeed launcher above it has ended (a stop signal to the `deepspeed` runner, which has no
+    handler, left launch.py and the ranks running on); the other ranks see the same and end too, and launch.py
+    follows its ranks. Returns whether there was a launcher to watch."""
+    launchers = launcher_processes()
+    if not launchers:
+        return False
+
+    def watch() -> None:
+        while True:
+            ended = ended_launcher(launchers)
+            if ended is not None:
+                print(f"error: [rank {global_rank()}] the DeepSpeed launcher above this rank (pid {ended[0].pid}: "
+                      f"{ended[1]}) has ended (a stop signal or a failure): {what} stopped", file=sys.stderr,
+                      flush=True)
+                os._exit(128 + signal.SIGTERM)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed's CPU op

@@ -200,6 +200,16 @@ def _load_folder(path: Path, trust_remote_code: bool) -> TokenizersBackend:
             tokenizer = _load_tiktoken(model) if is_tiktoken_bpe(model) else _load_sentencepiece_model(model)
             tokenizer.name_or_path = str(path)
             return tokenizer
+        if BPE_VOCAB in present and (path / BPE_MERGES).is_file() and not (path / "config.json").is_file():
+            # GPT-2's own files: no file names the class, and AutoTokenizer asked to install sentencepiece or
+            # tiktoken (both were installed); read as GPT-2's byte-level BPE
+            from transformers import GPT2TokenizerFast
+
+            try:
+                return GPT2TokenizerFast.from_pretrained(str(path))
+            except Exception as error:
+                raise TokenizerLoadError(f"could not load {BPE_VOCAB} and {BPE_MERGES} of folder {str(path)!r} as a "
+                                         f"GPT-2 byte-level BPE tokenizer: {_one_line(error)}. {restore}") from None
     if _declares_generic_class(path):
         # Saved by this project (or declared generic): load tokenizer.json as it is. AutoTokenizer would
         # let a config.json beside it (model_type qwen2, phi3, ...) pick the family's class, which

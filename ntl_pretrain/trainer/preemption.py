@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..checkpoint.format import CheckpointError
 from ..core.agreement import host_group
+from ..runtime.lifecycle import ended_launcher, launcher_processes
 
 logger = logging.getLogger("ntl_pretrain")
 
@@ -64,32 +65,14 @@ class PreemptionHandler:
 
     def watch_launchers(self) -> None:
         """Remember the DeepSpeed launcher processes above this one (parent and grandparent)."""
-        import psutil
-
-        try:
-            process = psutil.Process().parent()
-            for _ in range(2):
-                command = " ".join(process.cmdline()) if process is not None else ""
-                if "deepspeed" not in command:
-                    break
-                self._launchers.append((process, command[:120]))
-                process = process.parent()
-        except psutil.Error:
-            pass
+        self._launchers = launcher_processes()
 
     def _launcher_ended(self) -> bool:
-        import psutil
-
-        for process, command in self._launchers:
-            try:
-                alive = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-            except psutil.Error:
-                alive = False
-            if not alive:
-                logger.warning("pre-emption: the DeepSpeed launcher above this rank (pid %d: %s) has ended; "
-                               "saving and stopping as for SIGTERM", process.pid, command)
-                return True
-        return False
+        ended = ended_launcher(self._launchers)
+        if ended is not None:
+            logger.warning("pre-emption: the DeepSpeed launcher above this rank (pid %d: %s) has ended; "
+                           "saving and stopping as for SIGTERM", ended[0].pid, ended[1])
+        return ended is not None
 
     def uninstall(self) -> None:
         for number, previous in self._previous.items():

@@ -4,6 +4,7 @@ so a dry run refuses what a real start would refuse."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
         raise ConfigError(f"parallel.sp_size={sp_size} needs model.attn_implementation sdpa, flash_attention_2 or "
                           f"auto: DeepSpeed's Ulysses attention wraps those (eager materialises the [S, S] mask)")
     check_document_mask(run.cfg)
+    check_flash_attention(run.cfg.model.attn_implementation)
     objective = Objective.from_config(run.cfg.loss)
     try:
         model_config = load_model_config(run.cfg.model, local_files_only=local_files_only)
@@ -70,6 +72,7 @@ def preflight(cfg: Config, world_size: int, on_cpu: bool, local_world_size: int 
         check_sequence_length(model_config, run.cfg.data.seq_len)
         check_model_family(run, model_config)
         check_tensor_parallel_split(run.cfg.parallel.tp_size, model_config)
+        check_grouped_experts(model_config, run.cfg.model.dtype, bool(run.cfg.model.architecture))
         if sp_size > 1:
             text = model_config.get_text_config()
             check_sequence_split(sp_size, run.cfg.data.seq_len, text.num_attention_heads,
@@ -101,6 +104,57 @@ def check_tensor_parallel_split(tp_size: int, model_config: Any) -> None:
             raise ConfigError(f"parallel.tp_size={tp_size} {rule} the model's {key}={value} (AutoTP would give a "
                               f"rank an empty or uneven part): set parallel.tp_size to one of {fits} or "
                               f"parallel.tp_size=auto")
+
+
+def check_flash_attention(attn_implementation: str) -> None:
+    """flash_attention_2 asked for where the flash-attn package does not import: transformers would first try a Hub
+    kernel (a download), then fail with an ImportError after the model loaded; refused here in one line."""
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                          "installed in this environment; install it (pip install flash-attn --no-build-isolation, on "
+                          "CUDA) or set model.attn_implementation=auto (flash-attn when it imports, else sdpa)")
+
+
+GROUPED_MM_ALIGNMENT = 16  # bytes: torch's grouped_mm needs each matrix's strides a multiple of this
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def grouped_experts_problem(model_config: Any, dtype: str) -> tuple[str, int, int] | None:
+    """(key, value, the multiple it needs) of fused MoE experts that torch's grouped_mm cannot multiply, or None.
+
+    transformers' default experts implementation (grouped_mm) needs the hidden size and each expert's width
+    (intermediate_size, or moe_intermediate_size) times the bytes of the dtype a multiple of 16, else the first
+    forward fails with "strides should be multiple of 16 bytes" (Mixtral with intermediate_size=97). AutoTP does not
+    split the fused experts (models/families.py), so the rule is on the whole sizes at every tp_size."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    implementation = getattr(text, "_experts_implementation", None)
+    if not isinstance(experts, int) or experts <= 0 or implementation not in (None, "grouped_mm"):
+        return None
+    multiple = GROUPED_MM_ALIGNMENT // DTYPE_BYTES.get(dtype, 2)
+    width_key = "moe_intermediate_size" if getattr(text, "moe_intermediate_size", None) else "intermediate_size"
+    for key in ("hidden_size", width_key):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value % multiple:
+            return key, value, multiple
+    return None
+
+
+def check_grouped_experts(model_config: Any, dtype: str, from_architecture: bool) -> None:
+    """Refuse (ConfigError, one line naming the sizes that fit and the other fix) what `grouped_experts_problem`
+    finds, before the model is built (the trainer's start-up and --dry-run)."""
+    problem = grouped_experts_problem(model_config, dtype)
+    if problem is None:
+        return
+    key, value, multiple = problem
+    lower, upper = value // multiple * multiple, (value // multiple + 1) * multiple
+    choices = f"{lower} or {upper}" if lower else f"{upper}"
+    where = "model.architecture." if from_architecture else "the model's "
+    raise ConfigError(f"{where}{key}={value} is {value * DTYPE_BYTES.get(dtype, 2)} bytes in model.dtype={dtype}, not "
+                      f"a multiple of {GROUPED_MM_ALIGNMENT}: the fused MoE experts multiply with torch's grouped_mm, "
+                      f"which needs that (step 1 fails with 'strides should be multiple of 16 bytes'); choose {key} a "
+                      f"multiple of {multiple} (e.g. {choices}), or set model.architecture.experts_implementation=eager "
+                      f"(slower)")
 
 
 NTL_WEIGHT_WARN = 10.0  # the paper uses 0.1-1; far above, NTL outweighs CE
@@ -181,6 +235,8 @@ def output_problems(cfg: Config) -> str | None:
         folders.append(("monitor.tensorboard_dir", cfg.monitor.tensorboard_dir))
     if cfg.checkpoint.export_hf_at_end and cfg.checkpoint.export_dir:
         folders.append(("checkpoint.export_dir", cfg.checkpoint.export_dir))
+    if cfg.monitor.wandb.enabled and cfg.monitor.wandb.dir:  # W&B's own error named neither the key nor the fix
+        folders.append(("monitor.wandb.dir", cfg.monitor.wandb.dir))
     for key, folder in folders:
         problem = writable_problem(folder, key)
         if problem is not None:
