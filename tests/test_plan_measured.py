@@ -61,8 +61,10 @@ GATHERED = ["deepspeed.config={root}/ds_no_persistence.json", "train.grad_accum_
 LAUNCHES = {
     "dp2": (2, 1, {"dp2_small_chunked_unpersisted": [*SMALL, *CHUNKED, *GATHERED], "dp2_larger_bf16": LARGER,
                    "dp2_small_checkpointed": [*SMALL, "model.gradient_checkpointing=true"]}),
-    "dp2tp2": (4, 2, {"dp2tp2_small": SMALL, "dp2tp2_larger_bf16_chunked": [*LARGER, *CHUNKED]}),
-    "sp2": (2, 1, {"sp2_bf16": ["parallel.sp_size=2", "model.dtype=bf16"]}),
+    "dp2tp2": (4, 2, {"dp2tp2_small": SMALL, "dp2tp2_larger_bf16_chunked": [*LARGER, *CHUNKED],
+                      "dp2tp2_small_checkpointed": [*SMALL, "model.gradient_checkpointing=true"]}),
+    "sp2": (2, 1, {"sp2_bf16": ["parallel.sp_size=2", "model.dtype=bf16"],
+                   "sp2_checkpointed": ["parallel.sp_size=2", "model.gradient_checkpointing=true"]}),
 }
 
 

@@ -303,6 +303,14 @@ def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: i
         activation = tokens * hidden * bytes_model
         add("tp", tp, "all_reduce", layers * rows_split * micro, layers * rows_split * activation * micro,
             "forward: outputs of the row-split linear layers")
+        if cfg.model.gradient_checkpointing and rows_split > 1:
+            # backward re-runs each layer's forward (models/build.py: torch's non-reentrant checkpoint), which stops
+            # once it has recomputed the last tensor backward saves: the layer's last row-split output feeds only
+            # the residual add, which saves nothing, so its all-reduce is not repeated (measured in
+            # tests/test_plan_measured.py)
+            recomputed = layers * (rows_split - 1) * micro
+            add("tp", tp, "all_reduce", recomputed, recomputed * activation,
+                "backward: the recomputed forward's row-split outputs but each layer's last (activation checkpointing)")
         # the full head's backward all-reduces its input gradient in the model dtype; the chunked head's own
         # gradient is float32 (loss/chunked.py), all-reduced in its backward instead
         head_backward = [activation] if cfg.loss.chunk_tokens <= 0 else [tokens * hidden * FP32]
@@ -321,11 +329,16 @@ def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: i
                                                         text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
         per_layer = tokens * head_dim * (2 * heads + 2 * kv) * bytes_model  # q, k, v in, output back
-        add("sp", sp, "all_to_all", 2 * 4 * layers * micro, 2 * per_layer * layers * micro,
-            "Ulysses: q, k, v and the attention output, forward and backward")
+        # activation checkpointing re-runs each layer's attention in backward: its four all-to-alls and its gather
+        runs = 2 if cfg.model.gradient_checkpointing else 1
+        add("sp", sp, "all_to_all", (runs + 1) * 4 * layers * micro, (runs + 1) * per_layer * layers * micro,
+            "Ulysses: q, k, v and the attention output, forward and backward"
+            + (" (and the recomputed forward)" if runs == 2 else ""))
         # DeepSpeed's Ulysses attention gathers each layer's int64 position ids over the sequence
-        add("sp", sp, "all_gather", layers * micro, layers * micro * cfg.data.micro_batch_size * cfg.data.seq_len * 8,
-            "Ulysses: each attention's position ids (int64), gathered over the sequence")
+        add("sp", sp, "all_gather", runs * layers * micro,
+            runs * layers * micro * cfg.data.micro_batch_size * cfg.data.seq_len * 8,
+            "Ulysses: each attention's position ids (int64), gathered over the sequence"
+            + (" (again when recomputed)" if runs == 2 else ""))
     return found
 
 
