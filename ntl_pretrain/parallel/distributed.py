@@ -184,7 +184,16 @@ def _ranks_not_reporting() -> list[int]:
             silent = [rank for rank in silent if not store.check([keys[rank]])]
         except (RuntimeError, dist.DistError):
             # global rank 0 waited as long, reported and exited with the store it holds: what was seen stands
-            break
+            return silent
+    store.set(f"ntl_stall_asked/{dist.get_rank()}", "1")
+    if dist.get_rank() == 0:
+        # global rank 0 holds the store (env:// rendezvous): leaving before the others finished asking would cut
+        # them off mid-request, and torch's store client prints its own warning lines then (seen on a loaded machine,
+        # where the ranks' deadlines drift apart by seconds)
+        asked = [f"ntl_stall_asked/{rank}" for rank in range(dist.get_world_size()) if rank not in silent]
+        deadline = time.monotonic() + STALL_REPORT_WAIT_S
+        while not store.check(asked) and time.monotonic() < deadline:
+            time.sleep(0.2)
     return silent
 
 
