@@ -10,6 +10,7 @@ import torch
 from deepspeed.module_inject.layers import VocabParallelEmbedding
 
 from ntl_pretrain.models import families
+from ntl_pretrain.models.loading import autotp
 
 pytestmark = pytest.mark.fast
 
@@ -57,3 +58,34 @@ def test_scaled_embedding_probe_fails_when_the_check_moves_out_of_validate_embed
     with pytest.raises(RuntimeError) as error:
         families.accept_scaled_embeddings()
     assert "refuses it despite" in _one_line_naming_versions(error)
+
+
+class _PendingModel(torch.nn.Module):
+    """A model as `load_tp_sliced` hands it to `deepspeed.initialize`: a meta weight and the pending load."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, bias=False, device="meta")
+        setattr(self, autotp.PENDING_TP_LOAD, object())
+
+
+def test_fill_after_autotp_fails_when_the_wrapped_method_no_longer_slices(monkeypatch):
+    """A DeepSpeed that keeps `_configure_tensor_parallel` but slices elsewhere: the fill would read nothing."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    monkeypatch.setattr(DeepSpeedEngine, "_configure_tensor_parallel", lambda engine, model, tp_config: None)
+    monkeypatch.setattr(autotp, "_FILL_INSTALLED", False)
+    autotp._install_fill_after_autotp()
+    with pytest.raises(RuntimeError) as error:
+        DeepSpeedEngine._configure_tensor_parallel(None, _PendingModel(), None)
+    assert "no parameter sliced" in _one_line_naming_versions(error)
+
+
+def test_tp_load_filled_fails_when_initialize_never_ran_the_wrapped_method():
+    """A DeepSpeed whose `deepspeed.initialize` no longer calls `_configure_tensor_parallel`."""
+    model = _PendingModel()
+    with pytest.raises(RuntimeError) as error:
+        autotp.check_tp_load_filled(model)
+    assert "without calling" in _one_line_naming_versions(error)
+    delattr(model, autotp.PENDING_TP_LOAD)  # as `fill_tp_slices` leaves it
+    autotp.check_tp_load_filled(model)
