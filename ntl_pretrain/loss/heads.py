@@ -75,7 +75,10 @@ class ChunkedHead:
 
 
 # in the order asked: the first whose `from_loss` gives a head (not None) is the run's; `full` answers every section
-LOSS_HEADS: dict[str, type] = {"chunked": ChunkedHead, "full": FullLogitsHead}
+LOSS_HEADS: dict[str, type] = {
+    "chunked": ChunkedHead,
+    "full": FullLogitsHead,
+}
 
 
 def select_loss_head(loss: Any) -> LossHead:
