@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import typing
 
 import pytest
 import torch
@@ -198,3 +199,31 @@ def test_a_wsd_decay_cut_short_by_the_warmup_is_said():
             "train.max_steps=100: the decay is 5 steps; lower optim.warmup_steps or optim.decay_fraction") in \
         config_warnings(cfg)
     assert not config_warnings(load_config(DEMO, ["optim.lr_schedule=wsd", "train.max_steps=100"]))
+
+
+def test_generated_schedule_sections_unchanged_by_the_table():
+    """Each optim.lr_schedule's DeepSpeed config, built through `core/lr_schedules.LR_SCHEDULES`, is byte for byte
+    the one the code before the table generated (tests/data/lr_schedule_ds_configs.json: written by that code, commit
+    ffe4f80, for the overrides stored beside each config), and the config's --help and key checks read the table."""
+    import json
+
+    from ntl_pretrain.config.schema import LRScheduleName, OptimConfig
+    from ntl_pretrain.config.validation import _SCHEDULE_KEYS
+    from ntl_pretrain.core.lr_schedules import LR_SCHEDULES
+    from ntl_pretrain.trainer.ds_config import generated_deepspeed_config
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "lr_schedule_ds_configs.json"), encoding="utf-8") as f:
+        stored = json.load(f)
+    seen = set()
+    for case in stored:
+        cfg = load_config(DEMO, case["overrides"] + ["parallel.tp_size=1"])
+        seen.add(cfg.optim.lr_schedule)
+        assert json.dumps(generated_deepspeed_config(cfg, on_cpu=True)) == json.dumps(case["generated"]), case
+    assert seen <= set(LR_SCHEDULES) and len(seen) == 4  # the four schedules of the code before the table
+    assert typing.get_args(LRScheduleName) == tuple(LR_SCHEDULES)
+    # the --help text and the keys refused with another schedule, as they were before (a new entry adds to them)
+    assert OptimConfig.__dataclass_fields__["lr_schedule"].metadata["doc"].startswith(
+        "cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR) | wsd (warmup-stable-decay: the peak "
+        "held, decay_fraction of the steps decaying at the end)")
+    before = {"optim.decay_fraction": ("wsd",), "optim.decay_shape": ("wsd",), "optim.min_lr_ratio": ("cosine", "wsd")}
+    assert {key: tuple(name for name in names if name in seen) for key, names in _SCHEDULE_KEYS.items()} == before

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..core.errors import ConfigError  # noqa: F401 (the config package's API)
+from ..core.lr_schedules import LR_SCHEDULES
 from ..eval.config import EvalConfig
 from ..loss.variants import VARIANTS
 
@@ -19,7 +20,7 @@ DelRuns = Literal["batch", "rows"]  # ntl_pretrain.loss.variants.del_loss.DEL_RU
 ChunkBackward = Literal["auto", "rows", "vocab_blocks"]  # ntl_pretrain.loss.chunked.CHUNK_BACKWARDS
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
-LRScheduleName = Literal["cosine", "linear", "constant", "wsd"]
+LRScheduleName = Literal[tuple(LR_SCHEDULES)]  # ntl_pretrain.core.lr_schedules.LR_SCHEDULES
 DecayShapeName = Literal["linear", "cosine", "1-sqrt"]
 ProgressBar = Literal["auto", "always", "never"]
 WandbMode = Literal["online", "offline", "disabled"]
@@ -269,9 +270,8 @@ class OptimConfig:
     weight_decay: float = _doc("AdamW weight decay", default=0.1)
     betas: list[float] = _doc("AdamW betas", default_factory=lambda: [0.9, 0.95])
     eps: float = _doc("AdamW epsilon", default=1e-8)
-    lr_schedule: LRScheduleName = _doc("cosine (WarmupCosineLR) | linear (WarmupDecayLR) | constant (WarmupLR) | wsd "
-                                       "(warmup-stable-decay: the peak held, decay_fraction of the steps decaying at "
-                                       "the end)", default="cosine")
+    lr_schedule: LRScheduleName = _doc(" | ".join(f"{name} ({schedule.summary})"
+                                                  for name, schedule in LR_SCHEDULES.items()), default="cosine")
     warmup_steps: int = _doc("learning-rate warm-up steps", default=100)
     min_lr_ratio: float = _doc("cosine, wsd: the floor of the decay as a fraction of lr, reached one step after "
                                "train.max_steps (the last step trains above it)", default=0.1)

@@ -16,7 +16,7 @@ from ..eval.config import check_corpus_digits
 from ..loss.settings import NTLSettings, check_ntl_weight
 from ..loss.variants import any_vocabulary_variants, variant_of
 from .parsing import get_key
-from ..core.lr_schedules import schedule_lengths, wsd_decay_num_steps
+from ..core.lr_schedules import LR_SCHEDULES, schedule_lengths, wsd_decay_num_steps
 from .schema import Config, ConfigError, DataConfig, LossConfig, OptimConfig, check_prompt_template
 
 
@@ -247,9 +247,9 @@ _FLOAT_RANGES = [
 
 
 # the optim keys that only some schedules read: set to anything but the default with another schedule, they would
-# change nothing
-_SCHEDULE_KEYS = {"optim.decay_fraction": ("wsd",), "optim.decay_shape": ("wsd",),
-                  "optim.min_lr_ratio": ("cosine", "wsd")}
+# change nothing (core/lr_schedules.LR_SCHEDULES: each schedule's `reads`)
+_SCHEDULE_KEYS = {f"optim.{key}": tuple(name for name, schedule in LR_SCHEDULES.items() if key in schedule.reads)
+                  for key in sorted({key for schedule in LR_SCHEDULES.values() for key in schedule.reads})}
 
 
 def _check_lr_schedule(config: Config) -> None:

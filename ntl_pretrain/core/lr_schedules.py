@@ -19,7 +19,8 @@ DeepSpeed's is replaced), so the engine builds, saves and restores it as its own
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
@@ -99,6 +100,57 @@ class WarmupStableDecayLR:
 
 
 SCHEDULES = {"WarmupStableDecayLR": WarmupStableDecayLR}  # this project's, by the type name a config gives
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """One `optim.lr_schedule` name: the DeepSpeed `scheduler` section it builds (a type of DeepSpeed's, or of
+    `SCHEDULES`) and the optim keys only some schedules read."""
+
+    section: Callable[[Any, int, int], dict]  # (the optim section, warmup_num_steps, total_num_steps) -> section
+    summary: str  # what it is, for --help
+    reads: tuple[str, ...] = ()  # the optim keys it reads that not every schedule does (refused with another one)
+
+
+# Each decay reaches its floor one iteration after the last step (a virtual last step, as torchtitan's), so the last
+# step trains, also with optim.min_lr_ratio=0: DeepSpeed's WarmupCosineLR is at its floor from iteration
+# total_num_steps - 1 on (its cosine counts from the iteration after the warm-up's last as 1), WarmupDecayLR from
+# total_num_steps; WarmupStableDecayLR reaches min_lr at total_num_steps + 1 itself.
+def _cosine(optim: Any, warmup: int, total: int) -> dict:
+    return {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": total + 2, "warmup_num_steps": warmup, "warmup_min_ratio": optim.warmup_start_lr_ratio,
+        "cos_min_ratio": optim.min_lr_ratio, "warmup_type": "linear"}}
+
+
+def _linear(optim: Any, warmup: int, total: int) -> dict:
+    return {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": total + 1, "warmup_num_steps": warmup, "warmup_min_lr": optim.warmup_start_lr_ratio * optim.lr,
+        "warmup_max_lr": optim.lr, "warmup_type": "linear"}}
+
+
+def _constant(optim: Any, warmup: int, total: int) -> dict:
+    return {"type": "WarmupLR", "params": {
+        "warmup_num_steps": warmup, "warmup_min_lr": optim.warmup_start_lr_ratio * optim.lr, "warmup_max_lr": optim.lr,
+        "warmup_type": "linear"}}
+
+
+def _wsd(optim: Any, warmup: int, total: int) -> dict:
+    return {"type": "WarmupStableDecayLR", "params": {
+        "total_num_steps": total, "warmup_num_steps": warmup,
+        "decay_num_steps": wsd_decay_num_steps(optim.decay_fraction, total, warmup),
+        "warmup_min_lr": optim.warmup_start_lr_ratio * optim.lr, "warmup_max_lr": optim.lr,
+        "min_lr": optim.min_lr_ratio * optim.lr, "decay_type": optim.decay_shape}}
+
+
+# optim.lr_schedule's names: the config's allowed values, --help, the keys each reads and the DeepSpeed section all
+# read this table, so a new schedule is one entry (and its class in SCHEDULES when DeepSpeed has none)
+LR_SCHEDULES: dict[str, LRSchedule] = {
+    "cosine": LRSchedule(_cosine, "WarmupCosineLR", reads=("min_lr_ratio",)),
+    "linear": LRSchedule(_linear, "WarmupDecayLR"),
+    "constant": LRSchedule(_constant, "WarmupLR"),
+    "wsd": LRSchedule(_wsd, "warmup-stable-decay: the peak held, decay_fraction of the steps decaying at the end",
+                      reads=("decay_fraction", "decay_shape", "min_lr_ratio")),
+}
 
 
 def scheduler_class(name: str) -> Any:

@@ -106,7 +106,8 @@ SCALED_EMBEDDINGS = {"transformers.models.gemma2.modeling_gemma2.Gemma2TextScale
 
 def accept_scaled_embeddings() -> None:
     """Let DeepSpeed's vocabulary-parallel embedding take the embeddings of `SCALED_EMBEDDINGS` as it takes
-    Gemma3's (its check names Gemma3's class only). Installed once per process, before `deepspeed.initialize`."""
+    Gemma3's (its check names Gemma3's class only). Installed once per process, before `deepspeed.initialize`, and
+    checked then by behaviour (`check_scaled_embeddings`)."""
     from deepspeed.module_inject.layers import VocabParallelEmbedding
 
     validate = VocabParallelEmbedding.validate_embedding
@@ -120,7 +121,36 @@ def accept_scaled_embeddings() -> None:
             validate(module)
 
     validate_embedding._ntl_scaled_embeddings = True  # type: ignore[attr-defined]
+    validate_embedding.__wrapped__ = validate  # type: ignore[attr-defined]
     VocabParallelEmbedding.validate_embedding = staticmethod(validate_embedding)
+    check_scaled_embeddings()
+
+
+def check_scaled_embeddings() -> None:
+    """What `accept_scaled_embeddings` assumes of DeepSpeed, tried on a tiny embedding of each class of
+    `SCALED_EMBEDDINGS`: `VocabParallelEmbedding` (one rank, no group) gates its input by `validate_embedding` and
+    gives the embedding's own output (the lookup times `embed_scale`). One line naming the versions otherwise."""
+    import importlib
+
+    import deepspeed
+    import transformers
+    from deepspeed.module_inject.layers import VocabParallelEmbedding
+
+    ids = torch.tensor([[0, 3, 5, 7]])
+    for path in sorted(SCALED_EMBEDDINGS):
+        module_name, _, class_name = path.rpartition(".")
+        embedding = getattr(importlib.import_module(module_name), class_name)(8, 4, padding_idx=0, embed_scale=3.0)
+        try:
+            with torch.no_grad():
+                same = torch.equal(VocabParallelEmbedding(embedding, None)(ids), embedding(ids))
+            why = "gives another output than the embedding's own (the lookup times embed_scale)"
+        except NotImplementedError as error:
+            same, why = False, f"refuses it despite the widened validate_embedding ({error})"
+        if not same:
+            raise RuntimeError(f"DeepSpeed {deepspeed.__version__} with transformers {transformers.__version__}: "
+                               f"VocabParallelEmbedding {why} for {class_name}, which models/families.py's "
+                               f"accept_scaled_embeddings assumes it does as for Gemma3's; set parallel.tp_size=1 or "
+                               f"use the DeepSpeed of constraints.txt")
 
 
 def add_tp_partition_config(ds_config: dict, model_type: str) -> None:

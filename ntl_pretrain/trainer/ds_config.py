@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config, ConfigError
-from ..core.lr_schedules import schedule_lengths, wsd_decay_num_steps
+from ..core.lr_schedules import LR_SCHEDULES, schedule_lengths
 from ..parallel import distributed
 
 
@@ -29,32 +29,11 @@ class ResolvedRun:
 
 
 def lr_scheduler_section(cfg: Config) -> dict[str, Any]:
-    """DeepSpeed's `scheduler` section of optim.lr_schedule (a type of DeepSpeed's, or of core/lr_schedules.py).
-
-    Optimizer step k runs at the scheduler's iteration k (trainer/startup.py). Each decay reaches its floor one
-    iteration after the last step (a virtual last step, as torchtitan's), so the last step trains, also with
-    `optim.min_lr_ratio=0`: DeepSpeed's WarmupCosineLR is at its floor from iteration total_num_steps - 1 on (its
-    cosine counts from the iteration after the warm-up's last as 1), WarmupDecayLR from total_num_steps."""
-    optim = cfg.optim
-    warmup, total = schedule_lengths(optim.warmup_steps, cfg.train.max_steps)
-    start = optim.warmup_start_lr_ratio
-    if optim.lr_schedule == "cosine":
-        return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": total + 2, "warmup_num_steps": warmup, "warmup_min_ratio": start,
-            "cos_min_ratio": optim.min_lr_ratio, "warmup_type": "linear"}}
-    if optim.lr_schedule == "linear":
-        return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": total + 1, "warmup_num_steps": warmup, "warmup_min_lr": start * optim.lr,
-            "warmup_max_lr": optim.lr, "warmup_type": "linear"}}
-    if optim.lr_schedule == "wsd":  # WarmupStableDecayLR reaches min_lr at total_num_steps + 1 itself
-        return {"type": "WarmupStableDecayLR", "params": {
-            "total_num_steps": total, "warmup_num_steps": warmup,
-            "decay_num_steps": wsd_decay_num_steps(optim.decay_fraction, total, warmup),
-            "warmup_min_lr": start * optim.lr, "warmup_max_lr": optim.lr, "min_lr": optim.min_lr_ratio * optim.lr,
-            "decay_type": optim.decay_shape}}
-    return {"type": "WarmupLR", "params": {
-        "warmup_num_steps": warmup, "warmup_min_lr": start * optim.lr, "warmup_max_lr": optim.lr,
-        "warmup_type": "linear"}}
+    """DeepSpeed's `scheduler` section of optim.lr_schedule: its entry of `core/lr_schedules.LR_SCHEDULES` (a type
+    of DeepSpeed's, or of core/lr_schedules.py). Optimizer step k runs at the scheduler's iteration k
+    (trainer/startup.py)."""
+    warmup, total = schedule_lengths(cfg.optim.warmup_steps, cfg.train.max_steps)
+    return LR_SCHEDULES[cfg.optim.lr_schedule].section(cfg.optim, warmup, total)
 
 
 def generated_deepspeed_config(cfg: Config, on_cpu: bool) -> dict:

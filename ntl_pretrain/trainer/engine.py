@@ -13,6 +13,7 @@ from ..checkpoint import CheckpointManager, fingerprint
 from ..config import Config
 from ..core.numbers import NumberVocab
 from ..models.build import ModelReport, build_model
+from ..models.loading import check_tp_load_filled
 from ..parallel.ulysses import UlyssesAttention, register_ulysses_attention, release_ulysses_attention
 from .ds_config import resumed_deepspeed_config
 
@@ -68,5 +69,6 @@ def build_engine(cfg: Config, ds_config: dict, tokenizer: Any, number_vocab: Num
           else contextlib.nullcontext()):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                                mpu=ulysses.mpu if ulysses else None)
+    check_tp_load_filled(engine.module)  # a sliced AutoTP load filled inside deepspeed.initialize
     return BuiltEngine(engine=engine, model_report=report, number_vocab=number_vocab, checkpoints=checkpoints,
                        ds_config=ds_config, load_tag=load_tag, ulysses=ulysses)

@@ -46,7 +46,7 @@ class Objective:
     chunk_tokens: int  # > 0: the chunked LM head over this many tokens at a time; 0: the full logits
     chunk_backward: str  # the chunked head's gradient algorithm (loss.chunked.resolve_chunk_backward)
     settings: NTLSettings  # the NTL variant and its options
-    head: LossHead  # full logits or the chunked head, chosen once from chunk_tokens (loss.heads)
+    head: LossHead  # full logits, the chunked head, ...: chosen once from the loss section (loss.heads)
 
     @classmethod
     def from_config(cls, loss: LossConfig) -> "Objective":
@@ -55,7 +55,7 @@ class Objective:
         return cls(ntl_on=loss.ntl_on, ntl_weight=loss.ntl_weight, ntl_schedule=loss.ntl_schedule,
                    ntl_warmup_steps=loss.ntl_warmup_steps, chunk_tokens=loss.chunk_tokens,
                    chunk_backward=loss.chunk_backward, settings=settings,
-                   head=select_loss_head(loss.chunk_tokens, loss.chunk_backward))
+                   head=select_loss_head(loss))
 
     def ntl_lambda(self, step: int) -> float:
         """The NTL weight at optimizer step `step` (numbering from 1); 0 with NTL off."""

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .autotp import _tp_slice, fill_tp_slices, load_tp_sliced  # noqa: F401 (used by tests and the engine hook)
+from .autotp import _tp_slice, check_tp_load_filled, fill_tp_slices, load_tp_sliced  # noqa: F401 (tests, trainer)
 from .reading import full_numel, full_shape, safetensors_files  # noqa: F401 (the package's API)
 from .zero3 import build_from_config_partitioned, load_partitioned, partitioned_load_applies  # noqa: F401
 

@@ -253,12 +253,17 @@ def _replace_parameter(model: torch.nn.Module, old: torch.nn.Parameter, new: tor
 
 
 _FILL_INSTALLED = False
+_FILL_ASSUMES = ("the sliced AutoTP load (models/loading/autotp.py) reads each rank's weights right after "
+                 "DeepSpeedEngine._configure_tensor_parallel sliced the model, inside deepspeed.initialize; set "
+                 "model.partitioned_load=false or use the DeepSpeed of constraints.txt")
 
 
 def _install_fill_after_autotp() -> None:
     """Wrap `DeepSpeedEngine._configure_tensor_parallel` (DeepSpeed 0.19: AutoTP's slicing inside
     `deepspeed.initialize`, before ZeRO) so that a model built by `load_tp_sliced` gets its values right
-    after AutoTP sliced it; any other model passes through unchanged. Installed once per process."""
+    after AutoTP sliced it; any other model passes through unchanged. Installed once per process; what it assumes
+    is checked by behaviour where it matters: the wrapped method must leave AutoTP's layout on the parameters
+    (`_check_autotp_sliced`), and `deepspeed.initialize` must have run it (`check_tp_load_filled`)."""
     global _FILL_INSTALLED
     if _FILL_INSTALLED:
         return
@@ -272,8 +277,29 @@ def _install_fill_after_autotp() -> None:
     def configure_then_fill(engine: Any, model: torch.nn.Module, tp_config: Any) -> Any:
         result = configure(engine, model, tp_config)
         if hasattr(model, PENDING_TP_LOAD):
+            _check_autotp_sliced(model)
             fill_tp_slices(model)
         return result
 
     DeepSpeedEngine._configure_tensor_parallel = configure_then_fill
     _FILL_INSTALLED = True
+
+
+def _check_autotp_sliced(model: torch.nn.Module) -> None:
+    """The wrapped method did AutoTP's slicing: some parameter carries the layout DeepSpeed records on a slice."""
+    import deepspeed
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    metas = [getattr(param, DS_AUTOTP_UC_META, None) for param in model.parameters()]
+    if not any(meta and not meta.get("replicated") for meta in metas):
+        raise RuntimeError(f"DeepSpeed {deepspeed.__version__}: DeepSpeedEngine._configure_tensor_parallel returned "
+                           f"with no parameter sliced (none carries {DS_AUTOTP_UC_META}), but {_FILL_ASSUMES}")
+
+
+def check_tp_load_filled(model: torch.nn.Module) -> None:
+    """After `deepspeed.initialize`: a model of `load_tp_sliced` got its values (the wrapped method ran inside it)."""
+    import deepspeed
+
+    if hasattr(model, PENDING_TP_LOAD):
+        raise RuntimeError(f"DeepSpeed {deepspeed.__version__}: deepspeed.initialize returned without calling "
+                           f"DeepSpeedEngine._configure_tensor_parallel on the model, but {_FILL_ASSUMES}")
