@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from ..loss.objective import SUMS_WIDTH
-from ..parallel import distributed
 from .training_objective import StepFigures
 
 
@@ -21,7 +20,7 @@ def validate(trainer: Any) -> dict[str, float]:
     """CE, NTL and total loss on the held-out samples, of the mixture (`val/*`) and of each source
     (`val/<label>/*`): global means; every rank runs the same micro-batches count. A micro-batch holds one
     source's samples, so its sums add to that source's row of the totals (and the mixture's when it is one of
-    the mixture's); the totals stay on the device and are read once, in the reduction over ranks."""
+    the mixture's); the totals stay on the device, are summed over the loss group there and read once."""
     names = trainer.cfg.data.source_names()
     trainer.engine.eval()
     totals = torch.zeros(1 + len(names), SUMS_WIDTH, dtype=torch.float64, device=trainer.device)
@@ -33,7 +32,9 @@ def validate(trainer: Any) -> dict[str, float]:
         if source >= 0:
             totals[1 + source] += sums
     trainer.engine.train()
-    reduced = distributed.all_reduce_sum(totals.flatten().tolist(), trainer.groups.loss_group, trainer.device)
+    if trainer.layout.loss_size > 1:  # over the ranks the training figures are summed over
+        torch.distributed.all_reduce(totals, group=trainer.groups.loss_group)
+    reduced = totals.flatten().tolist()  # the one read of the validation
     figures = {}
     for row, prefix in enumerate(["val"] + [f"val/{name}" for name in names]):
         sums = StepFigures(*reduced[row * SUMS_WIDTH: (row + 1) * SUMS_WIDTH])
