@@ -90,6 +90,7 @@ def test_sync_counter_ignores_ops_that_do_not_sync():
 def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
     return demo_overrides(assets, out, f"data.seq_len={SEQ_LEN}", "data.micro_batch_size=2", "train.grad_accum_steps=2",
                           "train.max_steps=10", f"train.log_every_n_steps={LOG_EVERY}", "checkpoint.save_final=false",
+                          "train.val_batches=2",  # the validation counted after the steps: 2 micro-batches a rank
                           *extra)
 
 
