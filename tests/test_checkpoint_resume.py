@@ -385,7 +385,9 @@ def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted
     folder resumed to step 4. The stream state of each rank (its position in its byte range of the demo's one
     file) is saved at step 2 and sought to, and steps 3 and 4 train bitwise what the uninterrupted run did.
     A staged mixture switches at step 3 (the resumed run's first step): the streamed source alone, then mixed with
-    the same file read in memory (data.stages; TensorBoard's data/stage and data/source_share/* agree too)."""
+    the same file read in memory (data.stages; TensorBoard's data/stage and data/source_share/* agree too).
+    Each run validates the mixture and each source (val/*, val/sources.N/*) at steps 2 and 4: the same resumed as
+    uninterrupted, step 4's equal to a plain recomputation on the held-out samples (`_plain_validation`)."""
     streamed = ["parallel.tp_size=1", "data.sources.0.streaming=true", "data.micro_batch_size=4",
                 f"data.sources.1.path={assets / 'arithmetic.jsonl'}", "data.sources.1.generate_arithmetic=3000",
                 "data.sources.1.generate_options={train_digits: [1, 2], ops: ['+', '-']}",  # the demo's: one corpus
