@@ -16,6 +16,7 @@ three runs in it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -338,18 +339,62 @@ def test_resume_on_another_layout_waits_for_a_conversion_longer_than_the_collect
     assert manifest["universal_of"] == "global_step4"
 
 
+def _plain_validation(export: Path, config: Path) -> dict[str, tuple[float, float, float]]:
+    """(loss, CE, NTL) of the exported model on the run's held-out samples, by plain torch and the ntloss package:
+    per source, its own held-out samples (a run of that source alone holds them out) in whole micro-batches, up to
+    train.val_batches micro-batches per data-parallel rank; the mixture (`val`), the first train.val_batches
+    global batches of the sources' samples in order."""
+    import ntloss
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers.documents import document_slices
+    from ntl_pretrain.config import load_config
+    from ntl_pretrain.data import PretrainingData
+    from ntl_pretrain.data.stream import _to_micro_batch
+
+    cfg = load_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    mbs, dp, batches = cfg.data.micro_batch_size, 2, cfg.train.val_batches
+    held = []
+    for source in cfg.data.sources:
+        alone = PretrainingData.build(dataclasses.replace(cfg.data, sources=[source], stages=[]), tokenizer,
+                                      dp_rank=0, dp_size=1)
+        held.append(alone.validation[: len(alone.validation) // mbs * mbs])
+    mixture = [sample for samples in held for sample in samples]
+    sets = {"val": mixture[: min(batches, len(mixture) // (mbs * dp)) * mbs * dp],
+            **{f"val/sources.{i}": samples[: batches * mbs * dp] for i, samples in enumerate(held)}}
+    figures = {}
+    for prefix, samples in sets.items():
+        batch = _to_micro_batch(samples, tokenizer.eos_token_id if cfg.data.mask_document_start else None)
+        logits = torch.empty(*batch.input_ids.shape, model.config.vocab_size)
+        with torch.no_grad():  # data.document_mask: each packed document alone
+            for b, row in enumerate(batch.input_ids):
+                for part in document_slices(row, tokenizer.eos_token_id):
+                    logits[b, part] = model(input_ids=row[part].unsqueeze(0)).logits[0]
+        ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100).item()
+        ntl = ntloss.NTLoss(tokenizer, vocab_size=logits.shape[-1], digit_level=True, reweigh=False)(
+            logits, batch.labels).item()
+        figures[prefix] = (ce + cfg.loss.ntl_weight * ntl, ce, ntl)
+    return figures
+
+
 def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted_run(assets, tmp_path):
     """One 2-process launch of the real Trainer, three runs in it: 4 uninterrupted steps; 2 steps; the same
     folder resumed to step 4. The stream state of each rank (its position in its byte range of the demo's one
     file) is saved at step 2 and sought to, and steps 3 and 4 train bitwise what the uninterrupted run did.
     A staged mixture switches at step 3 (the resumed run's first step): the streamed source alone, then mixed with
-    the same file read in memory (data.stages; TensorBoard's data/stage and data/source_share/* agree too)."""
+    the same file read in memory (data.stages; TensorBoard's data/stage and data/source_share/* agree too).
+    Each run validates the mixture and each source (val/*, val/sources.N/*) at steps 2 and 4: the same resumed as
+    uninterrupted, step 4's equal to a plain recomputation on the held-out samples (`_plain_validation`)."""
     streamed = ["parallel.tp_size=1", "data.sources.0.streaming=true", "data.micro_batch_size=4",
                 f"data.sources.1.path={assets / 'arithmetic.jsonl'}", "data.sources.1.generate_arithmetic=3000",
                 "data.sources.1.generate_options={train_digits: [1, 2], ops: ['+', '-']}",  # the demo's: one corpus
                 "data.stages=[{start_step: 1, weights: [1, 0]}, {start_step: 3, weights: [1, 1]}]",
                 "optim.lr_schedule=constant", "optim.warmup_steps=2", "checkpoint.every_n_steps=1",
-                "checkpoint.keep_last=0", "checkpoint.resume_lr_schedule=keep"]
+                "checkpoint.keep_last=0", "checkpoint.resume_lr_schedule=keep",
+                "train.val_every_n_steps=2", "train.val_batches=2"]  # validation per source at steps 2 and 4
     straight, split = tmp_path / "straight", tmp_path / "split"
 
     def run_args(out: Path, logits: str, *extra: str) -> list[str]:
@@ -375,6 +420,19 @@ def test_streamed_source_on_two_data_parallel_ranks_resumes_as_the_uninterrupted
                 "data/source_share/sources.1"):
         assert [s for s, _ in got[tag]] == [1, 2, 3, 4], tag
         assert [v for _, v in got[tag]] == [v for _, v in want[tag]], tag
+    # validation: the mixture's and each source's, at steps 2 and 4 (either side of the stage switch), the
+    # resumed run's the uninterrupted one's; step 4's recomputed from the checkpoint's export
+    val_tags = [f"val/{part}{figure}" for part in ("", "sources.0/", "sources.1/") for figure in ("loss", "ce", "ntl")]
+    for tag in val_tags:
+        assert [s for s, _ in got[tag]] == [2, 4] and [v for _, v in got[tag]] == [v for _, v in want[tag]], tag
+    export = tmp_path / "hf"
+    subprocess.run([sys.executable, "tools/export_hf.py", str(straight / "global_step4"), str(export)], check=True,
+                   cwd=REPO, env=launch_env(), capture_output=True, timeout=TIMEOUT)
+    logged = {tag: dict(want[tag])[4] for tag in val_tags}
+    for prefix, (loss, ce, ntl) in _plain_validation(export, straight / "config.yaml").items():
+        assert logged[f"{prefix}/ce"] == pytest.approx(ce, rel=1e-5), prefix
+        assert logged[f"{prefix}/ntl"] == pytest.approx(ntl, rel=1e-5), prefix
+        assert logged[f"{prefix}/loss"] == pytest.approx(loss, rel=1e-5), prefix
     assert torch.equal(torch.load(tmp_path / "resumed.pt")["logits"], torch.load(tmp_path / "straight.pt")["logits"])
     # the checkpoint holds each rank's own place: rank 1's lies in the second half of the file
     states = torch.load(sorted((split / "global_step2").glob("*model_states.pt"))[0], weights_only=False)

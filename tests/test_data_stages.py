@@ -52,9 +52,9 @@ def sources(tmp_path_factory) -> list[DataSourceConfig]:
             DataSourceConfig(path=str(folder / "replay"), streaming=True, label="replay")]
 
 
-def _cfg(sources, tmp_path: Path, stages=STAGES) -> DataConfig:
+def _cfg(sources, tmp_path: Path, stages=STAGES, validation_documents: int = 5) -> DataConfig:
     return DataConfig(sources=sources, stages=list(stages), seq_len=SEQ, micro_batch_size=MBS,
-                      validation_documents=5, seed=7, cache_dir=str(tmp_path / "cache"))
+                      validation_documents=validation_documents, seed=7, cache_dir=str(tmp_path / "cache"))
 
 
 def _steps(ranks: list[PretrainingData], steps: int) -> list[list[tuple[int, ...]]]:
@@ -248,3 +248,47 @@ def test_a_resume_allows_edited_future_stages_and_refuses_edited_trained_ones(ca
     with pytest.raises(CheckpointError, match=r"trained steps 1-40 with data stages that this run changes \(data.stages.0: "
                        r"from step 1, weights \[1.0, 3.0\] -> from step 1, weights \[1.0, 1.0\]\)"):
         check_data(plain, _described([(1, [1.0, 1.0]), (50, [0, 1])], weights=(1.0, 3.0)), "ck", False, step=40)
+
+
+def _validation(ranks: list[PretrainingData], batches: int) -> list[list[tuple]]:
+    """Per rank, its validation plan: (the micro-batch's rows, its source, whether the mixture counts it)."""
+    return [[(tuple(map(tuple, batch.input_ids.tolist())), source, counted)
+             for batch, source, counted in data.validation_plan(batches)] for data in ranks]
+
+
+VAL_DOCUMENTS = 14
+
+
+@pytest.mark.parametrize("batches", [1, 2, 50])
+def test_validation_per_source_is_each_sources_own_held_out_samples_across_stages_and_resume(
+        tokenizer, sources, tmp_path, batches):
+    cfg = _cfg(sources, tmp_path, validation_documents=VAL_DOCUMENTS)
+    ranks = _build(cfg, tokenizer)
+    plans = _validation(ranks, batches)
+    assert len({len(plan) for plan in plans}) == 1  # every rank runs as many forwards
+    # the reference: each source's held-out samples as a run of that source alone holds them out
+    held = []
+    for source in sources:
+        alone = PretrainingData.build(_cfg([source], tmp_path, [], VAL_DOCUMENTS), tokenizer, dp_rank=0, dp_size=1)
+        rows = [tuple(tokens[:-1].tolist()) for tokens, _ in alone.validation]
+        held.append(rows)
+    assert [len(rows) for rows in held] == [13, 10]  # web's 13th sample is short of a whole micro-batch:
+    held = [rows[: len(rows) // MBS * MBS] for rows in held]  # left out (so no micro-batch mixes sources)
+    for i, rows in enumerate(held):
+        validated = [row for plan in plans for batch, source, _ in plan if source == i for row in batch]
+        assert sorted(validated) == sorted(rows[: batches * MBS * DP]), f"source {i}"
+    # the mixture: the first `batches` global batches of the sources' held-out samples in order, as before
+    mixture = [row for rows in held for row in rows]
+    count = min(batches, len(mixture) // (MBS * DP))
+    counted = [[batch for batch, _, c in plan if c] for plan in plans]
+    assert all(len(c) == count for c in counted)
+    assert [row for m in range(count) for r in range(DP) for row in counted[r][m]] == mixture[: count * MBS * DP]
+    # stages change nothing validated, nor do steps trained, nor a resume
+    weighted = [DataSourceConfig(**{**vars(s), "weight": 1.0}) for s in sources]
+    assert _validation(_build(_cfg(weighted, tmp_path, [], VAL_DOCUMENTS), tokenizer), batches) == plans
+    _steps(ranks, 5)
+    state = json.loads(json.dumps(combine_rank_states(ranks[0], [d.rank_state() for d in ranks])))
+    resumed = _build(cfg, tokenizer)
+    for data in resumed:
+        data.load_state_dict(state, steps_done=5)
+    assert _validation(ranks, batches) == plans and _validation(resumed, batches) == plans

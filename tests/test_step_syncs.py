@@ -4,7 +4,8 @@ The counter (tests/helpers/sync_counter.py) knows every call that makes the host
 tests exercise each entry of its list. Then the real Trainer (2 CPU processes, ZeRO-3, DeepSpeed engines)
 runs optimizer steps of 2 micro-batches as `Trainer.fit` does (the step, its log, the pre-emption
 agreement) while those calls are counted: our code makes none in a step that does not log and exactly one
-(the logged figures) in a logging step, for the full and the chunked head, T=1 (dp=2) and T=2, reweigh on
+(the logged figures) in a logging step, and one in a validation (the mixture's and each source's figures),
+for the full and the chunked head, T=1 (dp=2) and T=2, reweigh on
 and off, and Ulysses sp=2 with number-level NTL. DeepSpeed's own calls per step are counted and printed (its
 overflow check reads the gradient norm).
 """
@@ -89,6 +90,7 @@ def test_sync_counter_ignores_ops_that_do_not_sync():
 def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
     return demo_overrides(assets, out, f"data.seq_len={SEQ_LEN}", "data.micro_batch_size=2", "train.grad_accum_steps=2",
                           "train.max_steps=10", f"train.log_every_n_steps={LOG_EVERY}", "checkpoint.save_final=false",
+                          "train.val_batches=2",  # the validation counted after the steps: 2 micro-batches a rank
                           *extra)
 
 
@@ -123,6 +125,9 @@ def test_step_syncs_only_to_log(counted, tp, head):
     assert not plain, f"host syncs in a step that does not log: {plain}"
     assert not any("/micro_batch/" in key for key in logging), f"host syncs inside the micro-batch loop: {logging}"
     assert sum(logging.values()) == 1, f"a logging step should read its figures once: {logging}"
+    validation = {key: n for key, n in ours.items() if key.startswith("validation/")}
+    assert sum(validation.values()) == 1, f"a validation should read its figures once: {validation}"
+    assert {"val/loss", "val/sources.0/loss"} <= set(counts["validation"]), counts["validation"]
     plain_figures, logged = counts["figures"]
     assert plain_figures is None
     assert logged["train/ce"] > 0 and logged["train/grad_norm"] > 0 and logged["train/tokens_per_s"] > 0, logged

@@ -45,7 +45,8 @@ def tracked_run(assets, tmp_path_factory):
 def test_wandb_and_mlflow_log_what_tensorboard_logs(tracked_run):
     out, store = tracked_run
     expected = tensorboard_scalars(out / "tensorboard")
-    assert {"train/loss", "val/loss"} <= set(expected) and any(tag.startswith("eval/") for tag in expected), expected
+    assert {"train/loss", "val/loss", "val/sources.0/loss"} <= set(expected), expected  # the mixture's and a source's
+    assert any(tag.startswith("eval/") for tag in expected), expected
     assert [step for step, _ in expected["train/loss"]] == [1, 2, 4]  # the logging steps only
     [wandb_run] = (out / "wandb").glob("offline-run-*")  # global rank 0 only: one run
     for name, logged in (("W&B", wandb_scalars(wandb_run)), ("MLflow", mlflow_scalars(store, EXPERIMENT))):

@@ -201,11 +201,14 @@ class PretrainingData:
     """
 
     def __init__(self, cfg: DataConfig, sources: list[Any], validation: list[Sample], *, dp_rank: int,
-                 dp_size: int, eos_id: int) -> None:
+                 dp_size: int, eos_id: int, validation_sources: list[int] | None = None) -> None:
         self.cfg = cfg
         self.boundary_id = eos_id if cfg.mask_document_start else None
         self.sources = sources
         self.validation = validation
+        # the data.sources index each validation sample was held out of (packed per source: a sample holds one
+        # source's documents); None (a rehearsal's numbered samples): the mixture's figures only
+        self.validation_sources = [-1] * len(validation) if validation_sources is None else validation_sources
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.stages = cfg.stage_table()
         self._stage_starts = [stage.start_step for stage in self.stages]
@@ -263,22 +266,24 @@ class PretrainingData:
         """
         sources: list[Any] = []
         validation: list[Sample] = []
+        validation_sources: list[int] = []
         for i, source in enumerate(cfg.sources):
             key = f"data.sources.{i}"
             if source.format == PREPARED:  # tokenized and packed by tools/prepare_data.py: memory-mapped as it is
                 packed, held_packed = load_prepared(source, key, cfg, tokenizer)
                 sources.append(_MapSource(packed, cfg.seed, i))
                 validation.extend(_sample_of(s) for s in held_packed)
-                continue
-            if not source.streaming:
+            elif not source.streaming:
                 packed, held_packed = pack_in_memory(cfg, source, key, tokenizer, cfg.num_proc)
                 sources.append(_MapSource(packed, cfg.seed, i))
                 validation.extend(_sample_of(s) for s in held_packed)
-                continue
-            stream, held_samples = open_stream(source, key, cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
-            sources.append(stream)
-            validation.extend(held_samples)
-        return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size, eos_id=tokenizer.eos_token_id)
+            else:
+                stream, held_samples = open_stream(source, key, cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
+                sources.append(stream)
+                validation.extend(held_samples)
+            validation_sources.extend([i] * (len(validation) - len(validation_sources)))
+        return cls(cfg, sources, validation, dp_rank=dp_rank, dp_size=dp_size, eos_id=tokenizer.eos_token_id,
+                   validation_sources=validation_sources)
 
     # ------------------------------------------------------------------ training
     def sample_with_targets(self, g: int) -> Sample:
@@ -359,15 +364,62 @@ class PretrainingData:
                 source.load_state_dict(saved["ranks"][self.dp_rank if source.per_rank else 0])
 
     # ------------------------------------------------------------------ validation
-    def validation_micro_batches(self, max_batches: int) -> list[MicroBatch]:
-        """This rank's validation micro-batches; the same count on every rank (collectives stay matched)."""
+    def _aligned_validation(self) -> list[int]:
+        """The validation samples' indices, each source's cut to whole micro-batches: every micro-batch then holds
+        one source's samples, so the sums of its one forward are that source's (a source's last samples short
+        of a micro-batch are left out; none with micro_batch_size 1)."""
+        mbs, kept, start = self.cfg.micro_batch_size, [], 0
+        while start < len(self.validation):
+            end = start
+            while end < len(self.validation) and self.validation_sources[end] == self.validation_sources[start]:
+                end += 1
+            kept.extend(range(start, start + (end - start) // mbs * mbs))
+            start = end
+        return kept
+
+    def validation_plan(self, max_batches: int) -> list[tuple[MicroBatch, int, bool]]:
+        """This rank's validation micro-batches, each with (the data.sources index of its samples or -1, whether
+        it counts for the mixture's figures); the same count on every rank (collectives stay matched).
+
+        The mixture's are today's: its first `max_batches` micro-batches per rank in the held-out order. A source
+        gets those of its samples plus, up to `max_batches` micro-batches' worth per rank of its own held-out
+        samples, micro-batches of its next samples, run only for its own figures; a rank short of one in the
+        last round runs its first again, counted for nothing (every rank takes part in each forward)."""
         mbs, dp = self.cfg.micro_batch_size, self.dp_size
-        count = min(max_batches, len(self.validation) // (mbs * dp))
-        batches = []
-        for m in range(count):
-            first = (m * dp + self.dp_rank) * mbs
-            batches.append(_to_micro_batch(self.validation[first: first + mbs], self.boundary_id))
-        return batches
+        kept = self._aligned_validation()
+        count = min(max_batches, len(kept) // (mbs * dp))
+        if count == 0:
+            return []
+        mixture_rows = kept[: count * mbs * dp]
+        chunks = [(mixture_rows[(m * dp + r) * mbs: (m * dp + r + 1) * mbs], True)
+                  for m in range(count) for r in range(dp)]
+        in_mixture = {self.validation_sources[i]: 0 for i in kept}
+        for i in mixture_rows:
+            in_mixture[self.validation_sources[i]] += 1
+        extra: list[list[int]] = []
+        for source, taken in in_mixture.items():
+            if source < 0:
+                continue
+            rows = [i for i in kept if self.validation_sources[i] == source]
+            wanted = min(len(rows), max_batches * mbs * dp)
+            extra.extend(rows[first: first + mbs] for first in range(taken, wanted - mbs + 1, mbs))
+        rounds = -(-len(extra) // dp)
+        extra += [[]] * (rounds * dp - len(extra))
+        chunks += [(rows, False) for rows in extra]
+        plan = []
+        for index in range(self.dp_rank, len(chunks), dp):
+            rows, counted = chunks[index]
+            if not rows:  # the filler: this rank's first micro-batch again, counted for nothing
+                plan.append((_to_micro_batch([self.validation[i] for i in chunks[self.dp_rank][0]],
+                                             self.boundary_id), -1, False))
+                continue
+            plan.append((_to_micro_batch([self.validation[i] for i in rows], self.boundary_id),
+                         self.validation_sources[rows[0]], counted))
+        return plan
+
+    def validation_micro_batches(self, max_batches: int) -> list[MicroBatch]:
+        """This rank's micro-batches of the mixture's validation; the same count on every rank."""
+        return [batch for batch, _, counted in self.validation_plan(max_batches) if counted]
 
     def check_validation(self, max_batches: int) -> None:
         if not self.validation_micro_batches(max_batches):

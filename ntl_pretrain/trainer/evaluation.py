@@ -12,22 +12,37 @@ from typing import Any
 import torch
 
 from ..loss.objective import SUMS_WIDTH
-from ..parallel import distributed
 from .training_objective import StepFigures
 
 
 @torch.no_grad()
 def validate(trainer: Any) -> dict[str, float]:
-    """CE, NTL and total loss on the held-out samples (global means; every rank runs the same batches count)."""
+    """CE, NTL and total loss on the held-out samples, of the mixture (`val/*`) and of each source
+    (`val/<label>/*`): global means; every rank runs the same micro-batches count. A micro-batch holds one
+    source's samples, so its sums add to that source's row of the totals (and the mixture's when it is one of
+    the mixture's); the totals stay on the device, are summed over the loss group there and read once."""
+    names = trainer.cfg.data.source_names()
     trainer.engine.eval()
-    totals = torch.zeros(SUMS_WIDTH, dtype=torch.float64, device=trainer.device)
-    for batch in trainer.data.validation_micro_batches(trainer.cfg.train.val_batches):
+    totals = torch.zeros(1 + len(names), SUMS_WIDTH, dtype=torch.float64, device=trainer.device)
+    for batch, source, in_mixture in trainer.data.validation_plan(trainer.cfg.train.val_batches):
         with torch.no_grad():  # forward only (the chunked head would otherwise prepare gradients)
-            totals += trainer._forward_sums(batch, trainer.objective.ntl_on).stack().double()
+            sums = trainer._forward_sums(batch, trainer.objective.ntl_on).stack().double()
+        if in_mixture:
+            totals[0] += sums
+        if source >= 0:
+            totals[1 + source] += sums
     trainer.engine.train()
-    figures = StepFigures(*distributed.all_reduce_sum(totals.tolist(), trainer.groups.loss_group, trainer.device))
-    loss, ce, ntl = trainer.objective.losses(figures, max(trainer.step, 1))
-    return {"val/loss": loss, "val/ce": ce, "val/ntl": ntl}
+    if trainer.layout.loss_size > 1:  # over the ranks the training figures are summed over
+        torch.distributed.all_reduce(totals, group=trainer.groups.loss_group)
+    reduced = totals.flatten().tolist()  # the one read of the validation
+    figures = {}
+    for row, prefix in enumerate(["val"] + [f"val/{name}" for name in names]):
+        sums = StepFigures(*reduced[row * SUMS_WIDTH: (row + 1) * SUMS_WIDTH])
+        if row and not sums.tokens:
+            continue  # a source without a whole micro-batch of held-out samples: no figures
+        loss, ce, ntl = trainer.objective.losses(sums, max(trainer.step, 1))
+        figures.update({f"{prefix}/loss": loss, f"{prefix}/ce": ce, f"{prefix}/ntl": ntl})
+    return figures
 
 
 def log_validation(trainer: Any) -> None:

@@ -53,9 +53,11 @@ def count_case(out_file: Path, steps: int, config: str, overrides: list[str]) ->
                 figures.append(trainer.train_step())
                 trainer.monitor.log_step(trainer.step, figures[-1])
                 assert trainer.preemption.requested() is None
+        with counter.in_phase("validation"):  # the held-out micro-batches, the mixture's and each source's
+            validation = trainer.validate()
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps({
-            "steps": kinds, **counter.summary(), "figures": figures, "summary": trainer.summary(),
+            "steps": kinds, **counter.summary(), "figures": figures, "validation": validation, "summary": trainer.summary(),
             "model_config": trainer.engine.module.config.to_dict(), "world_size": dist.get_world_size()}, indent=1))
     trainer.monitor.close()
     dist.barrier()
