@@ -44,8 +44,9 @@ class _FlashAttention(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx, grad):  # never run: the plan traces the forward only
-        raise NotImplementedError
+    def backward(ctx, grad):  # the gradients' shapes, as the kernel's backward gives them (the plan traces forward)
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _flash_sdpa(query, key, value, *args, **kwargs):
