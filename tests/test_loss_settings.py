@@ -83,7 +83,7 @@ def test_the_drop_ins_refuse_a_string_flag_and_a_fractional_length(word_tokenize
 
 def test_the_trainers_objective_goes_through_the_same_check():
     # a LossConfig built in code skips the YAML loader's checks; the objective's settings still refuse it
-    with pytest.raises(ConfigError, match=r"loss settings \(loss.variant='was'.*smoothing_sigma must be >= 0 and finite"):
+    with pytest.raises(ConfigError, match=r"^loss.smoothing_sigma must be >= 0 and finite \(0 turns label smoothing off\)"):
         Objective.from_config(LossConfig(smoothing_sigma=math.nan))
     with pytest.raises(ConfigError, match="reweigh must be True or False, got str 'False'"):
         Objective.from_config(LossConfig(reweigh="False"))
