@@ -83,7 +83,7 @@ def test_the_drop_ins_refuse_a_string_flag_and_a_fractional_length(word_tokenize
 
 def test_the_trainers_objective_goes_through_the_same_check():
     # a LossConfig built in code skips the YAML loader's checks; the objective's settings still refuse it
-    with pytest.raises(ConfigError, match=r"loss settings \(loss.variant='was'.*smoothing_sigma must be >= 0 and finite"):
+    with pytest.raises(ConfigError, match=r"^loss.smoothing_sigma must be >= 0 and finite \(0 turns label smoothing off\)"):
         Objective.from_config(LossConfig(smoothing_sigma=math.nan))
     with pytest.raises(ConfigError, match="reweigh must be True or False, got str 'False'"):
         Objective.from_config(LossConfig(reweigh="False"))
@@ -136,3 +136,52 @@ def test_shard_none_is_the_full_vocabulary_in_every_loss_function():
     torch.testing.assert_close(number_token_loss(logits, labels, VOCAB, shard=None), number_token_loss(logits, labels, VOCAB))
     with pytest.raises(TypeError, match=r"^shard must be a VocabShard \(vocab_shard_of\(engine\)\) or None .*got int$"):
         ce_ntl_loss(logits, labels, VOCAB, shard=2)
+
+
+def test_the_options_are_defined_once_by_their_variants():
+    """Issue 48 item 1: each variant's `Options` is the one definition of its options; NTLSettings' fields,
+    number_token_loss's keywords and the config's loss keys are built from them, and loss.max_number_digits reaches
+    the settings from a config."""
+    import dataclasses
+    import inspect
+
+    from ntl_pretrain.config import load_config, ntl_settings
+    from ntl_pretrain.loss.variants import REGISTRY, VariantOptions
+
+    own = {field.name: field.default for variant in REGISTRY.values() for field in dataclasses.fields(variant.Options)}
+    assert {field.name: field.default for field in dataclasses.fields(VariantOptions)} == own
+    settings = {field.name: field.default for field in dataclasses.fields(NTLSettings)}
+    assert settings == {"variant": "was", "reweigh": False, **own, "ignore_index": -100}
+    keywords = inspect.signature(number_token_loss).parameters
+    assert {name: keywords[name].default for name in settings} == settings
+    loss_keys = {field.name: field.default for field in dataclasses.fields(LossConfig)}
+    assert all(loss_keys[name] == default for name, default in own.items())
+    config = load_config(None, ["model.architecture={model_type: llama}", "tokenizer.name_or_path=t", "data.sources="
+                                "[{path: c.jsonl}]", "loss.variant=digit_entropy", "loss.max_number_digits=3"])
+    assert ntl_settings(config.loss).max_number_digits == 3
+    logits, labels = _batch()
+    with pytest.raises(TypeError, match=r"^number_token_loss\(\) got an unexpected keyword argument 'squash'; its "
+                                        r"NTL settings keywords are variant, reweigh, squash_factor"):
+        number_token_loss(logits, labels, VOCAB, squash=2.0)
+
+
+def test_an_option_defined_twice_otherwise_is_refused():
+    from dataclasses import dataclass
+
+    from ntl_pretrain.core.options import merged_fields, option
+
+    @dataclass(frozen=True)
+    class First:
+        depth: int = option("how deep", default=2)
+
+    @dataclass(frozen=True)
+    class Second:
+        depth: int = option("how deep", default=3)
+
+    @dataclass(frozen=True)
+    class Shared(First):
+        width: int = option("how wide", default=1)
+
+    assert [name for name, _, _ in merged_fields((First, Shared))] == ["depth", "width"]  # a shared class: one field
+    with pytest.raises(ValueError, match="option 'depth' of .*Second is also .*First's, defined otherwise"):
+        merged_fields((First, Second))

@@ -3,20 +3,21 @@ the allowed values of every choice key (`Literal`s) in one place."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..core.errors import ConfigError  # noqa: F401 (the config package's API)
 from ..core.lr_schedules import LR_SCHEDULES
+from ..core.options import merged_dataclass
+from ..core.options import option as _doc  # a field with its one-line doc (for `--help`)
 from ..eval.config import EvalConfig
-from ..loss.variants import VARIANTS
+from ..loss.variants import VARIANTS, VariantOptions
 
 # The allowed values of every choice key, in one place: loading refuses any other value, naming these.
 DType = Literal["bf16", "fp16", "fp32"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
 NTLScheduleName = Literal["constant", "linear_warmup"]
 NTLVariantName = Literal[VARIANTS]  # the registered NTL variants (ntl_pretrain/loss/variants/)
-DelRuns = Literal["batch", "rows"]  # ntl_pretrain.loss.variants.del_loss.DEL_RUNS
 ChunkBackward = Literal["auto", "rows", "vocab_blocks"]  # ntl_pretrain.loss.chunked.CHUNK_BACKWARDS
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -26,11 +27,6 @@ ProgressBar = Literal["auto", "always", "never"]
 WandbMode = Literal["online", "offline", "disabled"]
 ResumeLRSchedule = Literal["error", "keep", "replan"]
 SourceFormat = Literal["text", "prepared", "tokenized"]  # ntl_pretrain.data: how a source's rows are read
-
-
-def _doc(text: str, **kwargs: Any) -> Any:
-    """A dataclass field whose one-line doc is kept in its metadata (for `--help`)."""
-    return field(metadata={"doc": text}, **kwargs)
 
 
 @dataclass
@@ -214,8 +210,8 @@ class DataConfig:
 
 
 @dataclass
-class LossConfig:
-    """Cross-entropy plus the Number Token Loss."""
+class NTLChoice:
+    """The first keys of the loss section: CE plus how much NTL, and which variant (its options follow)."""
 
     enabled: bool = _doc("add NTL to CE (false: CE only)", default=True)
     ntl_weight: float = _doc("lambda: loss = CE + lambda * NTL", default=0.3)
@@ -225,13 +221,12 @@ class LossConfig:
     variant: NTLVariantName = _doc("the NTL variant (docs/loss.md); number_level, del and digit_entropy need "
                                    "tokenizer.digit_level=true", default="was")
     reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
-    squash_factor: float | None = _doc("was: farthest wrong digit costs this many times the nearest", default=None)
-    smoothing_sigma: float = _doc("was: Gaussian label smoothing of the target over number values", default=0.0)
-    float_level: bool = _doc("number_level: a '.' between digits joins them into one number", default=False)
-    del_scale: float = _doc("del: c, the DEL term's factor (the authors': 0.01 Qwen/DeepSeek, 0.1 CodeLlama/Mistral, "
-                            "with ntl_weight=1)", default=0.01)
-    del_runs: DelRuns = _doc("del: batch (runs of digits and '.' over the flattened micro-batch, the authors') | "
-                             "rows (within a row, broken by ignored labels: packed rows)", default="batch")
+
+
+@dataclass
+class LossHeadKeys:
+    """The last keys of the loss section: how the LM head and the loss are computed."""
+
     chunk_tokens: int = _doc("compute LM head + loss over chunks of this many tokens, never the full logits "
                              "(docs/chunked.md; 0 = off)", default=0)
     chunk_backward: ChunkBackward = _doc(
@@ -241,11 +236,21 @@ class LossConfig:
     check_every_step: bool = _doc("debug: re-check labels and the vocabulary-shard layout on every micro-batch "
                                   "(host syncs; normally checked once at start-up)", default=False)
 
+
+class LossSection:
+    """The methods of `LossConfig`."""
+
     @property
     def ntl_on(self) -> bool:
         """The one switch of NTL (training, validation, the number-vocabulary checks): on unless
         loss.enabled=false or loss.ntl_weight=0."""
-        return self.enabled and self.ntl_weight > 0
+        return self.enabled and self.ntl_weight > 0  # type: ignore[attr-defined]
+
+
+# Cross-entropy plus the Number Token Loss: `NTLChoice`, every NTL variant's options (defined in its module,
+# ntl_pretrain/loss/variants/), then `LossHeadKeys`.
+LossConfig = merged_dataclass("LossConfig", (NTLChoice, VariantOptions, LossHeadKeys), bases=(LossSection,),
+                              module=__name__, doc="Cross-entropy plus the Number Token Loss.")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from ..checkpoint.export import max_shard_bytes
 from ..checkpoint.format import CheckpointError, step_of_tag
 from ..eval.arithmetic import check_corpus_options
 from ..eval.config import check_corpus_digits
-from ..loss.settings import NTLSettings, check_ntl_weight
+from ..loss.settings import SETTINGS_KEYWORDS, NTLSettings, check_ntl_weight
 from ..loss.variants import any_vocabulary_variants, variant_of
 from .parsing import get_key
 from ..core.lr_schedules import LR_SCHEDULES, schedule_lengths, wsd_decay_num_steps
@@ -241,7 +241,6 @@ _FLOAT_RANGES = [
     ("optim.warmup_start_lr_ratio", 0.0, 1.0, True, True, "the lr the warm-up starts at, as a fraction of optim.lr"),
     ("optim.grad_clip", 0.0, None, True, None, "0 turns clipping off"),
     ("loss.ntl_weight", 0.0, None, True, None, "0 (or loss.enabled=false) turns NTL off"),
-    ("loss.smoothing_sigma", 0.0, None, True, None, "0 turns label smoothing off"),
     ("checkpoint.preempt_grace_s", 0.0, None, False, None, "seconds from the signal to the exit"),
 ]
 
@@ -282,24 +281,19 @@ def _check_ranges(config: Config) -> None:
     for i, beta in enumerate(config.optim.betas):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"optim.betas.{i}={beta:g} must be in [0, 1) (AdamW's moment decay, e.g. [0.9, 0.95])")
-    if config.loss.squash_factor is not None and not math.isfinite(config.loss.squash_factor):
-        raise ConfigError(f"loss.squash_factor must be a finite number > 1 or null, got {config.loss.squash_factor}")
 
 
 def ntl_settings(loss: LossConfig) -> NTLSettings:
-    """The loss's `NTLSettings` from the loss section, loss.ntl_weight checked with them: the one place the run
-    builds them (the start-up check here and `Objective.from_config`); their own checks as a ConfigError naming the
-    keys."""
+    """The loss's `NTLSettings` from the loss section (every settings field that is a loss key: the variant, reweigh
+    and every variant's options), loss.ntl_weight checked with them: the one place the run builds them (the start-up
+    check here and `Objective.from_config`); their own checks as a ConfigError naming the key."""
     try:
         check_ntl_weight(loss.ntl_weight)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"loss.{error}") from None
     try:
-        return NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
-                           smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level,
-                           del_scale=loss.del_scale, del_runs=loss.del_runs)
+        return NTLSettings(**{name: getattr(loss, name) for name in SETTINGS_KEYWORDS if hasattr(loss, name)})
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"loss settings (loss.variant={loss.variant!r}, loss.squash_factor={loss.squash_factor}, "
-                          f"loss.smoothing_sigma={loss.smoothing_sigma}, loss.float_level={loss.float_level}, "
-                          f"loss.del_scale={loss.del_scale}, loss.del_runs={loss.del_runs!r}) do not "
-                          f"fit together: {error}") from None
+        # the settings' messages start with the setting they refuse, which is a loss key of the same name
+        named = str(error).split(" ", 1)[0] in SETTINGS_KEYWORDS
+        raise ConfigError(f"loss.{error}" if named else f"loss.variant={loss.variant!r}: {error}") from None

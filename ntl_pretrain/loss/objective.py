@@ -15,12 +15,14 @@ a training step should call, once the layout has been checked at start-up
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
 from ..core.numbers import NumberVocab
 from .ntl import NTLSettings, NumberSpans, check_ntl_weight, ntl_terms
 from .parallel import ShardStats, shard_reductions
+from .settings import settings_from_keywords, takes_settings_keywords
 from .shard import VocabShard, as_vocab_shard
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -203,12 +205,10 @@ def ce_ntl_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: Number
     return safe_mean(sums.ce_sum, sums.token_count) + ntl_weight * safe_mean(sums.ntl_sum, sums.ntl_count)
 
 
+@takes_settings_keywords
 def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, *,
-                      variant: str = "was", reweigh: bool = False, squash_factor: float | None = None,
-                      loss_weights: torch.Tensor | None = None, reduction: str = "mean", ignore_index: int = -100,
-                      smoothing_sigma: float = 0.0, float_level: bool = False, max_number_digits: int = 20,
-                      del_scale: float = 0.01, del_runs: str = "batch", shard: VocabShard = VocabShard(),
-                      check_inputs: bool = True) -> torch.Tensor:
+                      loss_weights: torch.Tensor | None = None, reduction: str = "mean",
+                      shard: VocabShard = VocabShard(), check_inputs: bool = True, **options: Any) -> torch.Tensor:
     """The Number Token Loss alone.
 
     Args:
@@ -216,30 +216,19 @@ def number_token_loss(logits: torch.Tensor, labels: torch.Tensor, number_vocab: 
             computed in max(float32, their dtype).
         labels: `[...]` target ids aligned with the logits; `ignore_index` positions are skipped.
         number_vocab: `NumberVocab.from_tokenizer(tokenizer)`.
-        variant: a registered variant (`VARIANTS`): "was", "mse", "mae", "huber", "number_level", "del",
-            "digit_entropy".
-        reweigh: scale each term by the probability mass on number tokens over the full vocabulary.
-        squash_factor: "was" only; how many times the farthest wrong number costs the nearest one.
         loss_weights: `[...]` non-negative per-token weights.
         reduction: "mean" (weighted mean over the NTL terms), "sum", or "none" (labels' shape, zero
             where there is no term; a number's term sits on its first digit for "number_level").
-        smoothing_sigma: "was" only; Gaussian label smoothing over number values (Wasserstein-1 form).
-        float_level: "number_level" only; "1.5" is one number (15) instead of two.
-        max_number_digits: "number_level" and "digit_entropy" only; longest number with distinct place values.
-        del_scale: "del" only; c, the factor of its mean over the N x 10 (digit, class) entries (the authors' 0.01).
-        del_runs: "del" only; "batch" (runs over the flattened labels, the authors') or "rows".
         shard: where this rank's logits sit in the vocabulary (default: all of it, one device).
         check_inputs: check the shard layout (on every path, reweigh or not), labels and loss weights,
             reading values on the host; False for a hot loop whose layout was checked once
             (`VocabShard.check_tiling`).
+        **options: the `NTLSettings` fields, each a keyword (default and meaning):
 
     Returns a scalar, or a tensor of the labels' shape for reduction "none", in max(float32, the logits' dtype).
     """
-    settings = NTLSettings(variant=variant, reweigh=reweigh, squash_factor=squash_factor,
-                           smoothing_sigma=smoothing_sigma, float_level=float_level, ignore_index=ignore_index,
-                           max_number_digits=max_number_digits, del_scale=del_scale, del_runs=del_runs)
-    return ntl_with_settings(logits, labels, number_vocab, settings, shard=shard, loss_weights=loss_weights,
-                             reduction=reduction, check_inputs=check_inputs)
+    return ntl_with_settings(logits, labels, number_vocab, settings_from_keywords("number_token_loss", options),
+                             shard=shard, loss_weights=loss_weights, reduction=reduction, check_inputs=check_inputs)
 
 
 def ntl_with_settings(logits: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab, settings: NTLSettings,

@@ -8,9 +8,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+MAX_NUMBER_DIGITS = 20  # the default of max_number_digits: digits beyond this many share the highest place
+
 
 def number_spans(number_slot: torch.Tensor, labels: torch.Tensor, decimal_point_id: int | None,
-                 float_level: bool, max_digits: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 float_level: bool, max_digits: int = MAX_NUMBER_DIGITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group digit positions of `[B, S]` labels into contiguous numbers.
 
     Returns (is_start `[B*S]` bool: the first digit of each number, segment `[B*S]` long: the number

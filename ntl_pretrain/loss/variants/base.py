@@ -1,24 +1,27 @@
 """What an NTL variant is (`NTLVariant`) and the one table of them (`REGISTRY`).
 
-A variant owns everything that differs between NTL variants: the `NTLSettings` options it reads (any other
-variant's option must keep its default), its own checks of them and of the number vocabulary, its per-term loss
-(`terms`), where its terms sit (`term_positions`), its largest per-term loss (the base of the reweigh penalty) and
-its part of the settings' one-line description. The loss functions, the chunked head, the vocabulary-parallel
-path, the ntloss drop-ins and the config read this table; adding a variant is one module in this package that
-calls `register` (the package imports every module in it) and its test.
+A variant owns everything that differs between NTL variants: its options (`Options`, a small frozen dataclass: each
+field with its default, a one-line doc and its check; `NTLSettings`, `number_token_loss`'s keywords and the config's
+`loss.*` keys are built from them, and any other variant's option must keep its default), its checks that involve
+the shared settings (`check`) and the number vocabulary, its per-term loss (`terms`), where its terms sit
+(`term_positions`), its largest per-term loss (the base of the reweigh penalty) and its part of the settings'
+one-line description. The loss functions, the chunked head, the vocabulary-parallel path, the ntloss drop-ins and
+the config read this table; adding a variant is one module in this package that calls `register` (the package
+imports every module in it) and its test.
 """
 
 from __future__ import annotations
 
 import abc
-
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from ...core.numbers import NumberVocab
-from ..spans import NumberSpans, number_spans, rows_of
+from ...core.options import check_whole_number, option
+from ..spans import MAX_NUMBER_DIGITS, NumberSpans, number_spans, rows_of
 
 NTLSettings = Any  # loss.settings.NTLSettings, which reads this registry: named here, not imported (no circle)
 
@@ -47,6 +50,21 @@ class TermInputs:
         return self.settings.ntl_variant.spans(self.slot, self.labels, self.number_vocab, self.settings)
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a variant that has none of its own."""
+
+
+@dataclass(frozen=True)
+class SpanOptions:
+    """The options shared by the variants that read the numbers' place values from `label_spans`."""
+
+    max_number_digits: int = option("digits beyond this many share the highest place", default=MAX_NUMBER_DIGITS)
+
+    def __post_init__(self) -> None:
+        check_whole_number(self.max_number_digits, "max_number_digits", low=1)
+
+
 def label_spans(slot: torch.Tensor, labels: torch.Tensor, number_vocab: NumberVocab,
                 settings: NTLSettings) -> NumberSpans:
     """The spans of the numbers in `labels` (rows never continue into each other), with the settings' options."""
@@ -58,7 +76,9 @@ class NTLVariant(abc.ABC):
     """One NTL variant; subclass it, set the class attributes, override what differs, and `register` an instance."""
 
     name: str = ""
-    options: tuple[str, ...] = ()  # the NTLSettings fields it reads besides reweigh and ignore_index
+    # its options (the NTLSettings fields it reads besides variant, reweigh and ignore_index): a frozen dataclass,
+    # each field with a default and a one-line doc (`core.options.option`), checked in its `__post_init__`
+    Options: type = NoOptions
     # how to say that one of its options was set for another variant (default: "applies to variant X only")
     misuse: dict[str, str] = {}
     # why it needs a vocabulary of single-digit number tokens ("composes numbers from single-digit tokens");
@@ -68,9 +88,15 @@ class NTLVariant(abc.ABC):
     reads_number_mass: bool = False  # reads the full-vocabulary number-token mass itself (needs the log-sum-exp)
     torch_losses: tuple[Callable, ...] = ()  # the torch.nn.functional losses ntloss's NTLossDotProduct takes for it
 
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """The names of its options, in order."""
+        return tuple(field.name for field in dataclasses.fields(self.Options))
+
     def check(self, settings: NTLSettings) -> None:
-        """Checks of its options that depend on each other (each option's type and range: `NTLSettings`)."""
-        return None  # default: its options do not depend on each other
+        """Checks of its options against the settings every variant has (reweigh); its options on their own and
+        together: `Options.__post_init__`."""
+        return None  # default: nothing to check
 
     def check_vocab(self, number_vocab: NumberVocab, settings: NTLSettings) -> None:
         """What it needs of the number vocabulary (host-side, on the vocabulary's Python tuples)."""
@@ -79,7 +105,7 @@ class NTLVariant(abc.ABC):
 
     def describe(self, settings: NTLSettings) -> list[str]:
         """Its options as `key=value` parts of the settings' one-line description."""
-        return [f"{option}={getattr(settings, option)}" for option in self.options]
+        return [f"{name}={getattr(settings, name)}" for name in self.option_names]
 
     def max_loss(self, number_vocab: NumberVocab, settings: NTLSettings, device: torch.device,
                  dtype: torch.dtype) -> torch.Tensor:

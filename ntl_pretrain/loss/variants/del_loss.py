@@ -18,10 +18,14 @@ nothing but the replicated digit logits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
 from ...core.numbers import NumberVocab
+from ...core.options import check_choice, check_number, option
 from ..spans import NumberSpans
 from .base import NTLVariant, TermInputs, register
 
@@ -85,9 +89,25 @@ def place_weight(place: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(place >= 0, INTEGER_PLACE_FACTOR * (place + 1), torch.pow(DECIMAL_BASE, place - 1))
 
 
+@dataclass(frozen=True)
+class Options:
+    """The options of "del"."""
+
+    del_scale: float = option("c, the DEL term's factor (the authors': 0.01 Qwen/DeepSeek, 0.1 CodeLlama/Mistral, "
+                              "with ntl_weight=1)", default=0.01)
+    del_runs: Literal[DEL_RUNS] = option("batch (runs of digits and '.' over the flattened micro-batch, the "
+                                         "authors') | rows (within a row, broken by ignored labels: packed rows)",
+                                         default="batch")
+
+    def __post_init__(self) -> None:
+        check_number(self.del_scale, "del_scale", "0 would turn the term off; set ntl_weight=0 for that", low=0.0,
+                     low_allowed=False)
+        check_choice(self.del_runs, "del_runs", DEL_RUNS, "how runs of number labels are read")
+
+
 class DigitEntropyLoss(NTLVariant):
     name = "del"
-    options = ("del_scale", "del_runs")
+    Options = Options
     single_digits_because = "scores each digit position over the ten single-digit tokens"
     needs_spans = True  # the place weights come from the whole batch's runs
 

@@ -19,14 +19,14 @@ import math
 
 import torch
 
-from .base import NTLVariant, TermInputs, register
+from .base import NTLVariant, SpanOptions, TermInputs, register
 
 LOG_FLOOR = -100.0  # log q and log(1 - q) are clamped here, as torch's binary_cross_entropy does
 
 
 class DigitEntropy(NTLVariant):
     name = "digit_entropy"
-    options = ("max_number_digits",)
+    Options = SpanOptions
     single_digits_because = "scores each digit position over the ten single-digit tokens"
     needs_spans = True  # the place values
     reads_number_mass = True
@@ -36,9 +36,6 @@ class DigitEntropy(NTLVariant):
             raise ValueError("reweigh does not apply to variant 'digit_entropy': its terms are weighted by the "
                              "number-token mass already, and binary cross-entropy has no largest value for the "
                              "reweigh penalty; set reweigh=False")
-
-    def describe(self, settings) -> list[str]:
-        return [f"max_number_digits={settings.max_number_digits}"]
 
     def terms(self, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if inputs.number_mass is None:

@@ -3,14 +3,28 @@ the number's first digit (ntloss's NumberLevelLoss; digit-level vocabularies onl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .base import NTLVariant, TermInputs, label_spans, register
+from ...core.options import check_flag, option
+from .base import NTLVariant, SpanOptions, TermInputs, label_spans, register
+
+
+@dataclass(frozen=True)
+class Options(SpanOptions):
+    """The options of "number_level"."""
+
+    float_level: bool = option("a '.' between digits joins them into one number", default=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flag(self.float_level, "float_level")
 
 
 class NumberLevel(NTLVariant):
     name = "number_level"
-    options = ("float_level", "max_number_digits")
+    Options = Options
     single_digits_because = "composes numbers from single-digit tokens"
     needs_spans = True
 

@@ -3,10 +3,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...core.numbers import NumberVocab
+from ...core.options import check_number, option
 from .base import NTLVariant, TermInputs, register
+
+# why smoothing_sigma and squash_factor exclude each other (also what setting smoothing_sigma for another variant says)
+SMOOTHING_NEEDS = ("needs variant 'was' without squash_factor (the Wasserstein-1 form on sorted values has no "
+                   "squashed distance)")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options of "was"."""
+
+    squash_factor: float | None = option("farthest wrong digit costs this many times the nearest", default=None)
+    smoothing_sigma: float = option("Gaussian label smoothing of the target over number values", default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.squash_factor is not None:
+            check_number(self.squash_factor, "squash_factor", "1 would turn NTL into CE", low=1.0, low_allowed=False)
+        check_number(self.smoothing_sigma, "smoothing_sigma", "0 turns label smoothing off")
+        if self.smoothing_sigma > 0 and self.squash_factor is not None:
+            raise ValueError(f"smoothing_sigma {SMOOTHING_NEEDS}; set squash_factor=None or smoothing_sigma=0")
 
 
 def distance_table(number_vocab: NumberVocab, squash_factor: float | None, device: torch.device,
@@ -41,13 +63,8 @@ def wasserstein_smoothed(probs: torch.Tensor, target_values: torch.Tensor, value
 
 class Wasserstein(NTLVariant):
     name = "was"
-    options = ("squash_factor", "smoothing_sigma")
-    misuse = {"smoothing_sigma": "needs variant 'was' without squash_factor (the Wasserstein-1 form on sorted values "
-                                 "has no squashed distance)"}
-
-    def check(self, settings) -> None:
-        if settings.smoothing_sigma > 0 and settings.squash_factor is not None:
-            raise ValueError(f"smoothing_sigma {self.misuse['smoothing_sigma']}")
+    Options = Options
+    misuse = {"smoothing_sigma": SMOOTHING_NEEDS}
 
     def describe(self, settings) -> list[str]:
         return [f"squash_factor={settings.squash_factor}", f"smoothing_sigma={settings.smoothing_sigma:g}"]
