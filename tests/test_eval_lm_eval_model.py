@@ -22,7 +22,7 @@ TASKS = ["ntl_demo_choice", "ntl_demo_text", "ntl_demo_arithmetic"]
 # 3 documents: 9 multiple-choice requests split 5/4 over dp=2 (3 and 2 batches of 2: the second rank runs idle
 # forwards); a 64-token window splits each ~100-character text into two rolling windows and truncates nothing else
 LIMIT, BATCH_SIZE, MAX_LENGTH = 3, 2, 64
-WORKER_TIMEOUT_S = 420
+WORKER_TIMEOUT_S = 600
 
 
 def eval_settings():
@@ -120,6 +120,22 @@ def test_one_process_equals_hflm_on_the_export(exported, tmp_path: Path):
     lines = [json.loads(line) for line in open(predictions_path(str(tmp_path), 5), encoding="utf-8")]
     assert sorted({line["task"] for line in lines}) == sorted(TASKS) and len(lines) == 3 * LIMIT
     assert all(line["benchmark"] == "lm_eval" for line in lines)
+
+
+def test_tools_evaluate_runs_the_tasks_on_an_export(exported, tmp_path: Path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ntl_evaluate_tool", REPO / "tools" / "evaluate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--model", str(exported["folder"]), "--output-dir", str(tmp_path), "arithmetic_n=0",
+                      f"lm_eval_tasks=[{', '.join(TASKS)}]", f"lm_eval_include_path={TASKS_DIR}",
+                      f"lm_eval_limit={LIMIT}", "lm_eval_max_gen_toks=16", f"batch_size={BATCH_SIZE}",
+                      f"max_length={MAX_LENGTH}"]) == 0
+    assert "eval/lm_eval/ntl_demo_choice/acc" in capsys.readouterr().out
+    result = json.loads((tmp_path / "eval_results_step_0000000.json").read_text())
+    assert_same_metrics({k: v for k, v in result["metrics"].items() if k.startswith("eval/lm_eval/")},
+                        exported["metrics"])
 
 
 def test_a_sampling_request_and_an_unknown_task_are_refused_in_one_line(exported):

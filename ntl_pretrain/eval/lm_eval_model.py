@@ -115,6 +115,10 @@ class ShardedLM(TemplateLM):
 
     # scoring ------------------------------------------------------------------------------------------------------
 
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM's encoding of (context, continuation) pairs, without its progress bar on every rank."""
+        return super().loglikelihood(requests, disable_tqdm=True)
+
     def _loglikelihood_tokens(self, requests: list[TokenRequest], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
         """(log-probability of the continuation, whether greedy decoding gives it) per request, in order, the same

@@ -10,6 +10,7 @@ default seed 1234, and no bootstrap standard error is computed (it starts a proc
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,8 +157,16 @@ class LmEvalBenchmark(Benchmark):
         if context.show_progress and is_writer_rank():
             print(f"eval {self.name}: tasks {', '.join(settings.lm_eval_tasks)}, limit {settings.lm_eval_limit}, "
                   f"batch size {context.batch_size}", flush=True)
-        results = evaluate(lm=lm, task_dict=load_tasks(settings), limit=settings.lm_eval_limit, bootstrap_iters=0,
-                           log_samples=True)
+        # lm-eval's per-task INFO lines would fill the training log at every evaluation; its warnings still show
+        harness_logger = logging.getLogger("lm_eval")
+        level = harness_logger.level
+        if not context.show_progress:
+            harness_logger.setLevel(max(level, logging.WARNING))
+        try:
+            results = evaluate(lm=lm, task_dict=load_tasks(settings), limit=settings.lm_eval_limit,
+                               bootstrap_iters=0, log_samples=True)
+        finally:
+            harness_logger.setLevel(level)
         metrics = metric_tags(results["results"], f"eval/{self.name}")
         records = []
         for task, samples in results.get("samples", {}).items():
