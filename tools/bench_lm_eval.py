@@ -9,8 +9,9 @@ For each size a Llama with random weights and the GPT-2 tokenizer of ../shared/d
 an HF folder (what tools/export_hf.py writes); then, each in fresh processes, the wall time of the evaluation alone
 (model loading and lm-eval's task loading excluded, the fastest of --repeat):
 
-- `hflm`: lm-eval's HFLM on the folder, one process with PROCS threads (what a user runs on an export);
-- `sharded_1`: ShardedLM on the plain module, one process with PROCS threads (the class's own overhead);
+- `hflm`: lm-eval's HFLM on the folder, one process with THREADS threads (default PROCS; what a user runs on an
+  export);
+- `sharded_1`: ShardedLM on the plain module, one process with THREADS threads (the class's own overhead);
 - `in_loop`: the `lm_eval` benchmark through the evaluation hook (`run_evaluation`, as the training loop calls it)
   on PROCS ranks, DeepSpeed ZeRO-3 with AutoTP T=PROCS and the vocabulary-parallel head, one thread each.
 
@@ -83,8 +84,9 @@ def worker(kind: str, folder: str, repeat: int) -> None:
         for _ in range(repeat):
             tasks = load_tasks(settings.settings_of(LM_EVAL))
             started = time.perf_counter()
-            evaluate(lm=lm, task_dict=tasks, bootstrap_iters=0, log_samples=False)
+            results = evaluate(lm=lm, task_dict=tasks, bootstrap_iters=0, log_samples=False)
             times.append(time.perf_counter() - started)
+        check = results["results"]["ntl_demo_text"]["word_perplexity,none"]
     elif kind == "sharded_1":
         from transformers import AutoModelForCausalLM
 
@@ -96,8 +98,9 @@ def worker(kind: str, folder: str, repeat: int) -> None:
         for _ in range(repeat):
             tasks = load_tasks(settings.settings_of(LM_EVAL))
             started = time.perf_counter()
-            evaluate(lm=lm, task_dict=tasks, bootstrap_iters=0, log_samples=False)
+            results = evaluate(lm=lm, task_dict=tasks, bootstrap_iters=0, log_samples=False)
             times.append(time.perf_counter() - started)
+        check = results["results"]["ntl_demo_text"]["word_perplexity,none"]
     else:
         import deepspeed
         import torch.distributed as dist
@@ -119,11 +122,13 @@ def worker(kind: str, folder: str, repeat: int) -> None:
             for _ in range(repeat):
                 dist.barrier()
                 started = time.perf_counter()
-                run_evaluation(engine, tokenizer, settings, step=0, output_dir=out)
+                metrics = run_evaluation(engine, tokenizer, settings, step=0, output_dir=out)
                 times.append(time.perf_counter() - started)
+        check = metrics["eval/lm_eval/ntl_demo_text/word_perplexity"]
         if dist.get_rank() != 0:
             return
-    print(json.dumps({"kind": kind, "seconds": min(times)}), flush=True)
+    # a figure of the results: the kinds did the same work (equal to float32 rounding)
+    print(json.dumps({"kind": kind, "seconds": min(times), "word_perplexity": check}), flush=True)
 
 
 def _free_port() -> int:
@@ -132,13 +137,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(kind: str, folder: str, procs: int, repeat: int) -> float:
+def measure(kind: str, folder: str, procs: int, repeat: int, threads: int) -> float:
     """Run `worker(kind)` in fresh processes; the fastest evaluation's seconds."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", kind, folder, "--repeat", str(repeat)]
     base = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                 DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
     if kind != "in_loop":
-        out = subprocess.run(command, env=dict(base, OMP_NUM_THREADS=str(procs)), capture_output=True, text=True,
+        out = subprocess.run(command, env=dict(base, OMP_NUM_THREADS=str(threads)), capture_output=True, text=True,
                              check=False)
         outputs, codes = [out.stdout + out.stderr], [out.returncode]
     else:
@@ -153,7 +158,10 @@ def measure(kind: str, folder: str, procs: int, repeat: int) -> float:
         raise SystemExit(f"{kind} failed ({codes}):\n" + "\n----\n".join(o[-3000:] for o in outputs))
     for line in outputs[0].splitlines():
         if line.startswith('{"kind"'):
-            return json.loads(line)["seconds"]
+            result = json.loads(line)
+            print(f"  {kind}: {result['seconds']:.2f} s (ntl_demo_text word_perplexity {result['word_perplexity']:.6g})",
+                  flush=True)
+            return result["seconds"]
     raise SystemExit(f"{kind} printed no result:\n{outputs[0][-3000:]}")
 
 
@@ -162,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="small,medium", help=f"comma-separated of {', '.join(SIZES)}")
     parser.add_argument("--procs", type=int, default=2, help="ranks of the in-loop run (AutoTP T=procs), threads else")
     parser.add_argument("--repeat", type=int, default=2, help="evaluations per measurement; the fastest counts")
+    parser.add_argument("--threads", type=int, help="threads of the one-process kinds (default: --procs)")
+    parser.add_argument("--kinds", default="hflm,sharded_1,in_loop", help="which of hflm, sharded_1, in_loop to time")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -176,11 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder = tempfile.mkdtemp(prefix=f"bench_lm_eval_{size}_")
         try:
             parameters = save_model(size, folder)
-            seconds = {kind: measure(kind, folder, args.procs, args.repeat) for kind in ("hflm", "sharded_1", "in_loop")}
+            seconds = {kind: measure(kind, folder, args.procs, args.repeat, args.threads or args.procs)
+                       for kind in args.kinds.split(",")}
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         rows.append((size, parameters, seconds))
         print(json.dumps({"size": size, "parameters": parameters, **seconds}), flush=True)
+    if len(rows[0][2]) < 3:
+        return 0
     print(f"\n{'size':8} {'params':>10} {'hflm s':>8} {'sharded_1 s':>12} {'in_loop s':>10} "
           f"{'sharded_1/hflm':>15} {'in_loop/hflm':>13}")
     for size, parameters, s in rows:
