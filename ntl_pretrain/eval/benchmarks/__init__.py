@@ -9,10 +9,12 @@ and one line below (docs/evaluation.md, "Adding a benchmark").
 from ntl_pretrain.eval.benchmarks.arithmetic import ARITHMETIC
 from ntl_pretrain.eval.benchmarks.base import Benchmark, BenchmarkResult, EvalContext, InputChecks
 from ntl_pretrain.eval.benchmarks.gsm8k import GSM8K
+from ntl_pretrain.eval.benchmarks.lm_eval import LM_EVAL
 
 BENCHMARKS: tuple[Benchmark, ...] = (
     ARITHMETIC,
     GSM8K,
+    LM_EVAL,
 )
 
 __all__ = ["BENCHMARKS", "Benchmark", "BenchmarkResult", "EvalContext", "InputChecks"]
