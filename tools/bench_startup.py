@@ -123,7 +123,7 @@ def tokenizer_folder(arch: str, tmp: str) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import ntl_pretrain.trainer.engine as engine
+    import ntl_pretrain.trainer.parts.engine as engine
     import ntl_pretrain.trainer.trainer as train
     from ntl_pretrain.config import load_config
 
@@ -157,8 +157,8 @@ def worker(args: argparse.Namespace) -> None:
     if not args.no_step:
         trainer.train_step()
         figures["after_step_hwm_kib"] = status_kib("VmHWM")
-    figures["parameters"] = trainer.model_report.parameters
-    with open(f"{args.worker}.rank{trainer.layout.rank}.json", "w", encoding="utf-8") as handle:
+    figures["parameters"] = trainer.parts.model_report.parameters
+    with open(f"{args.worker}.rank{trainer.parts.layout.rank}.json", "w", encoding="utf-8") as handle:
         json.dump(figures, handle)
 
 
