@@ -123,7 +123,7 @@ def tokenizer_folder(arch: str, tmp: str) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import ntl_pretrain.trainer.parts.engine as engine
+    import ntl_pretrain.trainer.engine as engine
     import ntl_pretrain.trainer.trainer as train
     from ntl_pretrain.config import load_config
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-import ntl_pretrain.trainer.parts.engine as engine
+import ntl_pretrain.trainer.engine as engine
 import ntl_pretrain.trainer.trainer as train
 from ntl_pretrain.parallel import distributed
 from ntl_pretrain.config import load_config
