@@ -123,12 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (CheckpointError, TrainingDiverged, MonitorError) as error:
             _report_error(error)
             return 2
-        lifecycle.report_to_supervisor("done", how="stopped" if trainer.stopped_by else "finished", step=trainer.step)
+        lifecycle.report_to_supervisor("done", how="stopped" if trainer.record.stopped_by else "finished",
+                                       step=trainer.state.step)
         return 0
     finally:
         if trainer is not None:
             trainer.close_after_failure()  # after a clean end (or a stop signal) the monitor is closed already
-            trainer.lock.release()
+            trainer.parts.lock.release()
         if sys.exc_info()[1] is None:  # an exception on its way out: `distributed.run_process` first asks the
             distributed.shutdown_distributed()  # process group which rank stalled, then shuts it down
 

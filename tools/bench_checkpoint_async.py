@@ -46,13 +46,13 @@ def run_once(config: str, overrides: list[str]) -> dict:
     started = time.perf_counter()
     trainer.fit()
     fit_s = time.perf_counter() - started
-    checkpoints = trainer.checkpoints
-    trainer.lock.release()  # the next run of this process uses another folder; released as the command line does
+    checkpoints = trainer.parts.checkpoints
+    trainer.parts.lock.release()  # the next run of this process uses another folder; released as the command line does
     return {"fit_s": fit_s, "stall_s": checkpoints.stall_s, "saves": checkpoints.saves,
             "checkpoint_bytes": checkpoints.last_save.get("bytes"),  # all ranks' files (synchronous saves)
             "rank_bytes": checkpoints.last_save.get("rank_bytes"),  # this rank's snapshot (asynchronous saves)
-            "parameters": trainer.model_report.parameters,
-            "world_size": trainer.layout.world_size}
+            "parameters": trainer.parts.model_report.parameters,
+            "world_size": trainer.parts.layout.world_size}
 
 
 def main() -> int:

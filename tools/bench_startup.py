@@ -157,8 +157,8 @@ def worker(args: argparse.Namespace) -> None:
     if not args.no_step:
         trainer.train_step()
         figures["after_step_hwm_kib"] = status_kib("VmHWM")
-    figures["parameters"] = trainer.model_report.parameters
-    with open(f"{args.worker}.rank{trainer.layout.rank}.json", "w", encoding="utf-8") as handle:
+    figures["parameters"] = trainer.parts.model_report.parameters
+    with open(f"{args.worker}.rank{trainer.parts.layout.rank}.json", "w", encoding="utf-8") as handle:
         json.dump(figures, handle)
 
 

@@ -42,7 +42,7 @@ from ntl_pretrain.trainer.trainer import Trainer  # noqa: E402
 
 def model_flops_per_token(trainer: Trainer) -> float:
     """Training FLOPs per token of the trainer's model (`throughput.model_flops_per_token`, as its log uses)."""
-    return trainer.window.flops_per_token
+    return trainer.parts.window.flops_per_token
 
 
 def peak_tflops_per_device(override: float | None) -> float | None:
@@ -86,14 +86,15 @@ def main() -> int:
         if args.compare == "ntl" and not cfg.loss.ntl_on:
             parser.error("the config must have NTL on (loss.enabled=true, loss.ntl_weight > 0)")
         trainer = Trainer(cfg)
-        cfg = trainer.cfg  # as resolved (DeepSpeed's batch sizes, the TP size a user's JSON sets)
+        cfg = trainer.parts.cfg  # as resolved (DeepSpeed's batch sizes, the TP size a user's JSON sets)
         # the two sides, swapped between steps: the run's objective and the same with NTL off (CE only), or the
         # EOS that position ids restart after (attention inside documents) and none (attention across the row)
         if args.compare == "ntl":
-            sides = {True: trainer.objective, False: dataclasses.replace(trainer.objective, ntl_on=False)}
+            objective = trainer.parts.objective
+            sides = {True: objective, False: dataclasses.replace(objective, ntl_on=False)}
         else:
-            sides = {True: trainer.tokenizer.eos_token_id, False: None}
-            if trainer.ulysses is not None:
+            sides = {True: trainer.parts.tokenizer.eos_token_id, False: None}
+            if trainer.parts.ulysses is not None:
                 parser.error("--compare document_mask runs without sequence parallelism (the Ulysses attention's "
                              "mask is chosen when it is registered)")
         for _ in range(args.warmup):
@@ -104,23 +105,23 @@ def main() -> int:
         block: list[float] = []
         for i in range(args.steps - args.steps % 4):
             switch_on = (i % 4) in (0, 3)  # ABBA
-            setattr(trainer, "objective" if args.compare == "ntl" else "document_eos_id", sides[switch_on])
-            figures = trainer.train_step()
+            with trainer.with_parts(**{"objective" if args.compare == "ntl" else "document_eos_id": sides[switch_on]}):
+                figures = trainer.train_step()
             times[switch_on].append(figures["train/step_time_s"])
             rates[switch_on].append(figures["train/tokens_per_s"])
             block.append(figures["train/step_time_s"])
             if len(block) == 4:
                 block_ratios.append((block[0] + block[3]) / (block[1] + block[2]))
                 block = []
-        trainer.monitor.close()
-    if trainer.layout.is_main:
+        trainer.parts.monitor.close()
+    if trainer.parts.layout.is_main:
         on, off = statistics.median(times[True]), statistics.median(times[False])
         name = args.compare
         result = {
-            "config": args.config, "overrides": args.overrides, "world_size": trainer.layout.world_size,
-            "tp_size": trainer.layout.tp_size, "zero_stage": cfg.parallel.zero_stage, "measured_steps": args.steps,
+            "config": args.config, "overrides": args.overrides, "world_size": trainer.parts.layout.world_size,
+            "tp_size": trainer.parts.layout.tp_size, "zero_stage": cfg.parallel.zero_stage, "measured_steps": args.steps,
             "tokens_per_step": cfg.data.seq_len * cfg.data.micro_batch_size * cfg.train.grad_accum_steps
-            * trainer.layout.data_size,
+            * trainer.parts.layout.data_size,
             "compared": args.compare, "seq_len": cfg.data.seq_len,
             f"median_step_time_s_{name}_on": on, f"median_step_time_s_{name}_off": off,
             f"median_tokens_per_s_{name}_on": statistics.median(rates[True]),
@@ -130,17 +131,17 @@ def main() -> int:
         }
         flops_per_token = model_flops_per_token(trainer)
         peak = peak_tflops_per_device(args.peak_tflops)
-        result["peak_memory_gib"] = memory_gib(trainer.device)
-        result["peak_memory_measure"] = ("cuda max_memory_allocated" if trainer.device.type == "cuda"
+        result["peak_memory_gib"] = memory_gib(trainer.parts.device)
+        result["peak_memory_measure"] = ("cuda max_memory_allocated" if trainer.parts.device.type == "cuda"
                                          else "host peak RSS (VmHWM)")
-        result["model_parameters"] = trainer.model_report.parameters
-        result["vocab_size"] = trainer.model_report.vocab_size
+        result["model_parameters"] = trainer.parts.model_report.parameters
+        result["vocab_size"] = trainer.parts.model_report.vocab_size
         result["model_flops_per_token"] = flops_per_token
         result["peak_tflops_per_device"] = peak
         for side in ("on", "off"):
             achieved = flops_per_token * result[f"median_tokens_per_s_{name}_{side}"] / 1e12
             result[f"model_tflops_per_s_{name}_{side}"] = achieved
-            result[f"mfu_{name}_{side}"] = achieved / (peak * trainer.layout.world_size) if peak else None
+            result[f"mfu_{name}_{side}"] = achieved / (peak * trainer.parts.layout.world_size) if peak else None
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
             write_json_atomic(args.out, result, indent=1)

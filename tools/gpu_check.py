@@ -502,7 +502,7 @@ def training_process(spec: dict, records: Records) -> int:
                                **micro_batch_windows(trainer)})
             continue
         run_recorded(records, part, measures[part])
-    trainer.monitor.close()
+    trainer.parts.monitor.close()
     return 0
 
 
@@ -510,7 +510,7 @@ def measure_training(trainer: Any, steps: int, budget_s: float, spec: dict) -> d
     """`steps` optimizer steps (fewer if the budget runs out): loss curve, throughput, model FLOP/s, memory."""
     import bench_train
 
-    reset_peak_memory(trainer.device)
+    reset_peak_memory(trainer.parts.device)
     losses, step_times, rates = [], [], []
     started = time.monotonic()
     for _ in range(steps):
@@ -526,18 +526,18 @@ def measure_training(trainer: Any, steps: int, budget_s: float, spec: dict) -> d
     peak = bench_train.peak_tflops_per_device(spec["peak_tflops"])
     achieved = flops_per_token * tokens_per_s / 1e12
     window = max(1, min(10, len(losses) // 4))
-    report = trainer.model_report
+    report = trainer.parts.model_report
     record = {
         "status": "ok" if len(losses) == steps else "partial",
         "detail": "" if len(losses) == steps else f"{len(losses)} of {steps} steps within the budget of {budget_s:.0f} s",
-        "attention": report.attn_implementation, "dtype": report.dtype, "zero_stage": trainer.cfg.parallel.zero_stage,
-        "world_size": trainer.layout.world_size, "parameters": report.parameters, "vocab_size": report.vocab_size,
-        "tokenizer_size": report.tokenizer_size, "seq_len": trainer.cfg.data.seq_len,
-        "tokens_per_step": trainer.cfg.data.seq_len * trainer.cfg.data.micro_batch_size
-        * trainer.cfg.train.grad_accum_steps, "steps": len(losses),
+        "attention": report.attn_implementation, "dtype": report.dtype, "zero_stage": trainer.parts.cfg.parallel.zero_stage,
+        "world_size": trainer.parts.layout.world_size, "parameters": report.parameters, "vocab_size": report.vocab_size,
+        "tokenizer_size": report.tokenizer_size, "seq_len": trainer.parts.cfg.data.seq_len,
+        "tokens_per_step": trainer.parts.cfg.data.seq_len * trainer.parts.cfg.data.micro_batch_size
+        * trainer.parts.cfg.train.grad_accum_steps, "steps": len(losses),
         "median_step_time_s": statistics.median(step_times[warm]), "tokens_per_s": tokens_per_s,
         "model_flops_per_token": flops_per_token, "model_tflops_per_s": achieved, "peak_tflops_per_device": peak,
-        "mfu": achieved / peak if peak else None, "peak_memory_gib": peak_memory_gib(trainer.device),
+        "mfu": achieved / peak if peak else None, "peak_memory_gib": peak_memory_gib(trainer.parts.device),
         "loss_first_mean": _mean(losses[:window]), "loss_last_mean": _mean(losses[-window:]),
         "loss_window_steps": window, "loss_curve": [round(loss, 4) for loss in losses]}
     record["loss_falls"] = record["loss_last_mean"] < record["loss_first_mean"]
@@ -549,22 +549,19 @@ def measure_chunked_head(trainer: Any, sizes: Sizes, budget_s: float) -> dict:
     (chunked, full, full, chunked): median step time and peak memory of each."""
     times: dict[bool, list[float]] = {True: [], False: []}
     peaks = {True: 0.0, False: 0.0}
-    original = trainer.objective  # decides the head (Objective.chunk_tokens) at every micro-batch
+    original = trainer.parts.objective  # decides the head (Objective.chunk_tokens) at every micro-batch
     heads = {chunked: replace(original, chunk_tokens=sizes.chunk_tokens if chunked else 0)
              for chunked in (True, False)}
     started = time.monotonic()
-    try:
-        for i in range(max(4, sizes.chunked_steps - sizes.chunked_steps % 4)):
-            chunked = (i % 4) in (0, 3)
-            trainer.objective = heads[chunked]
-            reset_peak_memory(trainer.device)
+    for i in range(max(4, sizes.chunked_steps - sizes.chunked_steps % 4)):
+        chunked = (i % 4) in (0, 3)
+        reset_peak_memory(trainer.parts.device)
+        with trainer.with_parts(objective=heads[chunked]):
             figures = trainer.train_step()
-            times[chunked].append(figures["train/step_time_s"])
-            peaks[chunked] = max(peaks[chunked], peak_memory_gib(trainer.device))
-            if time.monotonic() - started > budget_s and i % 4 == 3:
-                break
-    finally:
-        trainer.objective = original
+        times[chunked].append(figures["train/step_time_s"])
+        peaks[chunked] = max(peaks[chunked], peak_memory_gib(trainer.parts.device))
+        if time.monotonic() - started > budget_s and i % 4 == 3:
+            break
     full, chunked = statistics.median(times[False]), statistics.median(times[True])
     return {"chunk_tokens": sizes.chunk_tokens, "tokens_per_micro_batch": sizes.seq_len * sizes.micro_batch_size,
             "steps_each": len(times[True]), "median_step_time_s_full": full, "median_step_time_s_chunked": chunked,
@@ -580,8 +577,9 @@ def measure_generation(trainer: Any, sizes: Sizes, output_dir: Path) -> dict:
     cfg = EvalConfig(arithmetic_n=sizes.eval_prompts, arithmetic_splits=["interpolation"], arithmetic_ops=["+", "-"],
                      arithmetic_train_digits=[1, 2], arithmetic_extrapolation_digits=[3, 3],
                      arithmetic_max_new_tokens=8, samples_to_log=0)
-    metrics = run_evaluation(trainer.engine, trainer.tokenizer, cfg, step=trainer.step, output_dir=str(output_dir),
-                             tp_group=trainer.groups.tp_group, dp_group=trainer.groups.dp_group, final=True)
+    parts = trainer.parts
+    metrics = run_evaluation(parts.engine, parts.tokenizer, cfg, step=trainer.state.step, output_dir=str(output_dir),
+                             tp_group=parts.groups.tp_group, dp_group=parts.groups.dp_group, final=True)
     return {"prompts": sizes.eval_prompts, "max_new_tokens": cfg.arithmetic_max_new_tokens,
             "batch_size": cfg.batch_size, "generated_tokens": metrics["eval/generation/tokens"],
             "tokens_per_s": metrics["eval/generation/tokens_per_s"], "time_s": metrics["eval/time_s"],
@@ -590,26 +588,22 @@ def measure_generation(trainer: Any, sizes: Sizes, output_dir: Path) -> dict:
 
 @contextmanager
 def around_micro_batches(trainer: Any, enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
-    """Call `enter` when a micro-batch's forward starts (Trainer._forward_sums) and `leave` when its
-    backward returns (engine.backward), for the steps run inside this block."""
-    forward, backward = trainer._forward_sums, trainer.engine.backward
+    """Call `enter` when a micro-batch's forward starts and `leave` when its backward returns (the trainer's
+    `StepHooks.around_micro_batch`), for the steps run inside this block."""
 
-    def forward_entered(*a: Any, **k: Any) -> Any:
+    @contextmanager
+    def window() -> Iterator[None]:
         enter()
-        return forward(*a, **k)
-
-    def backward_left(*a: Any, **k: Any) -> Any:
         try:
-            return backward(*a, **k)
+            yield
         finally:
             leave()
 
-    trainer._forward_sums, trainer.engine.backward = forward_entered, backward_left
     try:
-        yield
+        with trainer.with_hooks(around_micro_batch=window):
+            yield
     finally:
         leave()
-        del trainer._forward_sums, trainer.engine.backward  # back to the class's methods
 
 
 def micro_batch_windows(trainer: Any) -> dict:
@@ -621,7 +615,7 @@ def micro_batch_windows(trainer: Any) -> dict:
     events.pop()  # the block's own closing call
     windows = events.count("enter")
     return {"micro_batch_windows": windows, "micro_batch_windows_well_formed": events == ["enter", "leave"] * windows,
-            "grad_accum_steps": trainer.cfg.train.grad_accum_steps}
+            "grad_accum_steps": trainer.parts.cfg.train.grad_accum_steps}
 
 
 def measure_sync_debug(trainer: Any) -> dict:
@@ -660,7 +654,7 @@ def measure_sync_debug(trainer: Any) -> dict:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     return {"micro_batch_error_mode": "no sync" if error is None else "raised", "error": error,
-            "micro_batch_windows": len(marks) // 2, "grad_accum_steps": trainer.cfg.train.grad_accum_steps,
+            "micro_batch_windows": len(marks) // 2, "grad_accum_steps": trainer.parts.cfg.train.grad_accum_steps,
             "syncs_per_step": sum(is_sync), "syncs_in_micro_batches": inside,
             "sync_sites": dict(sorted(sites.items(), key=lambda item: -item[1])[:15])}
 

@@ -9,8 +9,8 @@ itself is `ntl_pretrain.loss`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 
@@ -22,17 +22,27 @@ from ..loss.sequence_shard import SequenceShard
 from ..parallel.layout import ParallelGroups, ParallelLayout
 
 
-class StepFigures(NamedTuple):
-    """A step's (or a validation's) global sums (`ObjectiveSums.stack()` order), read to the host in one
-    transfer, and its gradient norm."""
+@dataclass(frozen=True, kw_only=True)
+class StepFigures:
+    """A step's (or a validation's) global sums, one field per `ObjectiveSums` field of the same name, read to the
+    host in one transfer, and its gradient norm. Built by name (`from_sums`), never by position: reordering or
+    renaming a sum cannot shift the logged figures (tests/test_trainer_figures.py)."""
 
     ce_sum: float
     ntl_sum: float
-    tokens: float
+    token_count: float
     ntl_count: float
     number_tokens: float
     abs_error_sum: float
     grad_norm: float | None = None  # None: no gradient norm (validation; ZeRO-less engines without one)
+
+    @classmethod
+    def from_sums(cls, values: Sequence[float], grad_norm: float | None = None) -> "StepFigures":
+        """The figures of `values`, a vector in `ObjectiveSums.stack()` order, each taken by its field's name."""
+        names = [sums_field.name for sums_field in fields(ObjectiveSums)]
+        if len(values) != len(names):
+            raise ValueError(f"{len(values)} sums for the {len(names)} fields of ObjectiveSums ({', '.join(names)})")
+        return cls(**dict(zip(names, values)), grad_norm=grad_norm)
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,6 @@ class Objective:
 
     def losses(self, figures: StepFigures, step: int) -> tuple[float, float, float]:
         """(loss, CE, NTL): the global means of a step's or a validation's figures, weighted for `step`."""
-        ce = figures.ce_sum / max(figures.tokens, 1.0)
+        ce = figures.ce_sum / max(figures.token_count, 1.0)
         ntl = figures.ntl_sum / figures.ntl_count if figures.ntl_count > 0 else 0.0
         return ce + self.ntl_lambda(step) * ntl, ce, ntl

@@ -32,30 +32,28 @@ from ntl_pretrain.trainer.trainer import Trainer
 _write_and_hash = PendingSave._write_and_hash
 
 
-def held(trainer: Trainer) -> None:
-    """The writer of a save taken at step k waits until the training thread has finished step k + 1."""
+def held(trainer: Trainer) -> dict:
+    """The writer of a save taken at step k waits until the training thread has finished step k + 1 (its step
+    hooks: `StepHooks.after_step`)."""
     step_done = {"step": 0, "event": threading.Condition()}
-    train_step = trainer.train_step
 
-    def stepping():
-        scalars = train_step()
+    def stepped(state) -> None:
         with step_done["event"]:
-            step_done["step"] = trainer.step
+            step_done["step"] = state.step
             step_done["event"].notify_all()
-        return scalars
 
     def write_later(pending: PendingSave) -> None:
         with step_done["event"]:
-            if trainer.step < trainer.cfg.train.max_steps:  # the last step's save has no next step
+            if trainer.state.step < trainer.parts.cfg.train.max_steps:  # the last step's save has no next step
                 step_done["event"].wait_for(lambda: step_done["step"] > pending.step, timeout=120)
         print(f"writer of {pending.tag} starts after step {step_done['step']}", flush=True)
         _write_and_hash(pending)
 
-    trainer.train_step = stepping
     PendingSave._write_and_hash = write_later
+    return {"after_step": stepped}
 
 
-def fail_on_rank1(trainer: Trainer) -> None:
+def fail_on_rank1(trainer: Trainer) -> dict:
     def write_fails(pending: PendingSave) -> None:
         if dist.get_rank() == 1 and pending.step == 4:
             pending.error = pending._describe_failure(OSError(errno.ENOSPC, "No space left on device"))
@@ -63,9 +61,10 @@ def fail_on_rank1(trainer: Trainer) -> None:
         _write_and_hash(pending)
 
     PendingSave._write_and_hash = write_fails
+    return {}
 
 
-def kill9_in_writer(trainer: Trainer) -> None:
+def kill9_in_writer(trainer: Trainer) -> dict:
     def write_half_and_die(pending: PendingSave) -> None:
         if pending.step != 4:
             _write_and_hash(pending)
@@ -77,20 +76,22 @@ def kill9_in_writer(trainer: Trainer) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     PendingSave._write_and_hash = write_half_and_die
+    return {}
 
 
 def run(mode: str, config: str, overrides: list[str]) -> None:
     PendingSave._write_and_hash = _write_and_hash
     trainer = Trainer(load_config(config, overrides))
-    {"plain": lambda t: None, "held": held, "fail-rank1": fail_on_rank1, "kill9": kill9_in_writer}[mode](trainer)
+    hooks = {"plain": lambda t: {}, "held": held, "fail-rank1": fail_on_rank1, "kill9": kill9_in_writer}[mode](trainer)
     try:
-        trainer.fit()
+        with trainer.with_hooks(**hooks):
+            trainer.fit()
     except CheckpointError as error:
         print(f"RUN FAILED: {error}", flush=True)
         trainer.close_after_failure()
     finally:
         PendingSave._write_and_hash = _write_and_hash
-        trainer.lock.release()  # as the command line does: a later run of this process may use the folder
+        trainer.parts.lock.release()  # as the command line does: a later run of this process may use the folder
     dist.barrier()
 
 

@@ -25,20 +25,20 @@ TEXT = "12 + 345 = 357. The answer is 4096 and 17 - 9 = 8."
 def run(out_file: str, config: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(config, overrides))
     trainer.fit()
-    input_ids = torch.tensor([trainer.tokenizer(TEXT, add_special_tokens=False)["input_ids"]])
-    trainer.engine.eval()
+    input_ids = torch.tensor([trainer.parts.tokenizer(TEXT, add_special_tokens=False)["input_ids"]])
+    trainer.parts.engine.eval()
     with torch.no_grad():
-        local = trainer.engine(input_ids=input_ids.to(trainer.device)).logits.float().cpu()
-    if trainer.groups.tp_group is not None:  # the vocabulary-parallel head returns this rank's columns
-        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(trainer.groups.tp_group))]
-        dist.all_gather(shards, local.contiguous(), group=trainer.groups.tp_group)
+        local = trainer.parts.engine(input_ids=input_ids.to(trainer.parts.device)).logits.float().cpu()
+    if trainer.parts.groups.tp_group is not None:  # the vocabulary-parallel head returns this rank's columns
+        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(trainer.parts.groups.tp_group))]
+        dist.all_gather(shards, local.contiguous(), group=trainer.parts.groups.tp_group)
         logits = torch.cat(shards, dim=-1)
     else:
         logits = local
     if dist.get_rank() == 0:
-        torch.save({"input_ids": input_ids, "logits": logits, "step": trainer.step}, out_file)
+        torch.save({"input_ids": input_ids, "logits": logits, "step": trainer.state.step}, out_file)
     dist.barrier()
-    trainer.lock.release()  # as the command line does: a later run of this process may use the folder
+    trainer.parts.lock.release()  # as the command line does: a later run of this process may use the folder
 
 
 def main() -> None:

@@ -46,8 +46,8 @@ def run_case(out: Path, batch: dict, config: str, name: str, overrides: list[str
     trainer = None
     try:
         trainer = Trainer(load_config(config, [*overrides, f"train.output_dir={out / name}"]))
-        trainer.data.next_step = fixed_batch(trainer, batch)
-        result = {"figures": trainer.train_step(), "split": split_parameters(trainer.engine.module)}
+        with trainer.with_hooks(micro_batches=fixed_batch(trainer, batch)):
+            result = {"figures": trainer.train_step(), "split": split_parameters(trainer.parts.engine.module)}
         if export:  # the checkpoint of step 1, exported as tools/export_hf.py does (one process)
             tag = trainer.save_checkpoint()
             if dist.get_rank() == 0:
@@ -60,7 +60,7 @@ def run_case(out: Path, batch: dict, config: str, name: str, overrides: list[str
     if int(torch.distributed.get_rank() if dist.is_initialized() else 0) == 0:
         (out / f"{name}.json").write_text(json.dumps(result))
     if trainer is not None:
-        trainer.lock.release()
+        trainer.parts.lock.release()
     del trainer
     gc.collect()
     if dist.is_initialized():

@@ -143,7 +143,7 @@ class GatheredPeak:
 
 
 def model_states(trainer: Trainer) -> dict:
-    engine = trainer.engine
+    engine = trainer.parts.engine
     optimizer = engine.optimizer
     params = [{"name": name, "ds_numel": int(p.ds_numel), "partition_numel": int(p.ds_tensor.numel()),
                "dtype": str(p.ds_tensor.dtype), "persistent": bool(getattr(p, "ds_persist", False))}
@@ -191,7 +191,7 @@ def run_case(out: Path, config: str, name: str, overrides: list[str]) -> None:
     folder = out / name
     trainer = Trainer(load_config(config, [*overrides, f"train.output_dir={folder / 'run'}"]))
     trainer.train_step()  # warm-up: ZeRO-3 traces the parameter order on the first step
-    module = trainer.engine.module
+    module = trainer.parts.engine.module
     head = module.get_output_embeddings()
     logits: list[dict] = []
 
@@ -220,7 +220,7 @@ def run_case(out: Path, config: str, name: str, overrides: list[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     with contextlib.suppress(AttributeError):
-        trainer.lock.release()
+        trainer.parts.lock.release()
     del trainer
     gc.collect()
     dist.barrier()

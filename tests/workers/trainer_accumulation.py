@@ -25,11 +25,11 @@ def run_case(out_file: Path, steps: int, config: str, overrides: list[str]) -> N
     trainer = Trainer(load_config(config, overrides))
     figures = []
     for _ in range(steps):
-        assert trainer.logs_at(trainer.step + 1)  # every step logs: its figures are global and on the host
+        assert trainer.logs_at(trainer.state.step + 1)  # every step logs: its figures are global and on the host
         figures.append(trainer.train_step())
     if dist.get_rank() == 0:
         out_file.write_text(json.dumps({"figures": figures, "summary": trainer.summary()}, indent=1))
-    trainer.monitor.close()
+    trainer.parts.monitor.close()
     dist.barrier()
 
 

@@ -22,8 +22,8 @@ from ntl_pretrain.trainer.trainer import Trainer, TrainingDiverged
 
 def weight_tensors(trainer: Trainer) -> list[torch.Tensor]:
     """This rank's model partitions (ZeRO-3) or parameters, and the optimizer's (master) weights."""
-    tensors = [getattr(p, "ds_tensor", p.data) for p in trainer.engine.module.parameters()]
-    optimizer = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
+    tensors = [getattr(p, "ds_tensor", p.data) for p in trainer.parts.engine.module.parameters()]
+    optimizer = getattr(trainer.parts.engine.optimizer, "optimizer", trainer.parts.engine.optimizer)
     return tensors + [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -38,9 +38,9 @@ def main() -> None:
                 tensor.view(-1)[0] = float("nan")
     before = [t.detach().clone() for t in weight_tensors(trainer)]
     result["nonfinite"], result["nonfinite_totals"] = [], []
-    for _ in range(trainer.cfg.train.max_nonfinite_steps - 1):
+    for _ in range(trainer.parts.cfg.train.max_nonfinite_steps - 1):
         result["nonfinite"].append(trainer.train_step())  # None on a step that does not log
-        result["nonfinite_totals"].append(trainer.nonfinite.total)
+        result["nonfinite_totals"].append(trainer.parts.nonfinite.total)
     after = weight_tensors(trainer)
     result["unchanged"] = all(torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
                               for a, b in zip(before, after))

@@ -40,11 +40,11 @@ def main() -> None:
     for _ in range(int(steps)):
         trainer.train_step()
     trainer.save_checkpoint()
-    held = [None] * trainer.layout.world_size
+    held = [None] * trainer.parts.layout.world_size
     torch.distributed.all_gather_object(held, HELD)
-    if trainer.layout.is_main:
+    if trainer.parts.layout.is_main:
         with open(out_path, "w", encoding="utf-8") as handle:
-            json.dump({"held": held, "step": trainer.step}, handle)
+            json.dump({"held": held, "step": trainer.state.step}, handle)
 
 
 if __name__ == "__main__":

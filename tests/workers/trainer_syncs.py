@@ -33,33 +33,25 @@ def count_case(out_file: Path, steps: int, config: str, overrides: list[str]) ->
     trainer = Trainer(load_config(config, overrides))
     trainer.train_step()  # warm-up: first-use work (caches, DeepSpeed's lazy set-up, the loss's checks)
     counter = SyncCounter()
-    forward, backward = trainer._forward_sums, trainer.engine.backward
 
-    def counted_forward(*args, **kwargs):
-        with counter.in_phase(f"{counter.phase}/micro_batch"):
-            return forward(*args, **kwargs)
+    def micro_batch_phase():  # each micro-batch's forward, loss and backward (StepHooks.around_micro_batch)
+        return counter.in_phase(f"{counter.phase}/micro_batch")
 
-    def counted_backward(*args, **kwargs):
-        with counter.in_phase(f"{counter.phase}/micro_batch"):
-            return backward(*args, **kwargs)
-
-    trainer._forward_sums = counted_forward
-    trainer.engine.backward = counted_backward
     figures, kinds = [], []
-    with counter:
+    with counter, trainer.with_hooks(around_micro_batch=micro_batch_phase):
         for _ in range(steps):
-            kinds.append("logging" if trainer.logs_at(trainer.step + 1) else "plain")
+            kinds.append("logging" if trainer.logs_at(trainer.state.step + 1) else "plain")
             with counter.in_phase(kinds[-1]):  # what Trainer.fit does at each step boundary
                 figures.append(trainer.train_step())
-                trainer.monitor.log_step(trainer.step, figures[-1])
-                assert trainer.preemption.requested() is None
+                trainer.parts.monitor.log_step(trainer.state.step, figures[-1])
+                assert trainer.parts.preemption.requested() is None
         with counter.in_phase("validation"):  # the held-out micro-batches, the mixture's and each source's
             validation = trainer.validate()
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps({
             "steps": kinds, **counter.summary(), "figures": figures, "validation": validation, "summary": trainer.summary(),
-            "model_config": trainer.engine.module.config.to_dict(), "world_size": dist.get_world_size()}, indent=1))
-    trainer.monitor.close()
+            "model_config": trainer.parts.engine.module.config.to_dict(), "world_size": dist.get_world_size()}, indent=1))
+    trainer.parts.monitor.close()
     dist.barrier()
 
 
