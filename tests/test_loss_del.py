@@ -1,6 +1,7 @@
 """The `del` NTL variant (the Digit Entropy Loss as its authors define it): its place weights on hand-worked runs,
-against a plain-torch reference (tests/helpers/del_reference.py) on the full logits, the chunked head, sequence
-slices and vocabulary shards over 2, 3 and 4 gloo processes, its settings, config keys and vocabulary checks."""
+against a plain-torch reference (tests/helpers/del_reference.py) on the full logits, the chunked head and sequence
+slices, its settings, config keys and vocabulary checks (vocabulary shards, like every variant's:
+tests/test_loss_variants.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import pytest
 import torch
 
 from helpers.del_reference import del_place_weights, del_reference
-from helpers.distributed import run_workers
 from helpers.numeric import relative_error
 from ntl_pretrain.config import ConfigError, load_config
 from ntl_pretrain.config.validation import ntl_settings
@@ -219,13 +219,6 @@ def test_settings_and_vocabulary_it_refuses():
     with pytest.raises(ValueError, match=r"variant 'del' scores each digit position over the ten single-digit tokens, "
                                          r"but the number vocabulary holds 1 other number tokens"):
         ce_ntl_loss(logits, labels, multi_digit, settings=SETTINGS)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("tp_size", [pytest.param(2, marks=pytest.mark.fast), 3, 4])  # 3 and 4: the full suite
-def test_vocabulary_shards_equal_the_reference(tp_size):
-    outputs = run_workers("del_shards.py", tp_size, ["--tp", str(tp_size)], timeout=240)
-    assert all("OK" in out for out in outputs), outputs
 
 
 @pytest.mark.fast
