@@ -15,7 +15,7 @@ import torch
 from helpers.del_reference import del_reference
 from helpers.digit_entropy import digit_entropy_reference
 from ntl_pretrain.loss import VARIANTS, NTLSettings
-from ntl_pretrain.loss.variants import REGISTRY
+from ntl_pretrain.loss.variants import REGISTRY, NTLVariant
 from ntl_pretrain.numbers import NumberVocab
 
 
@@ -30,6 +30,36 @@ def every_variant_settings(*extra: NTLSettings) -> list[NTLSettings]:
             except ValueError:  # a variant that refuses reweigh (del, digit_entropy)
                 assert reweigh, variant
     return settings + list(extra)
+
+
+# Options that make a variant's term large enough against CE for a check to see it (the default del_scale: 0.01), and
+# options under which its terms depend on each row alone (del's default runs over the flattened batch join rows and
+# documents, which micro-batch splits and packing group differently): set where a variant reads them.
+LARGE_TERM_OPTIONS = {"del_scale": 1.0}
+ROW_LOCAL_OPTIONS = {"del_runs": "rows"}
+
+
+def variant_settings(variant: str, *option_sets: dict, reweigh: bool = False) -> NTLSettings:
+    """`NTLSettings` of `variant` with each of `option_sets`' options it reads, reweigh on if asked and allowed."""
+    options = {key: value for chosen in option_sets for key, value in chosen.items()
+               if key in REGISTRY[variant].options}
+    try:
+        return NTLSettings(variant=variant, reweigh=reweigh, **options)
+    except ValueError:  # a variant that refuses reweigh (del, digit_entropy)
+        assert reweigh, variant
+        return NTLSettings(variant=variant, **options)
+
+
+def one_variant_of_each_kind() -> list[str]:
+    """The first registered variant of each kind that the trainer's paths treat differently (for the checks that
+    cost a launch or a Trainer a variant): its terms' spans (none, the number runs of each row, its own), whether it
+    reads the number-token mass, whether it needs single-digit tokens. Now: was, number_level, del, digit_entropy."""
+    kinds: dict[tuple, str] = {}
+    for name, variant in REGISTRY.items():
+        own_spans = type(variant).spans is not NTLVariant.spans
+        kind = (variant.needs_spans, own_spans, variant.reads_number_mass, variant.single_digits_because is None)
+        kinds.setdefault(kind, name)
+    return list(kinds.values())
 
 
 # Options whose references exist (the first matching entry per variant is used): each variant's defaults are
