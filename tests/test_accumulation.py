@@ -2,8 +2,8 @@
 does not change the step. CE and NTL are each normalised by the token counts of the whole global batch
 (`trainer/training_objective.py`), so 1 micro-batch of 4 sequences and 4 micro-batches of 1 give the same
 loss, CE, NTL and gradient norm at step 1, and the same at step 2 (after the same update), for one NTL
-variant of each kind (tests/helpers/variants.py: was, number_level, del, digit_entropy), on 2 data-parallel ranks and under Ulysses sp=2
-(issue 35 item 2; the Hugging Face Trainer's counterpart is tests/test_loss_hf_trainer.py)."""
+variant of each kind (tests/helpers/variants.py: was, number_level, del, digit_entropy), on 2 data-parallel ranks
+and under Ulysses sp=2 (issue 35 item 2; the Hugging Face Trainer's counterpart is tests/test_loss_hf_trainer.py)."""
 
 from __future__ import annotations
 

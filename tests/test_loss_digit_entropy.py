@@ -41,7 +41,7 @@ pytestmark = pytest.mark.fast
 
 
 def test_it_is_registered_and_named_by_the_config():
-    assert VARIANTS[-1] == "digit_entropy" and VARIANTS[:5] == ("was", "mse", "mae", "huber", "number_level")
+    assert "digit_entropy" in VARIANTS  # the registry's order: tests/test_loss_variants.py
     config = load_config(None, ["model.architecture={model_type: llama}", "tokenizer.name_or_path=x",
                                 "data.sources=[{path: corpus.jsonl}]", "loss.variant=digit_entropy"])
     assert config.loss.variant == "digit_entropy"

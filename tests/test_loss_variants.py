@@ -34,6 +34,22 @@ def test_every_variant_has_a_reference(variant):
 
 
 @pytest.mark.fast
+def test_the_registry_holds_the_built_ins_first_then_every_module_by_name():
+    """The order of `VARIANTS` (the config's choices, --help): the built-in modules' variants in their historic
+    order, then each other module of loss/variants/ in name order (a new variant is appended)."""
+    import pkgutil
+
+    from ntl_pretrain.loss import variants
+
+    modules = [name for name in variants._BUILT_IN]
+    modules += sorted(info.name for info in pkgutil.iter_modules(variants.__path__)
+                      if info.name not in modules + ["base"])
+    by_module = [name for module in modules for name, variant in variants.REGISTRY.items()
+                 if type(variant).__module__ == f"{variants.__name__}.{module}"]
+    assert list(VARIANTS) == by_module and len(set(VARIANTS)) == len(VARIANTS)
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("settings", CASES, ids=case_id)
 def test_one_process_equals_the_reference_with_its_gradient(settings, tokenizer):
     hidden, weight, labels = reference_batch(tokenizer, seed=1)
