@@ -14,8 +14,7 @@ import pytest
 
 from helpers.distributed import run_workers
 from helpers.launch import DEMO, demo_overrides
-from helpers.variants import LARGE_TERM_OPTIONS, ROW_LOCAL_OPTIONS, one_variant_of_each_kind
-from ntl_pretrain.loss.variants import REGISTRY
+from helpers.variants import LARGE_TERM_OPTIONS, ROW_LOCAL_OPTIONS, one_variant_of_each_kind, options_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -26,7 +25,7 @@ SPLITS = {"micro4_accum1": ["data.micro_batch_size=4", "train.grad_accum_steps=1
 # row (the authors' runs over the flattened micro-batch join the rows of a micro-batch, which the two splits group
 # differently) and c = 1 to matter
 VARIANTS = {variant: [f"loss.{key}={value}" for key, value in {**ROW_LOCAL_OPTIONS, **LARGE_TERM_OPTIONS}.items()
-                      if key in REGISTRY[variant].options] for variant in one_variant_of_each_kind()}
+                      if key in options_of(variant)] for variant in one_variant_of_each_kind()}
 TAGS = ("train/loss", "train/ce", "train/ntl", "train/grad_norm")
 
 

@@ -19,6 +19,11 @@ from ntl_pretrain.loss.variants import REGISTRY, NTLVariant
 from ntl_pretrain.numbers import NumberVocab
 
 
+def options_of(variant: str) -> tuple[str, ...]:
+    """The `NTLSettings` options `variant` reads besides reweigh (the one place the tests ask the registry)."""
+    return tuple(REGISTRY[variant].options)
+
+
 def every_variant_settings(*extra: NTLSettings) -> list[NTLSettings]:
     """`NTLSettings` of each registered variant with its defaults, reweigh off and on (where allowed), then
     `extra`."""
@@ -42,7 +47,7 @@ ROW_LOCAL_OPTIONS = {"del_runs": "rows"}
 def variant_settings(variant: str, *option_sets: dict, reweigh: bool = False) -> NTLSettings:
     """`NTLSettings` of `variant` with each of `option_sets`' options it reads, reweigh on if asked and allowed."""
     options = {key: value for chosen in option_sets for key, value in chosen.items()
-               if key in REGISTRY[variant].options}
+               if key in options_of(variant)}
     try:
         return NTLSettings(variant=variant, reweigh=reweigh, **options)
     except ValueError:  # a variant that refuses reweigh (del, digit_entropy)
@@ -74,7 +79,7 @@ def reference_cases() -> list[NTLSettings]:
     cases = every_variant_settings()
     for variant in VARIANTS:
         for options in OPTION_CASES:
-            if set(options) <= set(REGISTRY[variant].options):
+            if set(options) <= set(options_of(variant)):
                 cases.append(NTLSettings(variant=variant, **options))
                 break
     return cases
@@ -83,7 +88,7 @@ def reference_cases() -> list[NTLSettings]:
 def case_id(settings: NTLSettings) -> str:
     """A test id: the variant, then reweigh and the options set off their defaults ("was-reweigh")."""
     defaults = NTLSettings(variant=settings.variant)
-    changed = [f"{option}={getattr(settings, option)}" for option in settings.ntl_variant.options
+    changed = [f"{option}={getattr(settings, option)}" for option in options_of(settings.variant)
                if getattr(settings, option) != getattr(defaults, option)]
     return "-".join([settings.variant, *(["reweigh"] if settings.reweigh else []), *changed])
 
@@ -91,7 +96,7 @@ def case_id(settings: NTLSettings) -> str:
 def option_keywords(settings: NTLSettings) -> dict:
     """The keywords of `number_token_loss` that `settings` set: the variant, reweigh and the variant's options."""
     return {"variant": settings.variant, "reweigh": settings.reweigh,
-            **{option: getattr(settings, option) for option in settings.ntl_variant.options}}
+            **{option: getattr(settings, option) for option in options_of(settings.variant)}}
 
 
 # The reference tokenizer: one token per character, the ten digits spread over the vocabulary out of value order
