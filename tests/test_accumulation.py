@@ -1,9 +1,9 @@
 """The project's own trainer: how one global batch is split (gradient accumulation steps, micro-batch size)
 does not change the step. CE and NTL are each normalised by the token counts of the whole global batch
 (`trainer/training_objective.py`), so 1 micro-batch of 4 sequences and 4 micro-batches of 1 give the same
-loss, CE, NTL and gradient norm at step 1, and the same at step 2 (after the same update), for the
-token-level (was), the number-level variant and del, on 2 data-parallel ranks and under Ulysses sp=2
-(issue 35 item 2; the Hugging Face Trainer's counterpart is tests/test_loss_hf_trainer.py)."""
+loss, CE, NTL and gradient norm at step 1, and the same at step 2 (after the same update), for one NTL
+variant of each kind (tests/helpers/variants.py: was, number_level, del, digit_entropy), on 2 data-parallel ranks
+and under Ulysses sp=2 (issue 35 item 2; the Hugging Face Trainer's counterpart is tests/test_loss_hf_trainer.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,18 @@ import pytest
 
 from helpers.distributed import run_workers
 from helpers.launch import DEMO, demo_overrides
+from helpers.variants import LARGE_TERM_OPTIONS, ROW_LOCAL_OPTIONS, one_variant_of_each_kind, options_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 STEPS = 2
 SPLITS = {"micro4_accum1": ["data.micro_batch_size=4", "train.grad_accum_steps=1"],
           "micro1_accum4": ["data.micro_batch_size=1", "train.grad_accum_steps=4"]}
-# variant: its overrides; del with its runs per row (the authors' runs over the flattened micro-batch join the rows
-# of a micro-batch, which the two splits group differently), weight 1 as its authors add it and c = 1 to matter
-VARIANTS = {"was": [], "number_level": [], "del": ["loss.ntl_weight=1", "loss.del_scale=1", "loss.del_runs=rows"]}
+# one variant of each kind (from the registry): its overrides, the options it reads of these: del with its runs per
+# row (the authors' runs over the flattened micro-batch join the rows of a micro-batch, which the two splits group
+# differently) and c = 1 to matter
+VARIANTS = {variant: [f"loss.{key}={value}" for key, value in {**ROW_LOCAL_OPTIONS, **LARGE_TERM_OPTIONS}.items()
+                      if key in options_of(variant)] for variant in one_variant_of_each_kind()}
 TAGS = ("train/loss", "train/ce", "train/ntl", "train/grad_norm")
 
 

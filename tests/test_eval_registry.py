@@ -144,3 +144,12 @@ def test_a_registered_benchmark_runs_through_tools_evaluate(model_and_tokenizer,
     assert result["eval_config"]["echo_n"] == 5 and "eval/arith/interpolation/accuracy" not in result["metrics"]
     lines = (tmp_path / "out" / "eval" / "step_0000000.jsonl").read_text().splitlines()
     assert [json.loads(line)["output"] for line in lines] == outputs
+
+
+def test_a_benchmark_setting_below_its_minimum_is_a_config_error():
+    """A benchmark's `check_at_least` raises ConfigError (one line naming the key, as every config error)."""
+    from ntl_pretrain.config import ConfigError, load_config
+
+    for key in ("arithmetic_n", "gsm8k_limit"):
+        with pytest.raises(ConfigError, match=rf"^eval.{key}=-1 must be >= 0$"):
+            load_config(str(REPO / "configs" / "demo.yaml"), [f"eval.{key}=-1"])

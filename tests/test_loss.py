@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ntl_pretrain.loss import (NTLoss, NTLossDotProduct, NTLSettings, NumberLevelLoss, ObjectiveSums, VocabShard,
+from helpers.variants import case_id, every_variant_settings, option_keywords
+from ntl_pretrain.loss import (VARIANTS, NTLoss, NTLossDotProduct, NTLSettings, NumberLevelLoss, ObjectiveSums, VocabShard,
                                ce_ntl_loss, ce_ntl_sums, number_token_loss, vocab_shard_of)
 from ntl_pretrain.numbers import NumberVocab
 
@@ -97,10 +98,11 @@ def test_functional_api_equals_class_api(word_tokenizer):
     _assert_close(actual, expected)
 
 
-def _digit_vocab(vocab_size: int = 16) -> NumberVocab:
+def _digit_vocab(vocab_size: int = 16, decimal_point_id: int | None = None) -> NumberVocab:
     # digits at ids 3..12, in an order that is not numeric (like Llama-2's)
     order = [7, 3, 0, 9, 1, 5, 2, 8, 4, 6]
-    return NumberVocab(token_ids=tuple(range(3, 13)), values=tuple(float(v) for v in order), vocab_size=vocab_size)
+    return NumberVocab(token_ids=tuple(range(3, 13)), values=tuple(float(v) for v in order), vocab_size=vocab_size,
+                       decimal_point_id=decimal_point_id)
 
 
 def _peaked_logits(vocab: NumberVocab, digit_values: list[int], vocab_size: int = 16) -> torch.Tensor:
@@ -110,9 +112,9 @@ def _peaked_logits(vocab: NumberVocab, digit_values: list[int], vocab_size: int 
     return logits
 
 
-@pytest.mark.parametrize("variant", ["was", "mse", "mae", "huber", "number_level"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_perfect_prediction_costs_nothing(variant):
-    vocab = _digit_vocab()
+    vocab = _digit_vocab(decimal_point_id=15)  # del reads decimals
     digits = [4, 2, 9]
     labels = torch.tensor([[vocab.token_ids[vocab.values.index(float(d))] for d in digits]])
     loss = number_token_loss(_peaked_logits(vocab, digits), labels, vocab, variant=variant)
@@ -130,18 +132,17 @@ def test_one_digit_off_costs_one_under_was():
     assert squashed.item() == pytest.approx(9.0, rel=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["was", "mse", "mae", "huber", "number_level"])
-@pytest.mark.parametrize("reweigh", [False, True])
-def test_batch_without_numbers_gives_zero_and_zero_gradient(variant, reweigh):
-    vocab = _digit_vocab()
+@pytest.mark.parametrize("settings", every_variant_settings(), ids=case_id)  # reweigh off and on where allowed
+def test_batch_without_numbers_gives_zero_and_zero_gradient(settings):
+    vocab = _digit_vocab(decimal_point_id=15)  # del reads decimals
     logits = torch.randn(2, 5, 16, requires_grad=True)
     labels = torch.tensor([[0, 1, 2, 13, 14], [15, -100, 0, 1, 2]])
     for reduction in ("mean", "sum"):
-        loss = number_token_loss(logits, labels, vocab, variant=variant, reweigh=reweigh, reduction=reduction)
+        loss = number_token_loss(logits, labels, vocab, reduction=reduction, **option_keywords(settings))
         (grad,) = torch.autograd.grad(loss, logits)
         assert loss.item() == 0.0 and torch.isfinite(loss)
         assert torch.equal(grad, torch.zeros_like(grad))
-    sums = ce_ntl_sums(logits, labels, vocab, NTLSettings(variant=variant, reweigh=reweigh))
+    sums = ce_ntl_sums(logits, labels, vocab, settings)
     (grad,) = torch.autograd.grad(sums.ntl_sum, logits, allow_unused=True)
     assert sums.ntl_count.item() == 0 and (grad is None or not grad.any())
 

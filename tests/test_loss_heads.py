@@ -10,7 +10,7 @@ import torch
 from helpers.models import tiny_llama
 from helpers.numeric import relative_error
 from ntl_pretrain.config import LossConfig
-from ntl_pretrain.loss import NTLSettings
+from ntl_pretrain.loss import VARIANTS, NTLSettings
 from ntl_pretrain.loss.heads import LOSS_HEADS, ChunkedHead, FullLogitsHead, select_loss_head
 from ntl_pretrain.loss.shard import VocabShard
 from ntl_pretrain.numbers import NumberVocab
@@ -29,7 +29,7 @@ def test_the_objective_chooses_the_head_once_from_the_loss_section():
     assert chunked.describe().endswith(", chunked LM head (64 tokens a chunk, vocab_blocks backward)")
 
 
-@pytest.mark.parametrize("variant", ["was", "number_level", "del", "digit_entropy"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_full_and_chunked_heads_agree_on_a_model(variant):
     model = tiny_llama(48, seed=3).double()
     generator = torch.Generator().manual_seed(0)

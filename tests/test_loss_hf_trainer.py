@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.variants import LARGE_TERM_OPTIONS, ROW_LOCAL_OPTIONS, one_variant_of_each_kind, variant_settings
 from ntl_pretrain.loss import HFTrainerLoss, NTLSettings
 from ntl_pretrain.numbers import NumberVocab
 
@@ -125,11 +126,11 @@ def _one_step_update(tokenizer, tmp_path, micro_batch: int, accumulation: int, a
     return float(logged), {name: (p.detach() - before[name]) for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("settings", [
-    NTLSettings(variant="was"), NTLSettings(variant="number_level"),
-    # del's runs per row: the rows end and start with digits, which its default (the authors' runs over the
-    # flattened micro-batch) would join differently in 8 x 1 and 2 x 4; c = 1 so that the term moves the update
-    NTLSettings(variant="del", del_runs="rows", del_scale=1.0)], ids=["was", "number_level", "del"])
+# one variant of each kind (from the registry); del's runs per row: the rows end and start with digits, which its
+# default (the authors' runs over the flattened micro-batch) would join differently in 8 x 1 and 2 x 4; c = 1 so that
+# the term moves the update
+@pytest.mark.parametrize("settings", [variant_settings(variant, ROW_LOCAL_OPTIONS, LARGE_TERM_OPTIONS)
+                                      for variant in one_variant_of_each_kind()], ids=lambda s: s.variant)
 def test_attached_loss_does_not_change_with_gradient_accumulation(tokenizer, tmp_path, settings):
     """Issue 35: 8 rows as 8 x 1 and as 2 x 4 micro-batches give the same loss and update (1e-6) once the loss is
     attached (the step's NTL terms count). Not attached, each micro-batch's NTL mean is weighted by its label

@@ -1,6 +1,9 @@
-"""docs/architecture.md's recipes, each made in a temporary copy of the package and checked there in a fresh
-process: a new learning-rate schedule and a new loss head are each one table entry (the diff is counted), a new NTL
-variant with an option of its own is one new module."""
+"""docs/architecture.md's recipes, each made in a temporary copy of the project and checked there in a fresh
+process: a new learning-rate schedule and a new loss head are each one table entry, a new NTL variant with an option
+of its own one new module, a new NTL variant without options one module plus its reference, a new benchmark one
+module plus its registry line, a new model family one table entry plus its tiny model and its docs row (the diff is
+counted); the tests that read the registries then run in the copy and pass (the new variant's without a line of them
+edited)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.fast
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -42,6 +44,7 @@ def _run_in_copy(tmp_path: Path, check: str) -> str:
     return result.stdout
 
 
+@pytest.mark.fast
 def test_a_new_lr_schedule_is_one_entry(tmp_path):
     """A log warm-up to a constant lr (DeepSpeed's WarmupLR with warmup_type=log) as one `LR_SCHEDULES` entry: the
     config takes the name, --help shows it, a key it does not read is refused with it, and DeepSpeed's scheduler
@@ -75,6 +78,7 @@ def test_a_new_lr_schedule_is_one_entry(tmp_path):
     assert "optim.min_lr_ratio=0.2 has no effect with optim.lr_schedule=log_warmup" in out
 
 
+@pytest.mark.fast
 def test_a_new_loss_head_is_one_entry(tmp_path):
     """A head that answers every `loss` section, entered before the others: the objective picks it, the log names
     it, and the training step's call reaches it (its sums: the full-logits head's after a line, on a tiny Llama)."""
@@ -105,6 +109,212 @@ def test_a_new_loss_head_is_one_entry(tmp_path):
         assert torch.equal(new.stack(), full.stack())
         """)
     assert out.splitlines()[0].endswith(", announced head") and out.splitlines()[1] == "announced head called"
+
+
+def _copy_project(tmp_path: Path) -> None:
+    """The package, its tests, configs, docs, launcher and tools, and pyproject.toml (pytest's settings) under
+    `tmp_path`."""
+    for folder in ("ntl_pretrain", "tests", "configs", "docs", "launch", "tools"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+
+
+def _edit(path: Path, anchor: str, text: str, before: bool = False) -> list[str]:
+    """Put `text` after (or before) the one line `anchor` of `path` (a new file when `anchor` is empty); the changed
+    lines."""
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    if anchor:
+        assert old.count(anchor + "\n") == 1, anchor
+        new = old.replace(anchor + "\n", text + anchor + "\n" if before else anchor + "\n" + text)
+    else:
+        new = old + text
+    path.write_text(new, encoding="utf-8")
+    changed = difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0)
+    return [line for line in changed if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+def _pytest_in_copy(tmp_path: Path, *args: str) -> str:
+    """pytest in the copy (its package first on the path); its output, after checking that everything passed."""
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=tmp_path,
+                            env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+LOG_COSH_VARIANT = '''"""`log_cosh`: log(cosh(e)) of the error e between the expected number `sum_k q_k v_k` and the true one."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import NTLVariant, TermInputs, register
+
+
+class LogCosh(NTLVariant):
+    name = "log_cosh"
+
+    def check(self, settings) -> None:
+        if settings.reweigh:
+            raise ValueError("reweigh does not apply to variant 'log_cosh'; set reweigh=False")
+
+    def terms(self, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = inputs.slot >= 0
+        values = inputs.values
+        probs = torch.softmax(torch.where(positions[:, None], inputs.number_logits, 0.0), dim=-1)
+        return torch.log(torch.cosh(probs @ values - values[inputs.slot.clamp_min(0)])), positions
+
+
+register(LogCosh())
+'''
+LOG_COSH_REFERENCE = '''def _plain_log_cosh(logits, labels, tokenizer, settings):
+    ids = torch.tensor(digit_ids(tokenizer))
+    digit_of = torch.full((logits.shape[-1],), -1)
+    digit_of[ids] = torch.arange(10)
+    at = (labels >= 0) & (digit_of[labels.clamp_min(0)] >= 0)
+    q = torch.softmax(logits[at][:, ids], dim=-1)
+    error = q @ torch.arange(10, dtype=q.dtype) - digit_of[labels[at]].to(q.dtype)
+    return torch.log(torch.cosh(error)).mean()
+
+
+'''
+# the tests that take their variants from the registry, each run for the new variant alone (-k log_cosh), and the
+# ones that listed the variants by hand before (issue 48)
+REGISTRY_TESTS = ("tests/test_loss_variants.py", "tests/test_loss.py", "tests/test_loss_heads.py",
+                  "tests/test_loss_del.py")
+
+
+def test_a_new_variant_is_one_module_and_its_reference(tmp_path):
+    """A variant without options (log-cosh of the expected number's error): its module in loss/variants/ and its
+    plain-torch reference in tests/helpers/variants.py. The config takes it, --help names it, and the checks every
+    variant gets run for it and pass: against its reference on one process and through the chunked head, with the
+    tests that named every variant by hand before, untouched."""
+    _copy_project(tmp_path)
+    module = _edit(tmp_path / "ntl_pretrain" / "loss" / "variants" / "log_cosh.py", "", LOG_COSH_VARIANT)
+    helpers = tmp_path / "tests" / "helpers" / "variants.py"
+    reference = _edit(helpers, "# variant name -> its reference: (logits [B, S, V], labels [B, S], the tokenizer, "
+                      "NTLSettings) -> the mean NTL term", LOG_COSH_REFERENCE, before=True)
+    reference += _edit(helpers, '    "digit_entropy": _plain_digit_entropy,', '    "log_cosh": _plain_log_cosh,\n')
+    assert (len(module), len(reference)) == (24, 11)
+    out = _run_in_copy(tmp_path, f"""
+        from ntl_pretrain.config import load_config
+        from ntl_pretrain.config.parsing import help_text
+        from ntl_pretrain.loss import VARIANTS
+        cfg = load_config({str(REPO / "configs" / "demo.yaml")!r}, ["loss.variant=log_cosh"])
+        print(VARIANTS[-1], cfg.loss.variant, "log_cosh" in help_text())
+        """)
+    assert out.split() == ["log_cosh", "log_cosh", "True"]
+    out = _pytest_in_copy(tmp_path, "-m", "fast and not multiprocess", "-k", "log_cosh", *REGISTRY_TESTS)
+    # 4 in test_loss_variants, 2 in test_loss, 1 each in the others
+    assert out.splitlines()[-1].startswith("8 passed,"), out[-2000:]
+    _pytest_in_copy(tmp_path, "-m", "fast", "tests/test_config.py::test_dry_run_refuses_a_bad_choice_naming_the_allowed_"
+                    "values", "tests/test_loss_digit_entropy.py::test_it_is_registered_and_named_by_the_config")
+
+
+REPEAT_BENCHMARK = '''"""`repeat`: continue fixed prompts; its figure is the mean length of the continuations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ntl_pretrain.eval.benchmarks.base import Benchmark, BenchmarkResult, check_at_least, setting
+
+PROMPTS = ("12+3=", "a", "7-8=", "the answer is")
+
+
+@dataclass
+class RepeatSettings:
+    repeat_n: int = setting("prompts of the repeat benchmark (0: skip it)", default=0)
+    repeat_max_new_tokens: int = setting("tokens generated at most per prompt", default=6)
+
+    def __post_init__(self) -> None:
+        check_at_least(self, 0, "repeat_n")
+
+
+class Repeat(Benchmark):
+    name = "repeat"
+    Settings = RepeatSettings
+    max_new_tokens_key = "repeat_max_new_tokens"
+
+    def enabled(self, settings):
+        return settings.repeat_n > 0
+
+    def run(self, model, tokenizer, settings, context):
+        prompts = PROMPTS[:settings.repeat_n]
+        generation = context.generate(model, tokenizer, prompts, label=self.name, what=f"{len(prompts)} prompts",
+                                      max_new_tokens=settings.repeat_max_new_tokens, stop=("\\\\n",),
+                                      add_special_tokens=context.add_special_tokens)
+        records = [{"benchmark": self.name, "prompt": p, "output": o, "extracted": len(o), "gold": None,
+                    "correct": None} for p, o in zip(prompts, generation.texts)]
+        mean = sum(len(text) for text in generation.texts) / len(prompts)
+        return BenchmarkResult({"eval/repeat/mean_chars": mean}, records, generation)
+
+
+REPEAT = Repeat()
+'''
+
+
+def test_a_new_benchmark_is_one_module_and_its_registry_line(tmp_path):
+    """docs/evaluation.md's benchmark (settings, checks, run) as a module of eval/benchmarks/ and its registry line
+    (plus its import): the run config and --help take its keys, its check refuses a bad value in one line naming
+    the key, the evaluation runs it beside the built-in ones on a tiny model (TensorBoard figure, predictions
+    file), and the tests that read the benchmark registry pass in the copy."""
+    _copy_project(tmp_path)
+    benchmarks = tmp_path / "ntl_pretrain" / "eval" / "benchmarks"
+    module = _edit(benchmarks / "repeat.py", "", REPEAT_BENCHMARK)
+    registry = _edit(benchmarks / "__init__.py", "from ntl_pretrain.eval.benchmarks.gsm8k import GSM8K",
+                     "from ntl_pretrain.eval.benchmarks.repeat import REPEAT\n")
+    registry += _edit(benchmarks / "__init__.py", "    GSM8K,", "    REPEAT,\n")
+    assert (len(module), len(registry)) == (40, 2)
+    out = _run_in_copy(tmp_path, f"""
+        import json
+        import sys
+        sys.path.insert(0, {str(tmp_path / "tests")!r})
+        from helpers.models import char_tokenizer, eval_llama
+        from ntl_pretrain.config import load_config
+        from ntl_pretrain.config.parsing import help_text
+        from ntl_pretrain.eval.hooks import predictions_path, run_evaluation
+        demo = {str(REPO / "configs" / "demo.yaml")!r}
+        cfg = load_config(demo, ["eval.repeat_n=3", "eval.arithmetic_n=1"])
+        print(cfg.eval.repeat_n, "eval.repeat_n" in help_text(), "eval.repeat_max_new_tokens" in help_text())
+        try:
+            load_config(demo, ["eval.repeat_n=-1"])
+        except ValueError as error:
+            print(error)
+        tokenizer = char_tokenizer()
+        metrics = run_evaluation(eval_llama(len(tokenizer), seed=4), tokenizer, cfg.eval, step=1, output_dir="out")
+        lines = [json.loads(line) for line in open(predictions_path("out", 1), encoding="utf-8")]
+        print(sorted({{line["benchmark"] for line in lines}}), "eval/repeat/mean_chars" in metrics)
+        """)
+    assert out.splitlines()[:2] == ["3 True True", "eval.repeat_n=-1 must be >= 0"], out
+    assert out.splitlines()[2] == "['arith', 'repeat'] True", out
+    _pytest_in_copy(tmp_path, "-m", "fast", "tests/test_eval_registry.py", "tests/test_config.py", "-k",
+                    "registry or help or eval")
+
+
+def test_a_new_model_family_is_one_entry_its_tiny_model_and_its_docs_row(tmp_path):
+    """OLMo (1) as one `FAMILIES` entry, its tiny model in tests/test_model_families.py and its row in
+    docs/training.md's table (a test keeps the page equal to the registry): the start-up check takes it, and the
+    family tests that read the table pass in the copy (its tiny model builds; the page is the table)."""
+    _copy_project(tmp_path)
+    entry = _edit(tmp_path / "ntl_pretrain" / "models" / "families.py", '    "falcon": Family("Falcon", special="fused '
+                  'query_key_value, parallel attention/MLP"),', '    "olmo": Family("OLMo", special="non-parametric '
+                  'layer norms"),\n')
+    tiny = _edit(tmp_path / "tests" / "test_model_families.py", "                   num_hidden_layers=2, "
+                 "num_attention_heads=8, max_position_embeddings=64),", '    "olmo": dict(tie_word_embeddings=False, '
+                 '**COMMON),\n')
+    docs = _edit(tmp_path / "docs" / "training.md", "| Falcon (`falcon`) | trains | trains | T=1 and T>1 | fused "
+                 "query_key_value, parallel attention/MLP |", "| OLMo (`olmo`) | trains | trains | T=1 and T>1 | "
+                 "non-parametric layer norms |\n")
+    assert (len(entry), len(tiny), len(docs)) == (1, 1, 1)
+    out = _run_in_copy(tmp_path, """
+        from transformers import AutoConfig
+        from ntl_pretrain.models.families import check_family, families_table
+        check_family(AutoConfig.for_model("olmo"), tp_size=2, partitioned_load=True)
+        print(families_table().splitlines()[-1])
+        """)
+    assert out.strip() == "| OLMo (`olmo`) | trains | trains | T=1 and T>1 | non-parametric layer norms |", out
+    _pytest_in_copy(tmp_path, "tests/test_model_families.py", "-k", "tiny_model or docs_table")
 
 
 POWER_VARIANT = '''"""`power`: |expected number - true number| ** power_exponent at every number token."""

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from helpers.distributed import run_workers
+from ntl_pretrain.models.families import FAMILIES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
-MODEL_TYPES = ["llama", "qwen2", "mistral", "gemma2", "phi3", "olmo2", "qwen3_moe"]
+MODEL_TYPES = list(FAMILIES)  # every family of the table (each its own modeling module), its tiny config
 LAZY_IMPORTS = re.compile(r"^(transformers\.models\.|transformers_modules\.|torch\._dynamo)")
 
 

@@ -8,13 +8,16 @@ import numpy as np
 import torch
 
 from ntl_pretrain.data.stream import _to_micro_batch
-from ntl_pretrain.loss import NTLSettings, ce_ntl_sums
+from helpers.variants import ROW_LOCAL_OPTIONS, variant_settings
+from ntl_pretrain.loss import VARIANTS, ce_ntl_sums
 
 # Three documents a row, numbers at both ends of each (a number ends a document right before the next one starts
 # with digits: the number-level spans must stop at the EOS), the rows' orders differing; the last one is cut.
 DOCUMENTS = ["12+34=46", "7 apples cost 35.5$ or 9", "98-19=79 ok 5"]
 ROW_ORDERS = [(0, 1, 2), (2, 0, 1)]
-SETTINGS = {"was": NTLSettings(variant="was"), "number_level": NTLSettings(variant="number_level")}
+# every registered variant, with the options that keep its terms within a row (del's runs per row: runs over the
+# flattened batch would join the documents, which one-by-one does not)
+SETTINGS = {variant: variant_settings(variant, ROW_LOCAL_OPTIONS) for variant in VARIANTS}
 
 
 def packed_rows(tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

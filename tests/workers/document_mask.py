@@ -71,7 +71,7 @@ def main() -> None:
         assert error < 1e-5 and (logits - expected).abs().max() < 1e-5, ("logits", error)
         print(f"OK logits {error:.1e}", flush=True)
         for name, settings in SETTINGS.items():
-            spans = shard_number_spans(labels, shard, vocab, settings) if settings.variant == "number_level" else None
+            spans = shard_number_spans(labels, shard, vocab, settings) if settings.ntl_variant.needs_spans else None
             sums = ce_ntl_sums(logits, shard.split(labels), vocab, settings, shard=vocab_shard, spans=spans)
             both = torch.stack([sums.ce_sum, sums.ntl_sum]).double()
             if shard.size > 1:

@@ -1,6 +1,6 @@
 """Worker: CE + NTL under Ulysses sequence parallelism (DeepSpeed ZeRO-3, gloo) equals plain transformers on one
 process for the same global batch: the loss, every gradient (`safe_get_full_grad`) and the weights after one
-AdamW step, for CE alone and each NTL variant (number-level with numbers across the shard boundaries).
+AdamW step, for CE alone and every registered NTL variant (number-level with numbers across the shard boundaries).
 
 Every rank first computes the reference on the whole global batch with a plain `LlamaForCausalLM` (sdpa) and
 `torch.optim.AdamW`, BEFORE DeepSpeed's Ulysses attention replaces sdpa in this process. Then, per case, a
@@ -28,8 +28,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.models import char_tokenizer, tiny_llama_config  # noqa: E402
 from helpers.numeric import relative_error  # noqa: E402
+from helpers.variants import LARGE_TERM_OPTIONS, variant_settings  # noqa: E402
 from ntl_pretrain.parallel import distributed  # noqa: E402
-from ntl_pretrain.loss import (NTLSettings, ce_ntl_sums, chunked_model_ce_ntl_sums,  # noqa: E402
+from ntl_pretrain.loss import (VARIANTS, NTLSettings, ce_ntl_sums, chunked_model_ce_ntl_sums,  # noqa: E402
                                scaled_micro_batch_loss)
 from ntl_pretrain.loss.normalize import StepCounts  # noqa: E402
 from ntl_pretrain.loss.sequence_shard import shard_number_spans, shard_term_positions  # noqa: E402
@@ -48,12 +49,10 @@ ROWS = ["abc 12+3=1234567890 xyz q..", "7.25 is 3.14159265 or 42. ok", "ab 0 cd 
 # or entries of ~1e-8 turn that round-off into steps of lr / 2 that differ between two correct runs
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-5, 0.1
 NTL_WEIGHT = 0.5
-CASES = {"ce": None, "was": NTLSettings(variant="was"), "mse": NTLSettings(variant="mse"),
-         "mae": NTLSettings(variant="mae"), "huber": NTLSettings(variant="huber", reweigh=True),
-         "number_level": NTLSettings(variant="number_level"),
+# CE alone, every registered variant (del's runs over the flattened batch, the authors'), and number-level's options
+CASES = {"ce": None, **{variant: variant_settings(variant, LARGE_TERM_OPTIONS, reweigh=True) for variant in VARIANTS},
          "number_level_float": NTLSettings(variant="number_level", float_level=True, reweigh=True),
-         "number_level_chunked": NTLSettings(variant="number_level", float_level=True),
-         "del": NTLSettings(variant="del", del_scale=1.0)}  # runs over the flattened batch (the authors')
+         "number_level_chunked": NTLSettings(variant="number_level", float_level=True)}
 
 PROMPTS = ["1+2=", "12+345=", "7", "98-76=1"]  # several lengths: a left-padded batch
 CHUNK_TOKENS = {"number_level_chunked": 7}  # the chunked head (loss.chunk_tokens), chunks not aligned with shards
@@ -183,7 +182,7 @@ def main() -> None:
     print(f"CROSSING {crossing}", flush=True)  # numbers continuing from the previous slice into this one
 
     # one number-level objective call: the exchange is its one all-reduce forward, whatever the data
-    settings = CASES["number_level"]
+    settings = NTLSettings(variant="number_level")
     logits = torch.randn(labels.shape[0], SEQ_LEN // sp, len(tokenizer), requires_grad=True)
     no_numbers = torch.full_like(labels, 20)  # a letter everywhere: no number at all
     def objective_call(rows: torch.Tensor) -> None:

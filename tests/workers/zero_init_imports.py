@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from pathlib import Path
 
 import deepspeed
 import torch
 from transformers import AutoConfig
 
-from ntl_pretrain.models.loading import build_from_config_partitioned, load_partitioned
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ntl_pretrain.models.loading import build_from_config_partitioned, load_partitioned  # noqa: E402
+from test_model_families import TINY  # noqa: E402  (each family's tiny config: its test keeps one per family)
 
-ARCH = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, pad_token_id=0)
+ARCH = dict(vocab_size=96, pad_token_id=0)
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 
@@ -77,7 +79,7 @@ def main() -> None:
                     model = load_partitioned(model_dir, config, DS_CONFIG, attn_implementation="sdpa",
                                              dtype=torch.float32, trust_remote_code=False)
                 else:
-                    config = AutoConfig.for_model(kind, **ARCH)
+                    config = AutoConfig.for_model(kind, **ARCH, **TINY[kind])
                     model = build_from_config_partitioned(config, DS_CONFIG,
                                                           attn_implementation=ATTENTION.get(kind, "sdpa"),
                                                           dtype=torch.float32, trust_remote_code=False)

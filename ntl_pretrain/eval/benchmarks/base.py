@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from ntl_pretrain.core.errors import ConfigError
 from ntl_pretrain.eval.generate import GenerationOutput, data_parallel_group, greedy_generate
 from ntl_pretrain.eval.progress import GenerationProgress
 
@@ -24,11 +25,12 @@ def setting(doc: str, **kwargs: Any) -> Any:
 
 
 def check_at_least(settings: Any, minimum: int, *names: str) -> None:
-    """Raise ValueError for the first of the `names` settings below `minimum` (None, meaning "default", passes)."""
+    """Raise ConfigError (a ValueError: one line, no trace) for the first of the `names` settings below `minimum`
+    (None, meaning "default", passes)."""
     for name in names:
         value = getattr(settings, name)
         if value is not None and value < minimum:
-            raise ValueError(f"eval.{name}={value} must be >= {minimum}")
+            raise ConfigError(f"eval.{name}={value} must be >= {minimum}")
 
 
 def is_writer_rank() -> bool:
