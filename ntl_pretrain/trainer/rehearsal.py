@@ -60,6 +60,7 @@ from ..data.stream import _MapSource
 from ..data.streamed import rank_share
 from ..eval.generate import _rank_and_size, prompt_share
 from ..loss import vocab_shard_of
+from ..models.families import add_tp_partition_config, family_of
 from ..models.loading.autotp import _tp_pieces
 from ..models.loading.zero3 import zero3_partition_numel, zero3_partition_range
 from ..parallel import distributed
@@ -245,6 +246,20 @@ def _engine_shell(ds_config: dict, mpu: Any) -> Any:
     return shell
 
 
+@contextlib.contextmanager
+def _autotp_training_mode() -> Iterator[None]:
+    """AutoTP in its training mode, as deepspeed.initialize sets it for a config with tensor_parallel.autotp_size
+    (the heuristic AutoTP of a model without a tp_plan, Falcon's, reads inference settings otherwise)."""
+    from deepspeed.module_inject import layers
+
+    before = layers.get_auto_tp_mode()
+    layers.set_autotp_mode(training=True)
+    try:
+        yield
+    finally:
+        layers.DEEPSPEED_AUTOTP_MODE = before
+
+
 def _meta_model(model_config: Any) -> torch.nn.Module:
     """The run's model on the meta device (shapes only; sdpa attention, which Ulysses wraps)."""
     from transformers import AutoModelForCausalLM
@@ -282,6 +297,9 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
                          f"folder with the model's config.json (tools/rehearse.py --model-config PATH)")
     cfg, ds_config, model_config = checked.run.cfg, checked.run.ds_config, checked.model_config
     tp, sp = cfg.parallel.tp_size, cfg.parallel.sp_size
+    if tp > 1:  # AutoTP gets the family's own layer specs, as build_model hands them to deepspeed.initialize
+        ds_config = copy.deepcopy(ds_config)
+        add_tp_partition_config(ds_config, family_of(model_config)[0])
     dp = world_size // (tp * sp)
     focus = min(173, world_size - 1) if focus_rank is None else focus_rank
     if not 0 <= focus < world_size:
@@ -348,7 +366,8 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
             if layout.rank in autotp_ranks:
                 autotp_started = time.perf_counter()
                 model = copy.deepcopy(reference)  # a fresh meta model (AutoTP replaces its layers in place)
-                shell._configure_tensor_parallel(model, shell.tensor_parallel_config())
+                with _autotp_training_mode():
+                    shell._configure_tensor_parallel(model, shell.tensor_parallel_config())
                 tp_rank = ds_groups.get_tensor_model_parallel_rank()
                 mine = {name: _tp_pieces(param, name, tp_rank) or [] for name, param in model.named_parameters()}
                 if set(mine) != set(shapes):  # every parameter is checked by its name in the unsliced model
@@ -778,6 +797,10 @@ def _check_model(rehearsal: Rehearsal) -> list[str]:
             continue
         for kind, total in (("attention", model["heads"]), ("key_value", model["kv_heads"])):
             pieces = [shares[r].heads[kind] for r in group if kind in shares[r].heads]
+            if not pieces:  # fused attention projections (Phi-3's qkv_proj, GPT-NeoX's query_key_value): not read
+                continue
+            if head_group == "tp" and all(piece == (0, total) for piece in pieces):
+                continue  # attention AutoTP leaves whole (the family's layer specs: Phi-3, OLMo2): every rank all heads
             if kind == "key_value" and replicated_kv:
                 covered = sorted(head for start, stop in pieces for head in range(start, stop))
                 tiled = covered == sorted(list(range(total)) * (len(group) // total))
