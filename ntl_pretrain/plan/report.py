@@ -91,7 +91,7 @@ def plan_lines(plan: Plan) -> list[str]:
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def stdout_to_stderr() -> Iterator[None]:
     """What is printed to stdout meanwhile (DeepSpeed's accelerator line, whose logger holds the process's stdout,
     and any library's print) goes to stderr instead, so that `--plan --json`'s stdout is the JSON alone."""
     sys.stdout.flush()
@@ -113,7 +113,7 @@ def run_plan(cfg: Config, world_size: int | None, device_memory: str | None, as_
     if not world_size:
         raise ConfigError("--plan needs --world-size N (the number of processes the run will have)")
     memory = parse_bytes(device_memory) if device_memory is not None else None
-    with _stdout_to_stderr() if as_json else contextlib.nullcontext():
+    with stdout_to_stderr() if as_json else contextlib.nullcontext():
         plan, fitting, refused = _plans(cfg, world_size, memory, on_cpu)
     fits = None if memory is None else plan.device_bytes <= memory
     if as_json:

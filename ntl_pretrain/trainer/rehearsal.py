@@ -643,12 +643,29 @@ def check_shares(rehearsal: Rehearsal) -> list[str]:
         problems.append(f"the rehearsal holds ranks {ranks[:5]}..., not 0..{world - 1}")
         return problems
     problems += _check_groups(rehearsal)
+    problems += _check_nodes(rehearsal)
     problems += _check_data(rehearsal)
     problems += _check_model(rehearsal)
     problems += _check_sequence(rehearsal)
     problems += _check_checkpoint(rehearsal)
     problems += _check_prompts(rehearsal)
     return problems
+
+
+def _check_nodes(rehearsal: Rehearsal) -> list[str]:
+    """Each tensor-parallel group within one node (nodes: consecutive blocks of local_world_size ranks, as the
+    launchers number them): AutoTP all-reduces several times a layer, which across nodes go over the network."""
+    lws = rehearsal.local_world_size
+    spanning = sorted({share.groups["tp"] for share in rehearsal.shares
+                       if len({rank // lws for rank in share.groups["tp"]}) > 1})
+    if not spanning:
+        return []
+    heads = (rehearsal.model["heads"], rehearsal.model["kv_heads"])
+    fits = [t for t in range(1, lws + 1) if lws % t == 0 and rehearsal.world_size % t == 0
+            and all(h % t == 0 for h in heads)]
+    return [f"{len(spanning)} tp group(s) span two nodes of {lws} processes (first: ranks {_ranks(spanning[0])}): "
+            f"AutoTP's per-layer all-reduces would cross the network; set parallel.tp_size to one of {fits} "
+            f"(dividing the processes per node)"]
 
 
 def _partition_problems(what: str, members: dict[int, tuple[int, ...]], world: int) -> list[str]:
