@@ -60,7 +60,7 @@ from ..data.stream import _MapSource
 from ..data.streamed import rank_share
 from ..eval.generate import _rank_and_size, prompt_share
 from ..loss import vocab_shard_of
-from ..models.families import add_tp_partition_config, family_of
+from ..models.families import accept_scaled_embeddings, add_tp_partition_config, family_of, supports_sdpa
 from ..models.loading.autotp import _tp_pieces
 from ..models.loading.zero3 import zero3_partition_numel, zero3_partition_range
 from ..parallel import distributed
@@ -261,7 +261,8 @@ def _autotp_training_mode() -> Iterator[None]:
 
 
 def _meta_model(model_config: Any) -> torch.nn.Module:
-    """The run's model on the meta device (shapes only; sdpa attention, which Ulysses wraps)."""
+    """The run's model on the meta device (shapes only; sdpa attention, which Ulysses wraps, where the model has
+    one: Gemma2's eager)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -269,8 +270,8 @@ def _meta_model(model_config: Any) -> torch.nn.Module:
     except ImportError:
         from transformers.modeling_utils import no_init_weights
     with torch.device("meta"), no_init_weights():
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), attn_implementation="sdpa",
-                                                 dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa" if supports_sdpa(model_config) else "eager")
     model.tie_weights()  # a tied head is the embedding, as the trainer's builds and loads leave it
     return model
 
@@ -297,9 +298,10 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
                          f"folder with the model's config.json (tools/rehearse.py --model-config PATH)")
     cfg, ds_config, model_config = checked.run.cfg, checked.run.ds_config, checked.model_config
     tp, sp = cfg.parallel.tp_size, cfg.parallel.sp_size
-    if tp > 1:  # AutoTP gets the family's own layer specs, as build_model hands them to deepspeed.initialize
+    if tp > 1:  # AutoTP gets the family's own layer specs and takes Gemma2's embedding, as build_model sets them
         ds_config = copy.deepcopy(ds_config)
         add_tp_partition_config(ds_config, family_of(model_config)[0])
+        accept_scaled_embeddings()
     dp = world_size // (tp * sp)
     focus = min(173, world_size - 1) if focus_rank is None else focus_rank
     if not 0 <= focus < world_size:
