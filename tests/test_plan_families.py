@@ -140,6 +140,7 @@ def test_a_tp_plan_deepspeed_refuses_is_refused_before_anything_is_built(tmp_pat
                                           r"style\(s\) rowwise_split_input, which DeepSpeed .* refuses"):
         _plan(str(tmp_path / "olmoe"), 2)
     assert _plan(str(tmp_path / "olmoe"), 1)[0].tp_size == 1
+    assert _plan(str(tmp_path / "olmoe"), "auto")[0].tp_size == 1  # auto picks a size AutoTP takes
 
 
 @pytest.mark.parametrize("attention", ["auto", "eager"])
