@@ -22,8 +22,9 @@ TINY = ["model.architecture.model_type=llama", "model.architecture.hidden_size=3
 
 
 @pytest.fixture
-def tiny(tmp_path, monkeypatch, capsys):
-    """Run `--plan ARGS` on the tiny model with a word-level tokenizer; (exit code, stdout, stderr)."""
+def tiny(tmp_path, monkeypatch, capfd):
+    """Run `--plan ARGS` on the tiny model with a word-level tokenizer; (exit code, stdout, stderr), the process's
+    file descriptors included."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,10 +37,10 @@ def tiny(tmp_path, monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
 
     def run(*args: str):
-        capsys.readouterr()
+        capfd.readouterr()
         code = cli.main(["--plan", *args, *TINY, f"tokenizer.name_or_path={tmp_path / 'tok'}",
                          f"data.sources.0.path={tmp_path / 'corpus.jsonl'}"])
-        out = capsys.readouterr()
+        out = capfd.readouterr()
         return code, out.out, out.err
     return run
 
@@ -90,3 +91,31 @@ def test_a_hub_model_not_cached_names_where_to_get_its_config(tiny):
                         "model.architecture={}")
     assert code == 2
     assert "--plan needs the model's config.json" in err and "examples/model_configs/" in err
+
+
+@pytest.mark.parametrize("memory", ["", "0", "0GiB"])
+def test_a_device_memory_of_nothing_is_refused(tiny, memory):
+    """'' planned without a verdict and 0 said nothing fits; both are no device."""
+    code, out, err = tiny("--world-size", "2", "--device-memory", memory)
+    assert code == 2 and out == ""
+    assert f"--device-memory {memory!r} is not a size; give a device's memory above 0" in err
+
+
+def test_json_plan_is_alone_on_stdout(tiny, monkeypatch):
+    """What libraries print while the plan is made (DeepSpeed's accelerator line goes to the process's stdout, at
+    its first use in a new process) goes to stderr: stdout is the JSON alone, for `--json > plan.json`."""
+    import os
+
+    from ntl_pretrain.plan import report
+
+    make_plan = report.make_plan
+
+    def noisy_make_plan(*args, **kwargs):
+        print("[WARNING] [real_accelerator.py] Setting accelerator to CPU.")
+        os.write(1, b"a line written to the process's stdout\n")
+        return make_plan(*args, **kwargs)
+
+    monkeypatch.setattr(report, "make_plan", noisy_make_plan)
+    code, out, err = tiny("--world-size", "2", "--device-memory", "8GiB", "--json")
+    assert code == 0 and json.loads(out)["fits"] is True
+    assert "Setting accelerator to CPU" in err and "the process's stdout" in err

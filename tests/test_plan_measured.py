@@ -62,7 +62,9 @@ LAUNCHES = {
     "dp2": (2, 1, {"dp2_small_chunked_unpersisted": [*SMALL, *CHUNKED, *GATHERED], "dp2_larger_bf16": LARGER,
                    "dp2_small_checkpointed": [*SMALL, "model.gradient_checkpointing=true"]}),
     "dp2tp2": (4, 2, {"dp2tp2_small": SMALL, "dp2tp2_larger_bf16_chunked": [*LARGER, *CHUNKED],
-                      "dp2tp2_small_checkpointed": [*SMALL, "model.gradient_checkpointing=true"]}),
+                      "dp2tp2_small_checkpointed": [*SMALL, "model.gradient_checkpointing=true"],
+                      # the head tied to the embedding: both one vocabulary shard, the lookup all-reduced
+                      "dp2tp2_small_tied": [*SMALL, "model.architecture.tie_word_embeddings=true"]}),
     "sp2": (2, 1, {"sp2_bf16": ["parallel.sp_size=2", "model.dtype=bf16"],
                    "sp2_checkpointed": ["parallel.sp_size=2", "model.gradient_checkpointing=true"]}),
 }

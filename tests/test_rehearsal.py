@@ -225,3 +225,47 @@ def test_rehearse_tool_prints_the_summary_and_json_zero2(run_inputs, capsys):
     assert files[1] == ["bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", "mp_rank_01_model_states.pt",
                         "rng_state_1.pt"]
     assert files[5] == ["bf16_zero_pp_rank_2_mp_rank_01_optim_states.pt", "rng_state_5.pt"]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("sizes,named", [(["--world-size", "0"], "--world-size 0 is not a number of processes"),
+                                         (["--world-size", "16", "--local-world-size", "0"],
+                                          "--local-world-size 0 is not a number of processes per node"),
+                                         (["--world-size", "16", "--local-world-size", "32"],
+                                          "--local-world-size 32 is not a number of processes per node of a "
+                                          "16-process run; give 1 to 16")])
+def test_rehearse_tool_refuses_sizes_of_no_world(sizes, named, capsys):
+    """A world of 0 said 'focus rank -1 is outside', --local-world-size 0 was a ZeroDivisionError traceback, and
+    more processes per node than in the world rehearsed: one line each, before anything is read."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import rehearse as tool
+    finally:
+        sys.path.pop(0)
+    assert tool.main(["--config", CONFIG, *sizes]) == 2
+    assert f"error: {named}" in capsys.readouterr().err
+
+
+def test_a_tp_group_across_two_nodes_is_reported(run_inputs):
+    """12 ranks of 6 a node at tp 4: ranks 4-7 and 16-19... form tp groups that span nodes 0|1 (ranks 0-5 | 6-11):
+    AutoTP's all-reduces would cross the network; the rehearsal names the first and the sizes that fit a node."""
+    rehearsal = rehearse(_config(run_inputs, "llama3-8b", "parallel.tp_size=4"), 12, local_world_size=6)
+    assert rehearsal.problems == ["1 tp group(s) span two nodes of 6 processes (first: ranks 4-7): AutoTP's "
+                                  "per-layer all-reduces would cross the network; set parallel.tp_size to one of "
+                                  "[1, 2] (dividing the processes per node)"]
+    assert rehearse(_config(run_inputs, "llama3-8b", "parallel.tp_size=2"), 12, local_world_size=6).problems == []
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "gpt_neox", "falcon", "gemma2"])
+def test_families_rehearse_at_tp_2(run_inputs, model_type):
+    """The families the rehearsal could not run at tp 2 as the trainer does: Phi-3 and OLMo2 (their tp_plan, which
+    DeepSpeed refuses, instead of their layer specs), Falcon (DeepSpeed's heuristic AutoTP outside its training
+    mode), Gemma2 (its scaled embedding, and no sdpa attention); Phi-3's, OLMo2's and GPT-NeoX's heads (whole on
+    every rank, or fused) are not reported as split wrongly."""
+    from test_model_families import tiny_config
+
+    tiny_config(model_type).save_pretrained(run_inputs / model_type)
+    rehearsal = rehearse(_config(run_inputs, model_type, "parallel.tp_size=2", "data.seq_len=64",
+                                 "model.resize_embeddings=false"), 4)
+    assert rehearsal.problems == []
+    assert sorted(rehearsal.slices) == [0, 1]

@@ -14,6 +14,7 @@ problem was found (each printed), 2 for a configuration the trainer would refuse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -47,18 +48,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     overrides = list(args.overrides)
+    if args.world_size < 1 or not 1 <= args.local_world_size <= args.world_size:
+        which = (f"--world-size {args.world_size} is not a number of processes; give 1 or more" if args.world_size < 1
+                 else f"--local-world-size {args.local_world_size} is not a number of processes per node of a "
+                      f"{args.world_size}-process run; give 1 to {args.world_size}")
+        print(f"error: {which}", file=sys.stderr)
+        return 2
     if args.model_config:
         folder = args.model_config if os.path.isdir(args.model_config) else os.path.dirname(args.model_config)
         if not os.path.isfile(os.path.join(folder, "config.json")):
             print(f"error: --model-config {args.model_config!r}: no config.json there", file=sys.stderr)
             return 2
         overrides.append(f"model.name_or_path={os.path.abspath(folder)}")
+    from ntl_pretrain.plan.report import stdout_to_stderr
     from ntl_pretrain.trainer.rehearsal import rehearse
 
     try:
-        cfg = load_config(args.config, overrides)
-        rehearsal = rehearse(cfg, args.world_size, local_world_size=args.local_world_size, focus_rank=args.rank,
-                             model_ranks="all" if args.all_ranks_autotp else "focus")
+        with stdout_to_stderr() if args.json else contextlib.nullcontext():  # --json: stdout is the JSON alone
+            cfg = load_config(args.config, overrides)
+            rehearsal = rehearse(cfg, args.world_size, local_world_size=args.local_world_size, focus_rank=args.rank,
+                                 model_ranks="all" if args.all_ranks_autotp else "focus")
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -198,10 +198,72 @@ def check_family(config: Any, tp_size: int, partitioned_load: bool) -> None:
         raise ConfigError(problem)
 
 
+def supports_sdpa(config: Any) -> bool:
+    """Whether transformers' causal LM of `config` has an sdpa attention (Gemma2's has none)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return bool(getattr(model_class, "_supports_sdpa", True))
+
+
+def check_attention(config: Any, attn_implementation: str) -> None:
+    """Refuse (ConfigError, one line) model.attn_implementation=sdpa for a model without an sdpa attention, which
+    transformers refuses when the model is built."""
+    if attn_implementation == "sdpa" and not supports_sdpa(config):
+        raise ConfigError(f"model.attn_implementation=sdpa: {family_of(config)[0]} has no sdpa attention in "
+                          f"transformers; set model.attn_implementation=eager, or flash_attention_2 with flash-attn "
+                          f"installed")
+
+
+def tp_plan_styles(config: Any) -> dict[str, str]:
+    """{module pattern: partition style} of the transformers tp_plan AutoTP reads for `config`'s model (its text
+    model's), {} when it has none."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return dict(getattr(text_config, "base_model_tp_plan", None) or {})
+
+
+def _refused_tp_styles(model_type: str, config: Any = None) -> list[str]:
+    """The partition styles of the tp_plan AutoTP would read for `model_type` (its config class's, or `config`'s)
+    that DeepSpeed's converter refuses; none for a family with its own layer specs."""
+    family = FAMILIES.get(model_type)
+    if family is not None and family.tp_layer_specs:
+        return []
+    if config is None:
+        from transformers import CONFIG_MAPPING
+
+        config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None  # (its .get is not lazy)
+        styles = dict(getattr(config_class, "base_model_tp_plan", None) or {})
+    else:
+        styles = tp_plan_styles(config)
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES
+
+    return sorted({style for style in styles.values() if style.lower() not in SUPPORTED_STYLES})
+
+
+def check_tp_plan(config: Any, tp_size: int, ds_config: dict) -> None:
+    """Refuse (ConfigError, one line) a run whose AutoTP would read a transformers tp_plan holding a partition
+    style DeepSpeed's converter refuses (OLMoE's `rowwise_split_input`, DeepSeek's `mla_kv_a_proj`, ...): it would
+    fail inside deepspeed.initialize, after the model was built. Not when the family has its own layer specs or
+    the DeepSpeed config gives AutoTP a partition_config or preset_model (then the tp_plan is not read)."""
+    tensor_parallel = ds_config.get("tensor_parallel") or {}
+    if tp_size <= 1 or "partition_config" in tensor_parallel or "preset_model" in tensor_parallel:
+        return
+    import deepspeed
+
+    model_type = family_of(config)[0]
+    refused = _refused_tp_styles(model_type, config)
+    if refused:
+        raise ConfigError(f"parallel.tp_size={tp_size}: the transformers tp_plan of {model_type} has the partition "
+                          f"style(s) {', '.join(refused)}, which DeepSpeed {deepspeed.__version__}'s AutoTP refuses "
+                          f"(inside deepspeed.initialize); set parallel.tp_size=1 (ZeRO-3 still shards the model) or "
+                          f"give AutoTP layer specs in the DeepSpeed config's tensor_parallel.partition_config")
+
+
 def tp_limit(cfg: Any) -> int | None:
     """1 when the run's model family (model.architecture's model_type, or a local model.name_or_path's
-    config.json) cannot run with tensor parallelism with the run's load, else None (no limit known); what
-    `parallel.tp_size=auto` may pick. `cfg`: the run's `Config`."""
+    config.json) cannot run with tensor parallelism with the run's load (or its tp_plan has a style DeepSpeed
+    refuses, `check_tp_plan`), else None (no limit known); what `parallel.tp_size=auto` may pick. `cfg`: the
+    run's `Config`."""
     model = cfg.model
     model_type = model.architecture.get("model_type")
     path = model.name_or_path and os.path.join(os.path.expanduser(model.name_or_path), "config.json")
@@ -210,7 +272,7 @@ def tp_limit(cfg: Any) -> int | None:
             found = json.load(handle)
         model_type = (found.get("text_config") or {}).get("model_type") or found.get("model_type")
     partitioned = model.name_or_path is not None and model.partitioned_load and cfg.parallel.zero_stage == 3
-    return 1 if family_problem(str(model_type), 2, partitioned) else None
+    return 1 if family_problem(str(model_type), 2, partitioned) or _refused_tp_styles(str(model_type)) else None
 
 
 def published_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

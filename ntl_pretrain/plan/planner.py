@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +22,16 @@ from ..core.fs import local_or_hub
 from ..loss.chunked import resolve_chunk_backward
 from ..loss.ntl import NTLSettings
 from ..models.build import DTYPES, padded_vocab_size
-from ..models.families import FAMILIES, family_of
 from ..trainer.preflight import Preflight
-from .activations import traced_saved_bytes
-from .model import PlannedParameter, meta_model, planned_parameters, zero3_partition
+from ..models.families import supports_sdpa
+from .activations import HEAD_WIDTH_FROM_HIDDEN, traced_saved_bytes
+from .model import PlannedParameter, meta_model, planned_parameters, tied_embedding, zero3_partition
 
 FP32 = 4  # bytes: ZeRO's master weights, Adam's moments, the loss's compute dtype for bf16/fp16 logits
 DIGITS = 10  # number tokens of digit-level NTL (the loss's packed table holds K + 2 columns a row)
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
+ATTENTION_NAME = re.compile(r"\.(self_attn|attention|self_attention)\.")  # a decoder layer's attention module
+EXPERTS_NAME = re.compile(r"\.(experts|router|gate)\.")  # a MoE block's experts and router
 # the memory terms in the order they are shown; `transient` ones exist during part of the step only
 MEMORY_TERMS = {
     "parameters": "ZeRO-3 partition of the parameters (model dtype)",
@@ -184,15 +187,17 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
     rows, tokens = cfg.data.micro_batch_size, cfg.data.seq_len // sp
     local_tokens = rows * tokens
     vocab_local = -(-vocab // tp)
-    family = FAMILIES.get(family_of(model_config)[0])
-    # a family whose layer specs leave the attention projections whole (`models.families`: Phi-3, OLMo2)
-    split_attention = not (family and any(spec["partition_type"] == "skip" and "_proj" in pattern
-                                          for spec in family.tp_layer_specs for pattern in spec["patterns"]))
+    # what AutoTP splits of a layer, as planned per parameter: the attention (whole where the family's layer specs
+    # replicate it: Phi-3, OLMo2) and the MLP (a MoE's fused experts stay whole on every rank)
+    layer0 = [p for p in params if p.layer == 0 and p.tp_dim is not None]
+    split_attention = any(ATTENTION_NAME.search(p.name) for p in layer0)
+    split_mlp = any(".mlp." in p.name and not EXPERTS_NAME.search(p.name) for p in layer0)
     loss = cfg.loss
     settings = NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
                            smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
     saved = traced_saved_bytes(sized, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
                                rows=rows, tokens=tokens, tp_size=tp, split_attention=split_attention,
+                               split_mlp=split_mlp,
                                vocab_local=vocab_local, number_tokens=DIGITS, settings=settings,
                                with_ntl=loss.ntl_on, chunk_tokens=loss.chunk_tokens,
                                chunk_backward=loss.chunk_backward, device_type=device_type)
@@ -229,13 +234,20 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
         host_memory["parameters"] = memory.pop("parameters")
 
     traffic = step_traffic(cfg, params, zero, layers, hidden, partitions, tp, sp, local_tokens, bytes_model,
-                           bytes_comm, text)
+                           bytes_comm, text, tied_embedding=tied_embedding(model) is not None)
     optimizer = ds_config.get("optimizer", {})
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
         notes.append(f"optimizer {optimizer.get('type')!r}: planned as Adam (two fp32 moments)")
     if cfg.model.gradient_checkpointing:
         notes.append("activation checkpointing: each layer keeps its input; one layer's saved set while it is "
                      "recomputed in backward")
+    if cfg.model.attn_implementation == "auto" and not supports_sdpa(text):
+        notes.append(f"model.attn_implementation=auto: {text.model_type} has no sdpa attention, so the run needs "
+                     f"flash-attn on its GPU nodes (auto then picks flash_attention_2, as planned; without it the "
+                     f"model cannot be built): else set model.attn_implementation=eager")
+    if tp > 1 and split_attention and text.model_type in HEAD_WIDTH_FROM_HIDDEN:
+        notes.append(f"{text.model_type} takes its head width from hidden_size / heads: its attention's activations "
+                     f"are planned with all heads on every tp rank (an upper bound; AutoTP splits them)")
     if cfg.model.attn_implementation == "sdpa" and cfg.data.document_mask:
         notes.append("sdpa with data.document_mask=true: transformers builds a [rows, S, S] mask and repeats the "
                      "key-value heads, not planned (flash_attention_2, which auto picks on a GPU, needs neither)")
@@ -269,7 +281,8 @@ def gradient_comm_bytes(ds_config: dict, sp: int, bytes_grad: int) -> int:
 
 
 def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: int, hidden: int, partitions: int,
-                 tp: int, sp: int, tokens: int, bytes_model: int, bytes_grad: int, text: Any) -> list[dict[str, Any]]:
+                 tp: int, sp: int, tokens: int, bytes_model: int, bytes_grad: int, text: Any,
+                 tied_embedding: bool = False) -> list[dict[str, Any]]:
     """The collectives of one optimizer step on one rank, per group and kind: how many calls and the bytes of the
     full tensor of each kind summed (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor)."""
     micro = cfg.train.grad_accum_steps
@@ -303,6 +316,9 @@ def step_traffic(cfg: Any, params: list[PlannedParameter], zero: dict, layers: i
         activation = tokens * hidden * bytes_model
         add("tp", tp, "all_reduce", layers * rows_split * micro, layers * rows_split * activation * micro,
             "forward: outputs of the row-split linear layers")
+        if tied_embedding:  # DeepSpeed's VocabParallelEmbedding sums its shards' lookups (its backward sends nothing)
+            add("tp", tp, "all_reduce", micro, activation * micro,
+                "forward: the vocabulary-parallel embedding's output (the head is tied to it)")
         if cfg.model.gradient_checkpointing and rows_split > 1:
             # backward re-runs each layer's forward (models/build.py: torch's non-reentrant checkpoint), which stops
             # once it has recomputed the last tensor backward saves: the layer's last row-split output feeds only

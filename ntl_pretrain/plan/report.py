@@ -3,10 +3,13 @@ same world size that fit; as text or JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import re
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 from ..config import Config, ConfigError
 from ..trainer.preflight import preflight
@@ -18,11 +21,13 @@ SHOWN_LAYOUTS = 6  # the fitting layouts listed (least model parallelism first)
 
 
 def parse_bytes(text: str) -> int:
-    """`80GiB`, `141GB`, `81920MiB` or a number of bytes; ConfigError naming the value otherwise."""
+    """`80GiB`, `141GB`, `81920MiB` or a number of bytes, above 0; ConfigError naming the value otherwise."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not found or found.group(2).lower() not in UNITS:
-        raise ConfigError(f"--device-memory {text!r} is not a size; give e.g. 80GiB, 141GB or a number of bytes")
-    return int(float(found.group(1)) * UNITS[found.group(2).lower()])
+    size = int(float(found.group(1)) * UNITS[found.group(2).lower()]) if found and found.group(2).lower() in UNITS else 0
+    if size <= 0:  # '' and 0 too: no device holds nothing, and '' would silently plan without a verdict
+        raise ConfigError(f"--device-memory {text!r} is not a size; give a device's memory above 0, e.g. 80GiB, "
+                          f"141GB or a number of bytes")
+    return size
 
 
 def gib(size: float) -> str:
@@ -85,22 +90,31 @@ def plan_lines(plan: Plan) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """What is printed to stdout meanwhile (DeepSpeed's accelerator line, whose logger holds the process's stdout,
+    and any library's print) goes to stderr instead, so that `--plan --json`'s stdout is the JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.__stdout__.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run_plan(cfg: Config, world_size: int | None, device_memory: str | None, as_json: bool, on_cpu: bool) -> int:
     """Print the plan of `cfg` at `world_size` ranks; with `device_memory`, whether it fits and the layouts that
     do. Returns the exit status (0; 3 when a device memory is given and the configured layout does not fit)."""
     if not world_size:
         raise ConfigError("--plan needs --world-size N (the number of processes the run will have)")
-    memory = parse_bytes(device_memory) if device_memory else None
-    plan = make_plan(preflight(cfg, world_size, on_cpu, local_files_only=True), world_size, device_type_of_run())
-    fitting: list[Plan] = []
-    refused: list[str] = []
-    if memory is not None:
-        for candidate, why, (tp, sp) in candidate_layouts(cfg, world_size, on_cpu):
-            if candidate is None:
-                refused.append(f"tp {tp} x sp {sp}: {why}")
-            elif candidate.device_bytes <= memory:
-                fitting.append(candidate)
-        fitting.sort(key=lambda p: (p.tp_size * p.sp_size, p.device_bytes))
+    memory = parse_bytes(device_memory) if device_memory is not None else None
+    with stdout_to_stderr() if as_json else contextlib.nullcontext():
+        plan, fitting, refused = _plans(cfg, world_size, memory, on_cpu)
     fits = None if memory is None else plan.device_bytes <= memory
     if as_json:
         out: dict[str, Any] = {"plan": plan.to_dict()}
@@ -124,3 +138,19 @@ def run_plan(cfg: Config, world_size: int | None, device_memory: str | None, as_
                 print(f"no layout of {world_size} ranks fits {gib(memory)}: lower data.micro_batch_size or "
                       f"data.seq_len, set model.gradient_checkpointing=true or loss.chunk_tokens, or add ranks")
     return 0 if fits is not False else 3
+
+
+def _plans(cfg: Config, world_size: int, memory: int | None, on_cpu: bool) -> tuple[Plan, list[Plan], list[str]]:
+    """The configured layout's plan; with `memory`, the layouts of `world_size` that fit it (least model
+    parallelism first) and the trainer's refusals of the others."""
+    plan = make_plan(preflight(cfg, world_size, on_cpu, local_files_only=True), world_size, device_type_of_run())
+    fitting: list[Plan] = []
+    refused: list[str] = []
+    if memory is not None:
+        for candidate, why, (tp, sp) in candidate_layouts(cfg, world_size, on_cpu):
+            if candidate is None:
+                refused.append(f"tp {tp} x sp {sp}: {why}")
+            elif candidate.device_bytes <= memory:
+                fitting.append(candidate)
+        fitting.sort(key=lambda p: (p.tp_size * p.sp_size, p.device_bytes))
+    return plan, fitting, refused

@@ -21,7 +21,7 @@ from ..core.numbers import DigitsNotKeptError, NumberTokenError, NumberVocab, di
 from ..data import DataError, resolve_files
 from ..eval.config import validate_eval_inputs
 from ..models.build import check_sequence_length, load_model_config, max_positions
-from ..models.families import check_family
+from ..models.families import check_attention, check_family, check_tp_plan
 from ..models.loading import partitioned_load_applies
 from ..observability.trackers import check_tracker_libraries
 from ..parallel import distributed
@@ -226,6 +226,8 @@ def check_model_family(run: ResolvedRun, model_config: Any) -> None:
     partitioned = (model.name_or_path is not None and model.partitioned_load
                    and partitioned_load_applies(run.ds_config, tp_size))
     check_family(model_config, tp_size, partitioned)
+    check_tp_plan(model_config, tp_size, run.ds_config)
+    check_attention(model_config, model.attn_implementation)
 
 
 def output_problems(cfg: Config) -> str | None:

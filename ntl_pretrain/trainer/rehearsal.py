@@ -60,6 +60,7 @@ from ..data.stream import _MapSource
 from ..data.streamed import rank_share
 from ..eval.generate import _rank_and_size, prompt_share
 from ..loss import vocab_shard_of
+from ..models.families import accept_scaled_embeddings, add_tp_partition_config, family_of, supports_sdpa
 from ..models.loading.autotp import _tp_pieces
 from ..models.loading.zero3 import zero3_partition_numel, zero3_partition_range
 from ..parallel import distributed
@@ -245,8 +246,23 @@ def _engine_shell(ds_config: dict, mpu: Any) -> Any:
     return shell
 
 
+@contextlib.contextmanager
+def _autotp_training_mode() -> Iterator[None]:
+    """AutoTP in its training mode, as deepspeed.initialize sets it for a config with tensor_parallel.autotp_size
+    (the heuristic AutoTP of a model without a tp_plan, Falcon's, reads inference settings otherwise)."""
+    from deepspeed.module_inject import layers
+
+    before = layers.get_auto_tp_mode()
+    layers.set_autotp_mode(training=True)
+    try:
+        yield
+    finally:
+        layers.DEEPSPEED_AUTOTP_MODE = before
+
+
 def _meta_model(model_config: Any) -> torch.nn.Module:
-    """The run's model on the meta device (shapes only; sdpa attention, which Ulysses wraps)."""
+    """The run's model on the meta device (shapes only; sdpa attention, which Ulysses wraps, where the model has
+    one: Gemma2's eager)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -254,8 +270,8 @@ def _meta_model(model_config: Any) -> torch.nn.Module:
     except ImportError:
         from transformers.modeling_utils import no_init_weights
     with torch.device("meta"), no_init_weights():
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), attn_implementation="sdpa",
-                                                 dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa" if supports_sdpa(model_config) else "eager")
     model.tie_weights()  # a tied head is the embedding, as the trainer's builds and loads leave it
     return model
 
@@ -282,6 +298,10 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
                          f"folder with the model's config.json (tools/rehearse.py --model-config PATH)")
     cfg, ds_config, model_config = checked.run.cfg, checked.run.ds_config, checked.model_config
     tp, sp = cfg.parallel.tp_size, cfg.parallel.sp_size
+    if tp > 1:  # AutoTP gets the family's own layer specs and takes Gemma2's embedding, as build_model sets them
+        ds_config = copy.deepcopy(ds_config)
+        add_tp_partition_config(ds_config, family_of(model_config)[0])
+        accept_scaled_embeddings()
     dp = world_size // (tp * sp)
     focus = min(173, world_size - 1) if focus_rank is None else focus_rank
     if not 0 <= focus < world_size:
@@ -348,7 +368,8 @@ def rehearse(cfg: Config, world_size: int, local_world_size: int = 8, focus_rank
             if layout.rank in autotp_ranks:
                 autotp_started = time.perf_counter()
                 model = copy.deepcopy(reference)  # a fresh meta model (AutoTP replaces its layers in place)
-                shell._configure_tensor_parallel(model, shell.tensor_parallel_config())
+                with _autotp_training_mode():
+                    shell._configure_tensor_parallel(model, shell.tensor_parallel_config())
                 tp_rank = ds_groups.get_tensor_model_parallel_rank()
                 mine = {name: _tp_pieces(param, name, tp_rank) or [] for name, param in model.named_parameters()}
                 if set(mine) != set(shapes):  # every parameter is checked by its name in the unsliced model
@@ -624,12 +645,29 @@ def check_shares(rehearsal: Rehearsal) -> list[str]:
         problems.append(f"the rehearsal holds ranks {ranks[:5]}..., not 0..{world - 1}")
         return problems
     problems += _check_groups(rehearsal)
+    problems += _check_nodes(rehearsal)
     problems += _check_data(rehearsal)
     problems += _check_model(rehearsal)
     problems += _check_sequence(rehearsal)
     problems += _check_checkpoint(rehearsal)
     problems += _check_prompts(rehearsal)
     return problems
+
+
+def _check_nodes(rehearsal: Rehearsal) -> list[str]:
+    """Each tensor-parallel group within one node (nodes: consecutive blocks of local_world_size ranks, as the
+    launchers number them): AutoTP all-reduces several times a layer, which across nodes go over the network."""
+    lws = rehearsal.local_world_size
+    spanning = sorted({share.groups["tp"] for share in rehearsal.shares
+                       if len({rank // lws for rank in share.groups["tp"]}) > 1})
+    if not spanning:
+        return []
+    heads = (rehearsal.model["heads"], rehearsal.model["kv_heads"])
+    fits = [t for t in range(1, lws + 1) if lws % t == 0 and rehearsal.world_size % t == 0
+            and all(h % t == 0 for h in heads)]
+    return [f"{len(spanning)} tp group(s) span two nodes of {lws} processes (first: ranks {_ranks(spanning[0])}): "
+            f"AutoTP's per-layer all-reduces would cross the network; set parallel.tp_size to one of {fits} "
+            f"(dividing the processes per node)"]
 
 
 def _partition_problems(what: str, members: dict[int, tuple[int, ...]], world: int) -> list[str]:
@@ -778,6 +816,10 @@ def _check_model(rehearsal: Rehearsal) -> list[str]:
             continue
         for kind, total in (("attention", model["heads"]), ("key_value", model["kv_heads"])):
             pieces = [shares[r].heads[kind] for r in group if kind in shares[r].heads]
+            if not pieces:  # fused attention projections (Phi-3's qkv_proj, GPT-NeoX's query_key_value): not read
+                continue
+            if head_group == "tp" and all(piece == (0, total) for piece in pieces):
+                continue  # attention AutoTP leaves whole (the family's layer specs: Phi-3, OLMo2): every rank all heads
             if kind == "key_value" and replicated_kv:
                 covered = sorted(head for start, stop in pieces for head in range(start, stop))
                 tiled = covered == sorted(list(range(total)) * (len(group) // total))
