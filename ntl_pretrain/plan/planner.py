@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, ntl_settings
 from ..core.fs import local_or_hub
 from ..loss.chunked import resolve_chunk_backward
-from ..loss.ntl import NTLSettings
 from ..models.build import DTYPES, padded_vocab_size
 from ..trainer.preflight import Preflight
 from ..models.families import supports_sdpa
@@ -193,8 +192,7 @@ def make_plan(checked: Preflight, world_size: int, device_type: str = "cuda") ->
     split_attention = any(ATTENTION_NAME.search(p.name) for p in layer0)
     split_mlp = any(".mlp." in p.name and not EXPERTS_NAME.search(p.name) for p in layer0)
     loss = cfg.loss
-    settings = NTLSettings(variant=loss.variant, reweigh=loss.reweigh, squash_factor=loss.squash_factor,
-                           smoothing_sigma=loss.smoothing_sigma, float_level=loss.float_level)
+    settings = ntl_settings(loss)
     saved = traced_saved_bytes(sized, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
                                rows=rows, tokens=tokens, tp_size=tp, split_attention=split_attention,
                                split_mlp=split_mlp,
