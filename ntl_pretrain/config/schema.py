@@ -11,6 +11,7 @@ from ..core.lr_schedules import LR_SCHEDULES
 from ..core.options import merged_dataclass
 from ..core.options import option as _doc  # a field with its one-line doc (for `--help`)
 from ..eval.config import EvalConfig
+from ..loss.heads import LossHeadOptions
 from ..loss.variants import VARIANTS, VariantOptions
 
 # The allowed values of every choice key, in one place: loading refuses any other value, naming these.
@@ -18,7 +19,6 @@ DType = Literal["bf16", "fp16", "fp32"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
 NTLScheduleName = Literal["constant", "linear_warmup"]
 NTLVariantName = Literal[VARIANTS]  # the registered NTL variants (ntl_pretrain/loss/variants/)
-ChunkBackward = Literal["auto", "rows", "vocab_blocks"]  # ntl_pretrain.loss.chunked.CHUNK_BACKWARDS
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
 LRScheduleName = Literal[tuple(LR_SCHEDULES)]  # ntl_pretrain.core.lr_schedules.LR_SCHEDULES
@@ -223,20 +223,6 @@ class NTLChoice:
     reweigh: bool = _doc("scale NTL by the probability mass on number tokens", default=False)
 
 
-@dataclass
-class LossHeadKeys:
-    """The last keys of the loss section: how the LM head and the loss are computed."""
-
-    chunk_tokens: int = _doc("compute LM head + loss over chunks of this many tokens, never the full logits "
-                             "(docs/chunked.md; 0 = off)", default=0)
-    chunk_backward: ChunkBackward = _doc(
-        "gradient of the chunked head: rows (formed per chunk in forward) | vocab_blocks (logits recomputed per "
-        "vocabulary block in backward, DeepSpeed's fused-head scheme) | auto (vocab_blocks for chunks under 1024 "
-        "tokens on GPUs, 32 on CPU)", default="auto")
-    check_every_step: bool = _doc("debug: re-check labels and the vocabulary-shard layout on every micro-batch "
-                                  "(host syncs; normally checked once at start-up)", default=False)
-
-
 class LossSection:
     """The methods of `LossConfig`."""
 
@@ -248,8 +234,8 @@ class LossSection:
 
 
 # Cross-entropy plus the Number Token Loss: `NTLChoice`, every NTL variant's options (defined in its module,
-# ntl_pretrain/loss/variants/), then `LossHeadKeys`.
-LossConfig = merged_dataclass("LossConfig", (NTLChoice, VariantOptions, LossHeadKeys), bases=(LossSection,),
+# ntl_pretrain/loss/variants/), then the loss heads' keys (each head's own, ntl_pretrain/loss/heads.py).
+LossConfig = merged_dataclass("LossConfig", (NTLChoice, VariantOptions, LossHeadOptions), bases=(LossSection,),
                               module=__name__, doc="Cross-entropy plus the Number Token Loss.")
 
 

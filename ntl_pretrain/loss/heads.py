@@ -6,12 +6,13 @@ without knowing which it is. A new head is one entry, before `full` (which answe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from ..core.numbers import NumberVocab
-from .chunked import chunked_model_ce_ntl_sums
+from ..core.options import merged_dataclass, option
+from .chunked import CHUNK_BACKWARDS, chunked_model_ce_ntl_sums
 from .ntl import NTLSettings
 from .objective import ObjectiveSums, ce_ntl_sums
 from .shard import VocabShard
@@ -48,11 +49,27 @@ class FullLogitsHead:
         return "full logits"
 
 
+ChunkBackward = Literal[CHUNK_BACKWARDS]
+
+
+@dataclass(frozen=True)
+class ChunkedHeadOptions:
+    """The `loss` keys of the chunked head."""
+
+    chunk_tokens: int = option("compute LM head + loss over chunks of this many tokens, never the full logits "
+                               "(docs/chunked.md; 0 = off)", default=0)
+    chunk_backward: ChunkBackward = option(
+        "gradient of the chunked head: rows (formed per chunk in forward) | vocab_blocks (logits recomputed per "
+        "vocabulary block in backward, DeepSpeed's fused-head scheme) | auto (vocab_blocks for chunks under 1024 "
+        "tokens on GPUs, 32 on CPU)", default="auto")
+
+
 @dataclass(frozen=True)
 class ChunkedHead:
     """The model's forward with its LM head computing the loss over `chunk_tokens` rows at a time: the full logits
     never exist (docs/chunked.md)."""
 
+    Options = ChunkedHeadOptions  # its keys of the `loss` section (LossHeadOptions merges every head's)
     chunk_tokens: int  # rows of logits at a time
     backward: str  # the gradient algorithm (chunked.CHUNK_BACKWARDS)
 
@@ -79,6 +96,22 @@ LOSS_HEADS: dict[str, type] = {
     "chunked": ChunkedHead,
     "full": FullLogitsHead,
 }
+
+
+@dataclass(frozen=True)
+class InputCheckOptions:
+    """The `loss` key of every head: how often the labels and the vocabulary-shard layout are checked."""
+
+    check_every_step: bool = option("debug: re-check labels and the vocabulary-shard layout on every micro-batch "
+                                    "(host syncs; normally checked once at start-up)", default=False)
+
+
+# The heads' keys of the `loss` section: each head's own `Options` (in LOSS_HEADS' order), then the input checks
+# every head takes; config/schema.py's LossConfig composes them.
+LossHeadOptions = merged_dataclass(
+    "LossHeadOptions", [*(head.Options for head in LOSS_HEADS.values() if hasattr(head, "Options")),
+                        InputCheckOptions], module=__name__,
+    doc="The loss heads' keys of the `loss` section: each head's own options, then check_every_step.")
 
 
 def select_loss_head(loss: Any) -> LossHead:
