@@ -185,3 +185,23 @@ def test_an_option_defined_twice_otherwise_is_refused():
     assert [name for name, _, _ in merged_fields((First, Shared))] == ["depth", "width"]  # a shared class: one field
     with pytest.raises(ValueError, match="option 'depth' of .*Second is also .*First's, defined otherwise"):
         merged_fields((First, Second))
+
+
+def test_reweigh_with_a_variant_without_a_largest_loss_is_refused_when_built(monkeypatch):
+    """A variant that gives no `max_loss` (the reweigh penalty's base) and does not refuse reweigh in its `check`:
+    NTLSettings(reweigh=True) is refused in one line naming it, not by the first loss computed."""
+    import torch
+
+    from ntl_pretrain.loss.variants import REGISTRY
+    from ntl_pretrain.loss.variants.base import NTLVariant
+
+    class NoLargest(NTLVariant):
+        name = "no_largest"
+
+        def terms(self, inputs):
+            return torch.zeros(inputs.slot.shape), inputs.slot >= 0
+
+    monkeypatch.setitem(REGISTRY, "no_largest", NoLargest())
+    assert NTLSettings(variant="no_largest").reweigh is False
+    with pytest.raises(ValueError, match=r"^reweigh does not apply to variant 'no_largest' .*set reweigh=False$"):
+        NTLSettings(variant="no_largest", reweigh=True)

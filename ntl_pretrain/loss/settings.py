@@ -64,6 +64,9 @@ class NTLSettingsChecks:
                                  f"({OPTION_DEFAULTS[name]!r}) or choose variant {owners[0]!r}")
         variant.Options(**{name: getattr(self, name) for name in variant.option_names})  # checks them
         variant.check(self)
+        if self.reweigh and type(variant).max_loss is NTLVariant.max_loss:  # refused here, not at the first step
+            raise ValueError(f"reweigh does not apply to variant {variant.name!r} (it has no largest per-term loss); "
+                             f"set reweigh=False")
 
     @property
     def ntl_variant(self) -> NTLVariant:
