@@ -540,7 +540,7 @@ from ntl_pretrain import cli
 
 class StallingTrainer:  # the trainer's collectives, one rank stopped (SIGSTOP) past the collective timeout
     def __init__(self, cfg):
-        self.lock = SimpleNamespace(release=lambda: None)
+        self.parts = SimpleNamespace(lock=SimpleNamespace(release=lambda: None))  # the Trainer's parts.lock
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
 
     def fit(self):
