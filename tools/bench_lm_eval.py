@@ -77,16 +77,20 @@ def worker(kind: str, folder: str, repeat: int) -> None:
 
     settings = _settings()
     times = []
-    if kind == "hflm":
-        from lm_eval.models.huggingface import HFLM
 
-        lm = HFLM(pretrained=folder, batch_size=BATCH_SIZE, max_length=MAX_LENGTH, device="cpu")
+    def time_in_process(lm) -> float:
+        """Time lm-eval's `evaluate` with `lm` `repeat` times (into `times`); the perplexity it gave."""
         for _ in range(repeat):
             tasks = load_tasks(settings.settings_of(LM_EVAL))
             started = time.perf_counter()
             results = evaluate(lm=lm, task_dict=tasks, bootstrap_iters=0, log_samples=False)
             times.append(time.perf_counter() - started)
-        check = results["results"]["ntl_demo_text"]["word_perplexity,none"]
+        return results["results"]["ntl_demo_text"]["word_perplexity,none"]
+
+    if kind == "hflm":
+        from lm_eval.models.huggingface import HFLM
+
+        check = time_in_process(HFLM(pretrained=folder, batch_size=BATCH_SIZE, max_length=MAX_LENGTH, device="cpu"))
     elif kind == "sharded_1":
         from transformers import AutoModelForCausalLM
 
@@ -94,13 +98,7 @@ def worker(kind: str, folder: str, repeat: int) -> None:
         from ntl_pretrain.tokenizer.loading import load_tokenizer
 
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
-        lm = ShardedLM(model, load_tokenizer(folder), batch_size=BATCH_SIZE, max_length=MAX_LENGTH)
-        for _ in range(repeat):
-            tasks = load_tasks(settings.settings_of(LM_EVAL))
-            started = time.perf_counter()
-            results = evaluate(lm=lm, task_dict=tasks, bootstrap_iters=0, log_samples=False)
-            times.append(time.perf_counter() - started)
-        check = results["results"]["ntl_demo_text"]["word_perplexity,none"]
+        check = time_in_process(ShardedLM(model, load_tokenizer(folder), batch_size=BATCH_SIZE, max_length=MAX_LENGTH))
     else:
         import deepspeed
         import torch.distributed as dist
