@@ -43,6 +43,8 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from helpers.models import zero3_autotp_engine
+
     from ntl_pretrain.eval.generate import data_parallel_group, greedy_generate
     from ntl_pretrain.loss import vocab_shard_of
     from ntl_pretrain.eval.hooks import run_evaluation
@@ -50,10 +52,7 @@ def worker(model_dir: str, tp_size: int, out_dir: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaForCausalLM.from_pretrained(model_dir)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "tensor_parallel": {"autotp_size": tp_size, "vocab_parallel_lm_head": True},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = zero3_autotp_engine(model, tp_size)
     shard, dp_group = vocab_shard_of(engine), data_parallel_group(engine)
     rank = dist.get_rank()
     generation = greedy_generate(engine, tokenizer, PROMPTS, max_new_tokens=MAX_NEW, stop=STOP, batch_size=2)

@@ -87,3 +87,15 @@ def byte_level_bpe_tokenizer(vocab_size: int = 400):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(NUMBER_RICH_CORPUS, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+
+
+def zero3_autotp_engine(model, tp_size: int):
+    """`model` in a DeepSpeed ZeRO-3 engine with AutoTP at `tp_size` and the vocabulary-parallel head (the data-parallel
+    size is what the world leaves), as the evaluation workers run it; the engine."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "tensor_parallel": {"autotp_size": tp_size, "vocab_parallel_lm_head": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine

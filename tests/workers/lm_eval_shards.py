@@ -21,6 +21,8 @@ def main(model_dir: str, tp_size: int, out_dir: str) -> None:
     from lm_eval.evaluator import evaluate
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from helpers.models import zero3_autotp_engine
+
     from test_eval_lm_eval_model import BATCH_SIZE, LIMIT, MAX_LENGTH, eval_settings, request_results
     from ntl_pretrain.eval.benchmarks.lm_eval import LM_EVAL, load_tasks
     from ntl_pretrain.eval.generate import data_parallel_group
@@ -30,10 +32,7 @@ def main(model_dir: str, tp_size: int, out_dir: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaForCausalLM.from_pretrained(model_dir)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "tensor_parallel": {"autotp_size": tp_size, "vocab_parallel_lm_head": True},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = zero3_autotp_engine(model, tp_size)
     cfg = eval_settings()
     lm = ShardedLM(engine, tokenizer, batch_size=BATCH_SIZE, max_length=MAX_LENGTH)
     results = evaluate(lm=lm, task_dict=load_tasks(cfg.settings_of(LM_EVAL)), limit=LIMIT, bootstrap_iters=0,
